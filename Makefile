@@ -1,0 +1,36 @@
+# Every routine task, each one self-installing into .venv.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench serve install clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH" >&2; exit 2; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	mkdir -p /tmp/ray .ringwatch
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ringwatch demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check agents services api tests migrations bench
+	$(BIN)/mypy agents services api
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+serve: $(STAMP)
+	$(BIN)/ringwatch serve
+
+clean:
+	rm -rf $(VENV) .ringwatch

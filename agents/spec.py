@@ -1,0 +1,233 @@
+"""The vocabulary shared by every probe backend (nccl, gloo, sim) and the services.
+
+Plain dataclasses only: agents know nothing of the database or HTTP, and the
+scheduler ships these as JSON (``to_dict``) in the body of ``POST /v1/measurements``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol
+
+Scope = Literal["intra_node", "gpu_pair", "inter_node", "world"]
+SCOPES: tuple[str, ...] = ("intra_node", "gpu_pair", "inter_node", "world")
+OPS: tuple[str, ...] = ("allreduce", "alltoall", "allgather", "reducescatter", "sendrecv")
+BACKENDS: tuple[str, ...] = ("nccl", "gloo", "sim")
+FINDING_KINDS: tuple[str, ...] = (
+    "nvlink_degraded",
+    "nic_degraded",
+    "net_path_degraded",
+    "hang",
+    "data_corruption",
+    "topology_mismatch",
+    "rank_mapping",
+)
+# Finding kinds whose node a job should not use (DESIGN.md, "Verdict").
+EXCLUDING_KINDS = frozenset(
+    {"nvlink_degraded", "nic_degraded", "hang", "data_corruption", "topology_mismatch"}
+)
+
+_MEMBER = re.compile(r"^(?P<node>[^/\s]+)/(?P<local>\d+)$")
+
+
+def member(node: str, local_index: int) -> str:
+    """A rank's name in a group: ``NODE/LOCAL_INDEX``."""
+    return f"{node}/{local_index}"
+
+
+def split_member(name: str) -> tuple[str, int]:
+    """``"node-001/3"`` -> ``("node-001", 3)``; ValueError on anything else."""
+    m = _MEMBER.match(name)
+    if m is None:
+        raise ValueError(f"member {name!r} is not NODE/LOCAL_INDEX")
+    return m["node"], int(m["local"])
+
+
+def nodes_of(members: tuple[str, ...] | list[str]) -> list[str]:
+    """The distinct nodes of a member list, in first-seen order."""
+    seen: dict[str, None] = {}
+    for m in members:
+        seen.setdefault(split_member(m)[0], None)
+    return list(seen)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Identity of one probe rank: one GPU under nccl, one CPU slot under gloo."""
+
+    node: str
+    local_index: int
+    hostname: str
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+    gpu_name: str | None = None
+    # Free-form NVML facts (NVLink state, error counters, P2P row); empty without NVML.
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def member(self) -> str:
+        return member(self.node, self.local_index)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One probe group: these ranks form a process group and run these ops at these sizes."""
+
+    scope: str
+    members: tuple[str, ...]
+    ops: tuple[str, ...] = ("allreduce", "alltoall")
+    sizes: tuple[int, ...] = (1 << 20,)
+    dtype: str = "float32"
+    warmup: int = 5
+    iters: int = 20
+    # Wall-clock budget for the whole group (forming it, all ops, leaving it).
+    deadline_s: float = 60.0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Measurement:
+    """One timed collective, in nccl-tests' terms (DESIGN.md, "Probe output")."""
+
+    op: str
+    scope: str
+    members: list[str]
+    size_bytes: int
+    dtype: str
+    warmup: int
+    iters: int
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    wrong: int
+    time: datetime = field(default_factory=utcnow)
+    # Set by --repeats: min/median/max of time_us over repeats.
+    stats: dict[str, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["time"] = self.time.isoformat()
+        if d["stats"] is None:
+            del d["stats"]
+        return d
+
+
+@dataclass
+class Finding:
+    """Something wrong, named as precisely as the evidence allows (DESIGN.md, "Verdict")."""
+
+    kind: str
+    node: str | None = None
+    gpu: int | None = None
+    gpus: list[int] | None = None
+    nodes: list[str] | None = None
+    severity: str = "critical"
+    measured_gbs: float | None = None
+    expected_gbs: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind}
+        for key in ("node", "gpu", "gpus", "nodes", "measured_gbs", "expected_gbs"):
+            value = getattr(self, key)
+            if value is not None:
+                d[key] = round(value, 3) if isinstance(value, float) else value
+        d["severity"] = self.severity
+        d.update(self.detail)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        """Inverse of ``to_dict``: known keys to fields, the rest back into ``detail``."""
+        known = {"kind", "node", "gpu", "gpus", "nodes", "severity", "measured_gbs", "expected_gbs"}
+        fields_ = {k: v for k, v in d.items() if k in known}
+        detail = {k: v for k, v in d.items() if k not in known and k != "detail"}
+        detail.update(d.get("detail") or {})
+        return cls(**fields_, detail=detail)
+
+    @property
+    def blamed_nodes(self) -> list[str]:
+        """Nodes a job should avoid because of this finding (none for a path)."""
+        if self.kind in EXCLUDING_KINDS and self.node is not None:
+            return [self.node]
+        return []
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """A fault injected into a real backend for demos and tests (DESIGN.md, "Injected faults").
+
+    ``slow``: the rank delays itself so its groups run at about ``factor`` of their
+    bandwidth. ``hang``: the rank never enters the collective. ``corrupt``: the rank
+    perturbs its result so the correctness check fails.
+    """
+
+    kind: str
+    node: str
+    gpu: int = 0
+    factor: float = 1.0
+
+    KINDS = ("slow", "hang", "corrupt")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InjectedFault:
+        kind = d.get("kind")
+        if kind not in cls.KINDS:
+            raise ValueError(f"injected fault kind must be one of {', '.join(cls.KINDS)}, got {kind!r}")
+        if not isinstance(d.get("node"), str):
+            raise ValueError("injected fault needs a \"node\"")
+        factor = float(d.get("factor", 0.5 if kind == "slow" else 1.0))
+        if kind == "slow" and not 0.0 < factor < 1.0:
+            raise ValueError(f"slow factor must lie in (0, 1), got {factor}")
+        return cls(kind=kind, node=d["node"], gpu=int(d.get("gpu", 0)), factor=factor)
+
+    @property
+    def member(self) -> str:
+        return member(self.node, self.gpu)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "node": self.node, "gpu": self.gpu, "factor": self.factor}
+
+
+@dataclass
+class RoundResult:
+    """What one round of groups produced."""
+
+    measurements: list[Measurement] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    # Modeled or measured fabric time: the slowest group of the round, in seconds.
+    fabric_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+
+class ProbeBackend(Protocol):
+    """What the scheduler and preflight need from a backend: nccl, gloo and sim alike."""
+
+    name: str
+
+    def ranks(self) -> list[RankInfo]:
+        """Every rank this backend can probe, with its identity."""
+        ...
+
+    def run_round(self, groups: list[GroupSpec]) -> RoundResult:
+        """Run disjoint groups concurrently; never raises for a sick rank (a hang is a finding)."""
+        ...
+
+    def close(self) -> None:
+        ...

@@ -1,0 +1,1 @@
+"""The HTTP face of ringwatch: thin FastAPI routers over the services."""

@@ -1,0 +1,74 @@
+"""The FastAPI application: routers, error mapping, and start-up wiring.
+
+Endpoints are plain ``def`` functions: the database layer is synchronous
+SQLAlchemy, and FastAPI runs sync endpoints in its thread pool, which is what
+keeps a slow query from blocking the event loop.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.routers import fleet, measurements, meta, preflight, tokens, webhooks
+from api.schemas import ErrorOut
+from services.config import Settings
+from services.errors import RingwatchError
+from services.store import db
+from services.store import tokens as token_store
+
+ERROR_RESPONSES = {code: {"model": ErrorOut} for code in (401, 403, 404, 422)}
+
+
+def create_app(settings: Settings, session_factory: sessionmaker[Session] | None = None) -> FastAPI:
+    app = FastAPI(title="ringwatch", version="0.1.0", responses=ERROR_RESPONSES,
+                  description="Health of the communication fabric of GPU training clusters.")
+    if session_factory is None:
+        session_factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
+    app.state.settings = settings
+    app.state.session_factory = session_factory
+    _bootstrap_admin(settings, session_factory)
+    for r in (meta.router, measurements.router, fleet.router, preflight.router,
+              webhooks.router, tokens.router):
+        app.include_router(r)
+    _install_error_handlers(app)
+    return app
+
+
+def _bootstrap_admin(settings: Settings, factory: sessionmaker[Session]) -> None:
+    """Store the configured bootstrap admin token once, so a new install can be administered."""
+    if not settings.bootstrap_admin_token:
+        return
+    with db.transaction(factory) as s:
+        if token_store.role_of(s, settings.bootstrap_admin_token) is None:
+            token_store.create_token(s, "admin", "bootstrap", settings.bootstrap_admin_token)
+
+
+def _error(status: int, code: str, message: str, detail: list | None = None) -> JSONResponse:
+    body = {"error": code, "message": message}
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse(status_code=status, content=body)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RingwatchError)
+    async def ringwatch_error(_: Request, exc: RingwatchError) -> JSONResponse:
+        return _error(exc.status_code, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid")
+        detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+                  for e in errors[:50]]
+        return _error(422, "invalid_input", message, detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, "http_error", str(exc.detail))

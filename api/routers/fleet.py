@@ -1,0 +1,59 @@
+"""Reading the fleet: nodes, links, series, findings and the summary."""
+
+from datetime import datetime
+from typing import Literal
+
+from fastapi import APIRouter, Query
+
+from api.deps import ReaderDep, SessionDep
+from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
+from services.analyzer import fleet
+
+router = APIRouter(prefix="/v1", tags=["fleet"])
+
+
+@router.get("/nodes", response_model=list[NodeOut])
+def get_nodes(session: SessionDep, _: ReaderDep) -> list[dict]:
+    """Every node ringwatch has seen, with its ranks (GPUs)."""
+    return fleet.nodes(session)
+
+
+@router.get("/links", response_model=list[LinkOut])
+def get_links(
+    session: SessionDep,
+    _: ReaderDep,
+    status: Literal["ok", "degraded"] | None = None,
+    scope: Literal["intra_node", "gpu_pair", "inter_node", "world"] | None = None,
+    node: str | None = None,
+) -> list[dict]:
+    """Current health of every probed link or group, filtered by status, scope or node."""
+    return fleet.links(session, status=status, scope=scope, node=node)
+
+
+@router.get("/series", response_model=SeriesOut)
+def get_series(
+    session: SessionDep,
+    _: ReaderDep,
+    members: str = Query(description="the group's members, comma-separated NODE/INDEX"),
+    op: str | None = None,
+    size_bytes: int | None = Query(default=None, gt=0),
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = Query(default=10_000, gt=0, le=100_000),
+) -> dict:
+    """The time series of one link or group: busbw, algbw and time per probe."""
+    return fleet.series(session, members.split(","), op=op, size_bytes=size_bytes,
+                        since=since, until=until, limit=limit)
+
+
+@router.get("/health", response_model=HealthOut)
+def get_health(session: SessionDep, _: ReaderDep) -> dict:
+    """Fleet summary: links by status and open findings."""
+    return fleet.summary(session)
+
+
+@router.get("/findings")
+def get_findings(session: SessionDep, _: ReaderDep,
+                 status: Literal["open", "resolved"] | None = None) -> list[dict]:
+    """Findings (incidents), newest first."""
+    return fleet.findings(session, status=status)

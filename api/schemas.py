@@ -1,0 +1,193 @@
+"""Request and response bodies: validation lives here, so bad input is a 422 with a reason."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+
+from agents.spec import split_member
+
+Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
+ScopeT = Literal["intra_node", "gpu_pair", "inter_node", "world"]
+BackendT = Literal["nccl", "gloo", "sim"]
+Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang"]
+NodeName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^/\s,]+$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MeasurementIn(Strict):
+    op: Op
+    scope: ScopeT
+    members: list[str] = Field(min_length=1, max_length=65536)
+    size_bytes: int = Field(gt=0, le=1 << 40)
+    dtype: str = Field(default="float32", max_length=16)
+    warmup: int = Field(default=0, ge=0)
+    iters: int = Field(ge=1)
+    time_us: float = Field(gt=0)
+    algbw_gbs: float = Field(ge=0)
+    busbw_gbs: float = Field(ge=0)
+    wrong: int = Field(default=0, ge=0)
+    time: datetime
+    stats: dict[str, float] | None = None
+
+    @field_validator("members")
+    @classmethod
+    def members_are_ranks(cls, v: list[str]) -> list[str]:
+        for m in v:
+            split_member(m)  # ValueError -> 422 naming the bad member
+        if len(set(v)) != len(v):
+            raise ValueError("members repeat a rank")
+        return v
+
+    @field_validator("time")
+    @classmethod
+    def time_has_zone(cls, v: datetime) -> datetime:
+        if v.tzinfo is None:
+            raise ValueError("time needs a UTC offset (ISO 8601, e.g. 2026-01-01T00:00:00Z)")
+        return v
+
+
+class RankIn(BaseModel):
+    node: NodeName
+    local_index: int = Field(ge=0)
+    hostname: str = ""
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
+    numa_node: int | None = None
+    gpu_name: str | None = None
+    telemetry: dict[str, Any] = Field(default_factory=dict)
+
+
+class FindingIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
+                  "data_corruption", "topology_mismatch", "rank_mapping"]
+    node: NodeName | None = None
+
+
+class MeasurementBatch(Strict):
+    batch_id: str = Field(min_length=1, max_length=128)
+    backend: BackendT
+    measurements: list[MeasurementIn] = Field(max_length=100_000)
+    ranks: list[RankIn] = Field(default_factory=list)
+    findings: list[FindingIn] = Field(default_factory=list)
+    # Accepted for symmetry with `ringwatch probe --json`; not stored.
+    injected: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class IngestOut(BaseModel):
+    batch_id: str
+    created: bool
+    run_id: int
+    stored: int
+    degraded: list[dict[str, Any]]
+    recovered: list[dict[str, Any]]
+    probe_findings: list[dict[str, Any]]
+
+
+class GpuOut(BaseModel):
+    local_index: int
+    uuid: str | None
+    pci_bus_id: str | None
+    numa_node: int | None
+    name: str | None
+
+
+class NodeOut(BaseModel):
+    name: str
+    hostname: str | None
+    backend: str | None
+    last_seen_at: datetime
+    gpus: list[GpuOut]
+
+
+class LinkOut(BaseModel):
+    scope: str
+    op: str
+    members: list[str]
+    nodes: list[str]
+    status: str
+    size_bytes: int
+    busbw_gbs: float
+    expected_gbs: float | None
+    ratio: float | None
+    updated_at: datetime
+    changed_at: datetime
+
+
+class SeriesPoint(BaseModel):
+    time: datetime
+    op: str
+    size_bytes: int
+    dtype: str
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    wrong: int
+
+
+class SeriesOut(BaseModel):
+    members: list[str]
+    points: list[SeriesPoint]
+
+
+class HealthOut(BaseModel):
+    status: Literal["healthy", "degraded", "unknown"]
+    nodes: int
+    links: dict[str, int]
+    open_findings: int
+
+
+class PreflightIn(Strict):
+    nodes: list[NodeName] = Field(min_length=1, max_length=100_000)
+    max_age_s: float = Field(default=900.0, gt=0)
+
+
+class WebhookIn(Strict):
+    url: AnyHttpUrl
+    secret: str = Field(min_length=8, max_length=512)
+    events: list[Event] = Field(min_length=1)
+    format: Literal["json", "slack"] = "json"
+
+
+class WebhookOut(BaseModel):
+    id: int
+    url: str
+    events: list[str]
+    format: str
+    active: bool
+    created_at: datetime
+
+
+class DeliveryOut(BaseModel):
+    delivery_id: str
+    event: str
+    event_id: int
+    status: str
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    created_at: datetime
+    delivered_at: datetime | None
+
+
+class TokenIn(Strict):
+    role: Literal["agent", "reader", "admin"]
+    name: str = Field(default="", max_length=128)
+
+
+class TokenOut(BaseModel):
+    role: str
+    name: str
+    token: str
+
+
+class ErrorOut(BaseModel):
+    error: str
+    message: str
+    detail: list[dict[str, Any]] | None = None

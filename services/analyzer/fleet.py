@@ -1,0 +1,78 @@
+"""Read models of the fleet for the API: plain dicts, shaped once here."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from agents.spec import split_member
+from services.errors import BadInput, NodeNotFound
+from services.store import health as health_store
+from services.store import measurements as store
+
+
+def nodes(session: Session) -> list[dict[str, Any]]:
+    return [
+        {"name": n.name, "hostname": n.hostname, "backend": n.backend,
+         "last_seen_at": n.last_seen_at,
+         "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                   "numa_node": g.numa_node, "name": g.name} for g in gpus]}
+        for n, gpus in store.list_nodes(session)
+    ]
+
+
+def require_nodes(session: Session, names: list[str]) -> None:
+    unknown = sorted(set(names) - store.known_nodes(session, names))
+    if unknown:
+        raise NodeNotFound(f"unknown node(s): {', '.join(unknown[:20])}")
+
+
+def links(session: Session, *, status: str | None, scope: str | None, node: str | None) -> list[dict[str, Any]]:
+    if node:
+        require_nodes(session, [node])
+    return [
+        {c: getattr(link, c) for c in ("scope", "op", "members", "nodes", "status", "size_bytes",
+                                        "busbw_gbs", "expected_gbs", "ratio", "updated_at",
+                                        "changed_at")}
+        for link in health_store.list_links(session, status=status, scope=scope, node=node)
+    ]
+
+
+def series(session: Session, members: list[str], *, op: str | None, size_bytes: int | None,
+           since: datetime | None, until: datetime | None, limit: int) -> dict[str, Any]:
+    try:
+        node_names = sorted({split_member(m.strip())[0] for m in members})
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
+    require_nodes(session, node_names)
+    key = store.group_key([m.strip() for m in members])
+    points = [
+        {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
+         "time_us": m.time_us, "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
+        for m in store.stream_series(session, key, op=op, size_bytes=size_bytes, since=since,
+                                     until=until, limit=limit)
+    ]
+    return {"members": key.split(","), "points": points}
+
+
+def summary(session: Session) -> dict[str, Any]:
+    counts = health_store.health_counts(session)
+    open_findings = health_store.open_findings_count(session)
+    if not counts and not open_findings:
+        status = "unknown"
+    elif counts.get("degraded") or open_findings:
+        status = "degraded"
+    else:
+        status = "healthy"
+    return {"status": status, "nodes": len(store.list_nodes(session)), "links": counts,
+            "open_findings": open_findings}
+
+
+def findings(session: Session, *, status: str | None) -> list[dict[str, Any]]:
+    return [
+        {"id": f.id, "kind": f.kind, "status": f.status, "severity": f.severity, "nodes": f.nodes,
+         "op": f.op, "detail": f.detail, "opened_at": f.opened_at, "resolved_at": f.resolved_at}
+        for f in health_store.list_findings(session, status=status)
+    ]

@@ -1,0 +1,174 @@
+"""Turn an ingested round into link health: degrade, recover, open and resolve findings.
+
+Every health change and its outbox event are written in the caller's transaction,
+so an event exists exactly when the change it announces does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from agents.spec import Measurement as ProbeMeasurement
+from services.analyzer.assess import Assessment, Thresholds, assess
+from services.store import health as store
+from services.store.models import Measurement as MeasurementRow
+
+# A degraded link of this scope becomes a finding of this kind; a world group has no
+# single link to blame, its health is kept but it opens no finding by itself.
+KIND_BY_SCOPE = {
+    "intra_node": "nvlink_degraded",
+    "gpu_pair": "nvlink_degraded",
+    "inter_node": "net_path_degraded",
+}
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    """k consecutive bad rounds before degraded, m good ones before recovered."""
+
+    bad_to_degrade: int = 1
+    good_to_recover: int = 1
+
+
+@dataclass
+class HealthChanges:
+    degraded: list[dict[str, Any]] = field(default_factory=list)
+    recovered: list[dict[str, Any]] = field(default_factory=list)
+    probe_findings: list[dict[str, Any]] = field(default_factory=list)
+
+
+def to_probe_measurement(row: MeasurementRow) -> ProbeMeasurement:
+    return ProbeMeasurement(
+        op=row.op, scope=row.scope, members=list(row.members), size_bytes=row.size_bytes,
+        dtype=row.dtype, warmup=row.warmup, iters=row.iters, time_us=row.time_us,
+        algbw_gbs=row.algbw_gbs, busbw_gbs=row.busbw_gbs, wrong=row.wrong, time=row.time,
+    )
+
+
+def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assessment]:
+    """Bandwidth health is judged at each link's largest probed size (small ones are latency)."""
+    best: dict[tuple[str, str], Assessment] = {}
+    for a in assessments:
+        m = a.measurement
+        key = (",".join(sorted(m.members)), m.op)
+        if key not in best or m.size_bytes > best[key].measurement.size_bytes:
+            best[key] = a
+    return best
+
+
+def finding_payload(kind: str, a: Assessment, severity: str) -> dict[str, Any]:
+    m = a.measurement
+    nodes = sorted({x.split("/")[0] for x in m.members})
+    payload: dict[str, Any] = {"kind": kind, "scope": m.scope, "op": m.op, "members": list(m.members),
+                               "measured_gbs": round(m.busbw_gbs, 3), "severity": severity}
+    if a.expected_gbs is not None:
+        payload["expected_gbs"] = round(a.expected_gbs, 3)
+    if kind == "net_path_degraded":
+        payload["nodes"] = nodes
+    else:
+        payload["node"] = nodes[0]
+    if m.scope == "gpu_pair":
+        payload["gpus"] = sorted(int(x.split("/")[1]) for x in m.members)
+    return payload
+
+
+def _severity(a: Assessment, t: Thresholds) -> str:
+    return "critical" if a.ratio is not None and a.ratio < t.critical_ratio else "warning"
+
+
+def apply_round(
+    session: Session,
+    rows: list[MeasurementRow],
+    probe_findings: list[dict[str, Any]],
+    *,
+    at: datetime,
+    thresholds: Thresholds | None = None,
+    hysteresis: Hysteresis | None = None,
+    api_url: str = "",
+) -> HealthChanges:
+    t = thresholds or Thresholds()
+    h = hysteresis or Hysteresis()
+    changes = HealthChanges()
+    latest = _largest_size(assess([to_probe_measurement(r) for r in rows], thresholds=t))
+    links = store.get_links(session, list(latest))
+    for key, a in sorted(latest.items()):
+        link = links.get(key) or _new_link(session, key, a)
+        previous = _update_link(link, a, at, h)
+        kind = KIND_BY_SCOPE.get(link.scope)
+        if kind is None or link.status == previous:
+            continue
+        if link.status == "degraded":
+            payload = finding_payload(kind, a, _severity(a, t))
+            finding = store.open_finding(session, kind=kind, group_key=link.group_key, op=link.op,
+                                         nodes=list(link.nodes), severity=payload["severity"],
+                                         detail=payload)
+            _event(session, "health.degraded", finding.id, payload, link, api_url)
+            changes.degraded.append(payload)
+        else:
+            open_ = store.open_finding_for(session, link.group_key, link.op)
+            payload = dict(open_.detail) if open_ else finding_payload(kind, a, "info")
+            payload["measured_gbs"] = round(a.measurement.busbw_gbs, 3)
+            if open_ is not None:
+                store.resolve_finding(session, open_, at)
+            _event(session, "health.recovered", open_.id if open_ else None, payload, link, api_url)
+            changes.recovered.append(payload)
+    for pf in probe_findings:
+        changes.probe_findings.append(_record_probe_finding(session, pf, api_url))
+    return changes
+
+
+def _new_link(session: Session, key: tuple[str, str], a: Assessment):
+    m = a.measurement
+    return store.add_link(
+        session, group_key=key[0], op=key[1], scope=m.scope, members=sorted(m.members),
+        nodes=sorted({x.split("/")[0] for x in m.members}), status="ok", size_bytes=m.size_bytes,
+        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0,
+    )
+
+
+def _update_link(link, a: Assessment, at: datetime, h: Hysteresis) -> str:
+    """Fold one assessment into the link; return its status before."""
+    link.size_bytes = a.measurement.size_bytes
+    link.busbw_gbs = a.measurement.busbw_gbs
+    link.expected_gbs = a.expected_gbs
+    link.ratio = a.ratio
+    link.updated_at = at
+    link.bad_streak = (link.bad_streak or 0) + 1 if a.bad else 0
+    link.good_streak = 0 if a.bad else (link.good_streak or 0) + 1
+    previous = link.status
+    if link.status != "degraded" and link.bad_streak >= h.bad_to_degrade:
+        link.status = "degraded"
+    elif link.status == "degraded" and link.good_streak >= h.good_to_recover:
+        link.status = "ok"
+    if link.status != previous:
+        link.changed_at = at
+    return previous
+
+
+def _event(session: Session, event_type: str, finding_id: int | None, finding: dict[str, Any],
+           link, api_url: str) -> None:
+    store.enqueue_event(session, event_type, {
+        "finding": finding,
+        "finding_id": finding_id,
+        "group_key": link.group_key,
+        "nodes": list(link.nodes),
+        "links": [{"scope": link.scope, "members": list(link.members), "op": link.op}],
+        "url": f"{api_url}/v1/links?node={link.nodes[0]}" if link.nodes else f"{api_url}/v1/links",
+    })
+
+
+def _record_probe_finding(session: Session, pf: dict[str, Any], api_url: str) -> dict[str, Any]:
+    """A hang or wrong data seen by the probes themselves: always an incident and an event."""
+    nodes = sorted({pf["node"]} if pf.get("node") else set(pf.get("nodes") or []))
+    finding = store.open_finding(session, kind=pf["kind"], group_key=None, op=None, nodes=nodes,
+                                 severity=pf.get("severity", "critical"), detail=pf)
+    event = "probe.hang" if pf["kind"] == "hang" else "health.degraded"
+    store.enqueue_event(session, event, {
+        "finding": pf, "finding_id": finding.id, "nodes": nodes, "links": [],
+        "url": f"{api_url}/v1/findings/{finding.id}",
+    })
+    return pf

@@ -1,0 +1,61 @@
+"""Ingest one batch of probe results: store it once, then update health from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from agents.spec import nodes_of, utcnow
+from services.analyzer.assess import Thresholds
+from services.analyzer.health import HealthChanges, Hysteresis, apply_round
+from services.store import measurements as store
+
+
+@dataclass
+class IngestResult:
+    batch_id: str
+    created: bool
+    run_id: int
+    stored: int
+    changes: HealthChanges = field(default_factory=HealthChanges)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_id": self.batch_id, "created": self.created, "run_id": self.run_id,
+            "stored": self.stored, "degraded": self.changes.degraded,
+            "recovered": self.changes.recovered, "probe_findings": self.changes.probe_findings,
+        }
+
+
+def ingest_batch(
+    session: Session,
+    *,
+    batch_id: str,
+    backend: str,
+    measurements: list[dict[str, Any]],
+    ranks: list[dict[str, Any]] | None = None,
+    findings: list[dict[str, Any]] | None = None,
+    thresholds: Thresholds | None = None,
+    hysteresis: Hysteresis | None = None,
+    api_url: str = "",
+) -> IngestResult:
+    """Store a batch exactly once (by ``batch_id``) and apply it to link health."""
+    run = store.claim_batch(session, batch_id, backend)
+    if run is None:
+        previous = store.find_run(session, batch_id)
+        assert previous is not None
+        return IngestResult(batch_id, False, previous.id, previous.measurement_count)
+    rows = [{**m, "nodes": nodes_of(m["members"])} for m in measurements]
+    seen_at = max((m["time"] for m in rows), default=utcnow())
+    node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in ranks or []}
+    node_names |= {f["node"] for f in findings or [] if f.get("node")}
+    store.upsert_nodes(session, sorted(node_names), backend, seen_at)
+    store.upsert_ranks(session, ranks or [])
+    objs = store.add_measurements(session, run, rows)
+    run.findings = list(findings or [])
+    changes = apply_round(session, objs, list(findings or []), at=seen_at,
+                          thresholds=thresholds, hysteresis=hysteresis, api_url=api_url)
+    return IngestResult(batch_id, True, run.id, len(objs), changes)
+

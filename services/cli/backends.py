@@ -1,0 +1,76 @@
+"""Build the probe backend a command asked for: --address, --local or --fabric."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from agents.spec import InjectedFault, ProbeBackend
+from services.cli.errors import CliError
+from services.config import get_settings
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--address", help="join this Ray cluster (nodes named by hostname)")
+    where.add_argument("--local", type=int, metavar="N",
+                       help="start a local Ray cluster of N logical nodes node-000...")
+    where.add_argument("--fabric", type=Path, metavar="FILE", help="the sim backend on this scenario")
+    p.add_argument("--gpus-per-node", type=int, default=2, metavar="G", help="ranks per node (default 2)")
+    p.add_argument("--backend", choices=("nccl", "gloo", "sim"),
+                   help="collective backend: nccl where GPUs are, gloo otherwise, sim with --fabric")
+    p.add_argument("--inject", action="append", default=[], metavar="JSON",
+                   help='inject a fault, e.g. \'{"kind": "slow", "node": "node-001", "gpu": 0, "factor": 0.5}\'')
+
+
+def parse_injected(raw: list[str]) -> list[InjectedFault]:
+    faults = []
+    for text in raw:
+        try:
+            faults.append(InjectedFault.from_dict(json.loads(text)))
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            raise CliError(f"--inject {text!r}: {exc}") from exc
+    return faults
+
+
+def has_backend(args: argparse.Namespace) -> bool:
+    return bool(args.address or args.local or args.fabric)
+
+
+def default_backend(args: argparse.Namespace) -> str:
+    if args.backend:
+        return args.backend
+    if args.fabric:
+        return "sim"
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> ProbeBackend:
+    name = default_backend(args)
+    injected = parse_injected(args.inject)
+    if args.fabric or name == "sim":
+        if not args.fabric:
+            raise CliError("--backend sim needs --fabric FILE")
+        if name != "sim":
+            raise CliError(f"--fabric runs the sim backend, not {name}")
+        from agents.sim import SimBackend
+
+        try:
+            return SimBackend.from_file(args.fabric)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"--fabric {args.fabric}: {exc}") from exc
+    if args.local is not None and args.local < 1:
+        raise CliError("--local needs at least 1 node")
+    if args.gpus_per_node < 1:
+        raise CliError("--gpus-per-node needs at least 1")
+    if not (args.local or args.address):
+        raise CliError("say where to probe: --address ADDR, --local N or --fabric FILE")
+    from services.scheduler.ray_backend import RayBackend
+
+    return RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
+                      address=args.address, injected=injected,
+                      temp_dir=get_settings().state_dir / "ray", progress=progress)

@@ -1,0 +1,215 @@
+"""The ``ringwatch`` subcommands. Each returns the process exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from contextlib import closing
+from typing import Any
+
+import httpx
+
+from services.cli.backends import has_backend, make_backend
+from services.cli.errors import CliError
+from services.config import get_settings
+
+
+def progress(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _probe_options(args: argparse.Namespace):
+    from services.scheduler.cycle import ProbeOptions
+
+    ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    from agents.spec import OPS
+
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise CliError(f"unknown op(s) {', '.join(bad)}; choose from {', '.join(OPS)}")
+    if args.iters < 1 or args.warmup < 0:
+        raise CliError("--iters must be >= 1 and --warmup >= 0")
+    sizes = args.sizes or _preset_sizes(args)
+    return ProbeOptions(ops=ops, sizes=sizes, dtype=args.dtype, warmup=args.warmup, iters=args.iters)
+
+
+def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...]:
+    if not args.preset:
+        return (1 << 20,)
+    from agents import collectives
+
+    return tuple(collectives.preset_sizes(args.preset, args.backend or "gloo"))
+
+
+# -- database and tokens ----------------------------------------------------------------
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from services.store import db
+
+    url = db.resolve_database_url(get_settings())
+    db.upgrade(url)
+    print("database at head")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from services.store import db, tokens
+
+    settings = get_settings()
+    factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
+    with db.transaction(factory) as s:
+        token = tokens.create_token(s, args.role, args.name)
+    print(f"created {args.role} token: {token}")
+    return 0
+
+
+# -- long-running processes -------------------------------------------------------------
+
+
+def _notifier(settings):
+    from services.notifier.loop import Notifier, RetryPolicy
+    from services.store import db
+
+    factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
+    return Notifier(factory, timeout_s=settings.webhook_timeout_s,
+                    policy=RetryPolicy(max_age_s=settings.webhook_max_age_s))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = get_settings()
+    settings.check_secrets()
+    app = create_app(settings)
+    stop = threading.Event()
+    if not args.no_notifier:
+        notifier = _notifier(settings)
+        threading.Thread(target=notifier.run_forever, args=(settings.notifier_poll_s, stop),
+                         daemon=True, name="notifier").start()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        stop.set()
+    return 0
+
+
+def cmd_notifier(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    stop = threading.Event()
+    _notifier(settings).run_forever(settings.notifier_poll_s, stop)
+    return 0
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.scheduler.cycle import run_scheduler
+    from services.scheduler.shipper import Shipper
+
+    settings = get_settings()
+    options = _probe_options(args)
+    if not settings.token:
+        raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
+    shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
+    with closing(make_backend(args, progress)) as backend:
+        run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
+                      once=args.once, progress=progress)
+    return 0
+
+
+# -- one-shot probes and checks ---------------------------------------------------------
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from services.scheduler.cycle import run_cycle
+    from services.scheduler.probe_table import format_table
+
+    options = _probe_options(args)
+    with closing(make_backend(args, progress)) as backend:
+        cycle = run_cycle(backend, options, progress=progress)
+    if args.json:
+        _print_json({"backend": cycle.backend,
+                     "measurements": [m.to_dict() for m in cycle.measurements],
+                     "findings": [f.to_dict() for f in cycle.findings],
+                     "injected": cycle.injected})
+    else:
+        print(format_table(cycle.measurements))
+        for f in cycle.findings:
+            print(f"FINDING {json.dumps(f.to_dict())}")
+    return 1 if cycle.findings else 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
+    if args.nodes is not None and not nodes:
+        raise CliError("--nodes is empty")
+    if has_backend(args):
+        from services.scheduler.preflight import run_preflight
+
+        started = time.monotonic()
+        with closing(make_backend(args, progress)) as backend:
+            known = {r.node for r in backend.ranks()}
+            unknown = sorted(set(nodes or []) - known)
+            if unknown:
+                raise CliError(f"unknown node(s): {', '.join(unknown)}")
+            verdict = run_preflight(backend, nodes, progress=progress)
+        verdict.setdefault("wall_s", round(time.monotonic() - started, 3))
+    else:
+        if not nodes:
+            raise CliError("name the job's nodes with --nodes, or probe with --local/--address/--fabric")
+        verdict = _api_preflight(nodes, args.max_age)
+    _print_verdict(verdict, args.json)
+    return 0 if verdict["healthy"] else 1
+
+
+def _api_preflight(nodes: list[str], max_age: float) -> dict[str, Any]:
+    settings = get_settings()
+    try:
+        resp = httpx.post(f"{settings.api_url}/v1/preflight", json={"nodes": nodes, "max_age_s": max_age},
+                          headers={"Authorization": f"Bearer {settings.token}"}, timeout=60)
+    except httpx.HTTPError as exc:
+        raise CliError(f"API at {settings.api_url} unreachable: {exc}") from exc
+    if resp.status_code != 200:
+        try:
+            message = resp.json().get("message", resp.text)
+        except ValueError:
+            message = resp.text
+        raise CliError(f"API answered {resp.status_code}: {message}")
+    return resp.json()
+
+
+def _print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(verdict)
+        return
+    state = "HEALTHY" if verdict["healthy"] else "UNHEALTHY"
+    print(f"{state}: {verdict['nodes_checked']} node(s) checked on {verdict['backend']}, "
+          f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing")
+    if verdict.get("exclude"):
+        print(f"exclude: {', '.join(verdict['exclude'])}")
+    for f in verdict.get("findings", []):
+        where = f.get("node") or ",".join(f.get("nodes") or [])
+        gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
+        bw = (f" {f['measured_gbs']} GB/s vs {f['expected_gbs']} expected"
+              if f.get("expected_gbs") is not None and f.get("measured_gbs") is not None else "")
+        print(f"  {f['kind']:<18} {where}{gpus}{bw} [{f.get('severity', '')}]")
+    if verdict.get("unprobed"):
+        print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
+
+
+def cmd_check_rankmap(args: argparse.Namespace) -> int:
+    raise CliError("check-rankmap is not available in this build yet")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from services.cli.demo import run_demo
+
+    return run_demo(args)

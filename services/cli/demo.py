@@ -1,0 +1,187 @@
+"""``ringwatch demo``: the whole path on one machine, every part real.
+
+Embedded Postgres, the API and notifier as a real server process, a webhook
+receiver, a local Ray cluster of logical nodes probing with gloo: one clean
+cycle, one with an injected slow rank, then a preflight verdict that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack, closing
+from typing import Any
+
+import httpx
+
+from agents.spec import InjectedFault
+from services.cli.commands import _print_verdict
+from services.cli.errors import CliError
+from services.config import Settings, get_settings
+from services.notifier.receiver import WebhookReceiver
+from services.scheduler.cycle import ProbeOptions, run_cycle
+from services.scheduler.shipper import Shipper
+from services.store import db, tokens
+
+DEMO_SECRET = "ringwatch-demo-secret"
+SLOW = {"kind": "slow", "node": "node-001", "gpu": 0, "factor": 0.4}
+
+
+def step(message: str) -> None:
+    print(f"\n== {message}", flush=True)
+
+
+def note(message: str) -> None:
+    print(f"   {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    settings = get_settings()
+    with ExitStack() as stack:
+        step("database")
+        url = _demo_database(settings, stack)
+        admin, agent = _tokens(url)
+        receiver = stack.enter_context(WebhookReceiver(DEMO_SECRET))
+        note(f"webhook receiver listening on {receiver.url}")
+
+        step("API and notifier")
+        api_url = _start_api(url, args.port or free_port(), stack)
+        client = stack.enter_context(httpx.Client(base_url=api_url, timeout=30))
+        hook = client.post("/v1/webhooks", headers=_auth(admin), json={
+            "url": receiver.url, "secret": DEMO_SECRET,
+            "events": ["health.degraded", "health.recovered", "probe.hang"]})
+        hook.raise_for_status()
+        note(f"webhook {hook.json()['id']} registered for health.degraded, health.recovered")
+
+        step(f"local Ray cluster: {args.nodes} logical nodes x {args.gpus_per_node} ranks, gloo")
+        backend = stack.enter_context(closing(_backend(args, settings)))
+        ranks = backend.ranks()
+        note(f"{len(ranks)} agents up: {', '.join(r.member for r in ranks)}")
+        shipper = Shipper(api_url, agent, settings.state_dir / f"spool-demo-{os.getpid()}")
+        stack.callback(shipper.close)
+        options = ProbeOptions(ops=("allreduce", "alltoall"), sizes=(1 << 20,), warmup=3, iters=10)
+
+        step("cycle 1: clean")
+        _cycle(backend, options, shipper, client, admin)
+
+        fault = InjectedFault.from_dict(SLOW)
+        backend.inject([fault])
+        step(f"cycle 2: INJECTED slow rank {fault.member} at {fault.factor}x bandwidth")
+        _cycle(backend, options, shipper, client, admin)
+
+        step("preflight (fresh results reused through the API)")
+        nodes = sorted({r.node for r in ranks})
+        resp = client.post("/v1/preflight", headers=_auth(admin), json={"nodes": nodes})
+        resp.raise_for_status()
+        verdict = resp.json()
+        _print_verdict(verdict, as_json=False)
+
+        step("webhooks received")
+        events = receiver.wait_for(1, timeout_s=15)
+        for e in events:
+            note(f"{e['event']:<16} delivery {e['delivery'][:8]}  signature "
+                 f"{'ok' if e['verified'] else 'BAD'}  {_where(e['body'])}")
+        if not events:
+            note("none yet (the notifier retries; see GET /v1/webhooks/1/deliveries)")
+
+        named = fault.node in verdict.get("exclude", [])
+        step(f"done in {time.monotonic() - started:.1f} s: the verdict "
+             f"{'names' if named else 'does NOT name'} the slow node {fault.node}")
+        return 0 if named and not verdict["healthy"] else 1
+
+
+def _demo_database(settings: Settings, stack: ExitStack) -> str:
+    note("starting embedded Postgres" if not settings.database_url else "using RINGWATCH_DATABASE_URL")
+    admin_url = db.resolve_database_url(settings)
+    name = f"ringwatch_demo_{uuid.uuid4().hex[:8]}"
+    url = db.create_database(admin_url, name)
+    stack.callback(db.drop_database, admin_url, name)
+    db.upgrade(url)
+    note(f"database {name} migrated to head")
+    return url
+
+
+def _tokens(url: str) -> tuple[str, str]:
+    factory = db.make_session_factory(db.make_engine(url))
+    with db.transaction(factory) as s:
+        return tokens.create_token(s, "admin", "demo"), tokens.create_token(s, "agent", "demo")
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _start_api(url: str, port: int, stack: ExitStack) -> str:
+    api_url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "RINGWATCH_DATABASE_URL": url, "RINGWATCH_API_URL": api_url,
+           "RINGWATCH_NOTIFIER_POLL_S": "0.5", "RINGWATCH_DEMO": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)],
+                            env=env)
+    stack.callback(_stop, proc)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CliError(f"the API server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{api_url}/healthz", timeout=2).status_code == 200:
+                note(f"API serving at {api_url} (pid {proc.pid}), notifier running inside it")
+                return api_url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise CliError("the API server did not answer /healthz within 60 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _backend(args: argparse.Namespace, settings: Settings):
+    from services.scheduler.ray_backend import RayBackend
+
+    return RayBackend(backend="gloo", local_nodes=args.nodes, ranks_per_node=args.gpus_per_node,
+                      address=None, injected=[], temp_dir=settings.state_dir / "ray",
+                      progress=lambda m: note(f".. {m}"))
+
+
+def _cycle(backend, options: ProbeOptions, shipper: Shipper, client: httpx.Client, token: str) -> None:
+    cycle = run_cycle(backend, options, progress=lambda m: note(f".. {m}"))
+    left = shipper.ship(cycle.to_batch())
+    note(f"{len(cycle.measurements)} measurements in {cycle.rounds} rounds, {cycle.wall_time_s:.1f} s;"
+         f" shipped ({left} spooled)")
+    for f in cycle.findings:
+        note(f"probe finding: {f.to_dict()}")
+    links = client.get("/v1/links", headers=_auth(token)).json()
+    print_links(links)
+
+
+def print_links(links: list[dict[str, Any]]) -> None:
+    print(f"   {'scope':<11} {'op':<10} {'members':<34} {'busbw GB/s':>10} {'expected':>9} "
+          f"{'ratio':>6}  status")
+    for link in links:
+        members = ",".join(link["members"])
+        exp = f"{link['expected_gbs']:.3f}" if link["expected_gbs"] is not None else "-"
+        ratio = f"{link['ratio']:.2f}" if link["ratio"] is not None else "-"
+        flag = "DEGRADED" if link["status"] == "degraded" else link["status"]
+        print(f"   {link['scope']:<11} {link['op']:<10} {members[:34]:<34} "
+              f"{link['busbw_gbs']:>10.3f} {exp:>9} {ratio:>6}  {flag}")
+
+
+def _where(body: dict[str, Any]) -> str:
+    f = body.get("finding") or {}
+    return f"{f.get('kind', '')} {f.get('node') or ','.join(f.get('nodes') or [])}"

@@ -1,0 +1,131 @@
+"""``ringwatch``: the command line. Launches the processes and is a client of the API.
+
+Exit codes: 0 healthy / success, 1 unhealthy, 2 bad input or an error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+
+from services.cli import commands
+from services.cli.backends import add_backend_args
+from services.cli.errors import CliError
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``8``, ``64K``, ``16M``, ``1G`` (binary units, as nccl-tests' -b/-e take them)."""
+    t = text.strip().upper().removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 64K or 16M") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
+    return value
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(s) for s in text.split(","))
+
+
+def add_probe_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ops", default="allreduce,alltoall", help="comma-separated ops")
+    p.add_argument("--sizes", type=_sizes, help="comma-separated sizes, e.g. 1M,16M")
+    p.add_argument("--preset", choices=("quick", "full"), help="a size sweep")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit code 2, like every other CLI error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ringwatch", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("demo", help="the whole path on a local 3x2 gloo cluster, with a verdict")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--gpus-per-node", type=int, default=2)
+    p.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
+
+    p = sub.add_parser("serve", help="run the API (and the notifier loop)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8420)
+    p.add_argument("--no-notifier", action="store_true")
+
+    sub.add_parser("notifier", help="run the webhook notifier loop")
+
+    p = sub.add_parser("scheduler", help="probe periodically and send results to the API")
+    add_backend_args(p)
+    add_probe_options(p)
+    p.add_argument("--interval", type=float, help="seconds between cycles (RINGWATCH_PROBE_INTERVAL_S)")
+    p.add_argument("--once", action="store_true", help="run one cycle and exit")
+
+    p = sub.add_parser("probe", help="run one probe cycle and print the results")
+    add_backend_args(p)
+    add_probe_options(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("preflight", help="may a job launch on these nodes? exit 0 healthy, 1 not")
+    add_backend_args(p)
+    p.add_argument("--nodes", help="comma-separated node names (default: all)")
+    p.add_argument("--max-age", type=float, default=900.0, help="reuse results younger than this (s)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("check-rankmap", help="check a job's rank table")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("token", help="API tokens")
+    tsub = p.add_subparsers(dest="token_command", required=True)
+    t = tsub.add_parser("create", help="create a token and print it as the last word")
+    t.add_argument("--role", required=True, choices=("agent", "reader", "admin"))
+    t.add_argument("--name", default="")
+
+    p = sub.add_parser("db", help="database")
+    dsub = p.add_subparsers(dest="db_command", required=True)
+    dsub.add_parser("upgrade", help="apply migrations")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = getattr(commands, "cmd_" + args.command.replace("-", "_"))
+    try:
+        return int(handler(args) or 0)
+    except CliError as exc:
+        print(f"ringwatch {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # an error is exit 2 with one line, never a traceback wall
+        if args.verbose:
+            logging.exception("failed")
+        print(f"ringwatch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

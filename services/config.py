@@ -1,0 +1,52 @@
+"""One settings object for every ringwatch process, read from ``RINGWATCH_*`` variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The project's own state folder (embedded Postgres, Ray temp dir, spool); ignored by git.
+STATE_DIR = Path(__file__).resolve().parents[1] / ".ringwatch"
+
+PLACEHOLDER_SECRET = "change-me"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RINGWATCH_", extra="ignore")
+
+    # Empty: start an embedded Postgres under STATE_DIR (the demo and the tests).
+    database_url: str = ""
+    api_url: str = "http://127.0.0.1:8420"
+    # Token the scheduler and CLI present to the API.
+    token: str = ""
+    # Token created at start-up with the admin role when the table is empty (bootstrap).
+    bootstrap_admin_token: str = ""
+    probe_interval_s: float = Field(default=300.0, gt=0)
+    state_dir: Path = STATE_DIR
+    # Webhook delivery: retries with exponential backoff up to this age.
+    webhook_max_age_s: float = Field(default=24 * 3600.0, gt=0)
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    notifier_poll_s: float = Field(default=1.0, gt=0)
+    # Analyzer: busbw below this fraction of the peers' expected value is degraded.
+    degraded_ratio: float = Field(default=0.7, gt=0, lt=1)
+    demo: bool = False
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+    def check_secrets(self) -> None:
+        """Refuse placeholder secrets outside the demo."""
+        if self.demo:
+            return
+        for name in ("token", "bootstrap_admin_token"):
+            if getattr(self, name) == PLACEHOLDER_SECRET:
+                raise ValueError(f"RINGWATCH_{name.upper()} is the placeholder {PLACEHOLDER_SECRET!r}")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

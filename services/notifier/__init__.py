@@ -1,0 +1,1 @@
+"""Webhook delivery from the outbox: signed, retried with backoff, never lost."""

@@ -1,0 +1,65 @@
+"""A small webhook receiver that verifies signatures: for the demo and for tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from services.notifier.channels import verify
+
+
+class WebhookReceiver:
+    """Listens on 127.0.0.1; records every delivery; answers ``status`` (settable: 503 = down)."""
+
+    def __init__(self, secret: str, port: int = 0) -> None:
+        self.secret = secret
+        self.status = 200
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Condition()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                code = receiver.status
+                if code < 300:
+                    receiver._record(self.headers, raw)
+                self.send_response(code)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _record(self, headers: Any, raw: bytes) -> None:
+        with self._lock:
+            self.events.append({
+                "event": headers.get("X-Ringwatch-Event"),
+                "delivery": headers.get("X-Ringwatch-Delivery"),
+                "signature": headers.get("X-Ringwatch-Signature", ""),
+                "verified": verify(self.secret, raw, headers.get("X-Ringwatch-Signature", "")),
+                "raw": raw,
+                "body": json.loads(raw or b"{}"),
+            })
+            self._lock.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while len(self.events) < count and time.monotonic() < deadline:
+                self._lock.wait(max(0.0, deadline - time.monotonic()))
+            return list(self.events)
+
+    def __enter__(self) -> WebhookReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

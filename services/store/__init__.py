@@ -1,0 +1,1 @@
+"""SQLAlchemy models and every query ringwatch runs: all SQL lives here."""

@@ -1,0 +1,115 @@
+"""Engines, sessions and the database itself: a given server, or an embedded one.
+
+With ``RINGWATCH_DATABASE_URL`` unset, ringwatch starts an embedded Postgres
+(pgserver) with its data under the project's ``.ringwatch/`` folder, so a fresh
+machine needs no server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.config import Settings
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def normalize_url(url: str) -> str:
+    """Accept plain ``postgresql://`` URLs and use the psycopg 3 driver for them."""
+    u = make_url(url)
+    if u.drivername in ("postgresql", "postgres"):
+        u = u.set(drivername="postgresql+psycopg")
+    return u.render_as_string(hide_password=False)
+
+
+def start_embedded(state_dir: Path) -> str:
+    """Start (or reuse) the embedded Postgres under ``state_dir/pg``; return its URL."""
+    import pgserver  # imported late: only the embedded path needs it
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # cleanup_mode=None: keep the server running for the next process (API, scheduler, tests).
+    server = pgserver.get_server(state_dir / "pg", cleanup_mode=None)
+    socket_dir = state_dir.resolve() / "pg"
+    return f"postgresql+psycopg://postgres@/postgres?host={socket_dir}"
+
+
+def resolve_database_url(settings: Settings) -> str:
+    """The URL to use: the configured one, else the embedded server's."""
+    if settings.database_url:
+        return normalize_url(settings.database_url)
+    url = start_embedded(settings.state_dir)
+    # Child processes (API server, scheduler) then find the same server without starting one.
+    os.environ.setdefault("RINGWATCH_DATABASE_URL", url)
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    return create_engine(normalize_url(url), pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """One unit of work: commit on success, roll back on any error."""
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(url: str):  # -> alembic.config.Config
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # ConfigParser interpolates '%': escape it so URLs with encoded characters survive.
+    cfg.set_main_option("sqlalchemy.url", normalize_url(url).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply migrations up to ``revision``."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    from alembic import command
+
+    command.downgrade(alembic_config(url), revision)
+
+
+def create_database(admin_url: str, name: str) -> str:
+    """Create database ``name`` on the server of ``admin_url``; return its URL."""
+    engine = create_engine(normalize_url(admin_url), isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return make_url(normalize_url(admin_url)).set(database=name).render_as_string(
+        hide_password=False
+    )
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    engine = create_engine(normalize_url(admin_url), isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    engine.dispose()

@@ -1,0 +1,88 @@
+"""Link health, findings (incidents) and the event outbox."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from services.store.models import Finding, LinkHealth, OutboxEvent
+
+
+def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], LinkHealth]:
+    """Current health rows for (group_key, op) pairs, locked for this transaction."""
+    if not keys:
+        return {}
+    group_keys = {k for k, _ in keys}
+    rows = session.scalars(
+        select(LinkHealth).where(LinkHealth.group_key.in_(group_keys)).with_for_update()
+    ).all()
+    return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in set(keys)}
+
+
+def add_link(session: Session, **fields: Any) -> LinkHealth:
+    link = LinkHealth(**fields)
+    session.add(link)
+    return link
+
+
+def list_links(session: Session, status: str | None = None, scope: str | None = None,
+               node: str | None = None) -> list[LinkHealth]:
+    q = select(LinkHealth).order_by(LinkHealth.scope, LinkHealth.group_key, LinkHealth.op)
+    if status:
+        q = q.where(LinkHealth.status == status)
+    if scope:
+        q = q.where(LinkHealth.scope == scope)
+    if node:
+        q = q.where(LinkHealth.nodes.any(node))
+    return list(session.scalars(q))
+
+
+def open_finding(session: Session, *, kind: str, group_key: str | None, op: str | None,
+                 nodes: list[str], severity: str, detail: dict[str, Any]) -> Finding:
+    finding = Finding(kind=kind, status="open", group_key=group_key, op=op, nodes=nodes,
+                      severity=severity, detail=detail)
+    session.add(finding)
+    session.flush()
+    return finding
+
+
+def open_finding_for(session: Session, group_key: str, op: str) -> Finding | None:
+    return session.scalar(
+        select(Finding).where(Finding.group_key == group_key, Finding.op == op,
+                              Finding.status == "open")
+    )
+
+
+def resolve_finding(session: Session, finding: Finding, at: datetime) -> None:
+    finding.status = "resolved"
+    finding.resolved_at = at
+
+
+def list_findings(session: Session, status: str | None = None, limit: int = 500) -> list[Finding]:
+    q = select(Finding).order_by(Finding.opened_at.desc()).limit(limit)
+    if status:
+        q = q.where(Finding.status == status)
+    return list(session.scalars(q))
+
+
+def enqueue_event(session: Session, event_type: str, payload: dict[str, Any]) -> OutboxEvent:
+    """Write an event in the caller's transaction: it exists iff the change does."""
+    event = OutboxEvent(event_type=event_type, payload=payload)
+    session.add(event)
+    session.flush()
+    return event
+
+
+def health_counts(session: Session) -> dict[str, int]:
+    rows = session.execute(
+        select(LinkHealth.status, func.count()).group_by(LinkHealth.status)
+    ).tuples().all()
+    return {status: n for status, n in rows}
+
+
+def open_findings_count(session: Session) -> int:
+    return session.scalar(select(func.count()).select_from(Finding).where(Finding.status == "open")) or 0

@@ -1,0 +1,139 @@
+"""Nodes, ranks, probe runs and the measurement time series."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from services.store.models import Gpu, Measurement, Node, ProbeRun
+
+
+def group_key(members: Sequence[str]) -> str:
+    """The series key of a group: its members, sorted, comma-joined."""
+    return ",".join(sorted(members))
+
+
+def claim_batch(session: Session, batch_id: str, backend: str) -> ProbeRun | None:
+    """Create the run for ``batch_id``; None when that batch was stored before (a retry)."""
+    stmt = (
+        insert(ProbeRun)
+        .values(batch_id=batch_id, backend=backend, measurement_count=0, findings=[])
+        .on_conflict_do_nothing(index_elements=["batch_id"])
+        .returning(ProbeRun.id)
+    )
+    run_id = session.scalar(stmt)
+    if run_id is None:
+        return None
+    return session.get(ProbeRun, run_id)
+
+
+def find_run(session: Session, batch_id: str) -> ProbeRun | None:
+    return session.scalar(select(ProbeRun).where(ProbeRun.batch_id == batch_id))
+
+
+def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: datetime) -> None:
+    if not names:
+        return
+    stmt = insert(Node).values(
+        [{"name": n, "backend": backend, "last_seen_at": seen_at} for n in sorted(set(names))]
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["name"],
+        set_={"last_seen_at": func.greatest(Node.last_seen_at, stmt.excluded.last_seen_at),
+              "backend": stmt.excluded.backend},
+    )
+    session.execute(stmt)
+
+
+def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
+    """Record rank identities (node, local_index, GPU UUID, PCI bus id, telemetry)."""
+    if not ranks:
+        return
+    ids = dict(session.execute(select(Node.name, Node.id).where(
+        Node.name.in_({r["node"] for r in ranks}))).tuples().all())
+    for r in ranks:
+        if r["node"] in ids and r.get("hostname"):
+            session.get(Node, ids[r["node"]]).hostname = r["hostname"]  # type: ignore[union-attr]
+    rows = [
+        {"node_id": ids[r["node"]], "local_index": r["local_index"], "uuid": r.get("gpu_uuid"),
+         "pci_bus_id": r.get("pci_bus_id"), "numa_node": r.get("numa_node"),
+         "name": r.get("gpu_name"), "telemetry": r.get("telemetry") or {}}
+        for r in ranks if r["node"] in ids
+    ]
+    if not rows:
+        return
+    stmt = insert(Gpu).values(rows)
+    stmt = stmt.on_conflict_do_update(
+        constraint="uq_gpus_node_local",
+        set_={c: stmt.excluded[c] for c in ("uuid", "pci_bus_id", "numa_node", "name", "telemetry")}
+        | {"updated_at": func.now()},
+    )
+    session.execute(stmt)
+
+
+def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, Any]]) -> list[Measurement]:
+    objs = [
+        Measurement(run_id=run.id, backend=run.backend, group_key=group_key(r["members"]), **r)
+        for r in rows
+    ]
+    session.add_all(objs)
+    run.measurement_count = len(objs)
+    session.flush()
+    return objs
+
+
+def known_nodes(session: Session, names: Sequence[str]) -> set[str]:
+    return set(session.scalars(select(Node.name).where(Node.name.in_(set(names)))).all())
+
+
+def list_nodes(session: Session) -> list[tuple[Node, list[Gpu]]]:
+    nodes = session.scalars(select(Node).order_by(Node.name)).all()
+    gpus = session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.local_index)).all()
+    by_node: dict[int, list[Gpu]] = {}
+    for g in gpus:
+        by_node.setdefault(g.node_id, []).append(g)
+    return [(n, by_node.get(n.id, [])) for n in nodes]
+
+
+def stream_series(
+    session: Session,
+    key: str,
+    *,
+    op: str | None = None,
+    size_bytes: int | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = 10_000,
+) -> Iterator[Measurement]:
+    """One link's or group's measurements in time order, streamed."""
+    q = select(Measurement).where(Measurement.group_key == key)
+    if op:
+        q = q.where(Measurement.op == op)
+    if size_bytes:
+        q = q.where(Measurement.size_bytes == size_bytes)
+    if since:
+        q = q.where(Measurement.time >= since)
+    if until:
+        q = q.where(Measurement.time <= until)
+    q = q.order_by(Measurement.time).limit(limit).execution_options(yield_per=500)
+    yield from session.scalars(q)
+
+
+def recent_for_nodes(session: Session, nodes: Sequence[str], since: datetime) -> list[Measurement]:
+    """Measurements since ``since`` whose groups lie wholly inside ``nodes``."""
+    q = (
+        select(Measurement)
+        .where(Measurement.time >= since, Measurement.nodes.contained_by(list(nodes)))
+        .order_by(Measurement.time)
+        .execution_options(yield_per=1000)
+    )
+    return list(session.scalars(q))
+
+
+def runs_since(session: Session, since: datetime) -> list[ProbeRun]:
+    return list(session.scalars(select(ProbeRun).where(ProbeRun.received_at >= since)))

@@ -1,0 +1,209 @@
+"""The schema: nodes and their ranks, probe runs and measurements (a time series),
+link health, findings, webhooks with their outbox and deliveries, API tokens."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TIMESTAMP
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TZ = TIMESTAMP(timezone=True)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    hostname: Mapped[str | None] = mapped_column(String(255))
+    backend: Mapped[str | None] = mapped_column(String(16))
+    first_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    gpus: Mapped[list[Gpu]] = relationship(back_populates="node", lazy="raise")
+
+
+class Gpu(Base):
+    """One probe rank: a GPU under nccl, a CPU slot under gloo."""
+
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "local_index", name="uq_gpus_node_local"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    local_index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str | None] = mapped_column(String(64))
+    pci_bus_id: Mapped[str | None] = mapped_column(String(32))
+    numa_node: Mapped[int | None] = mapped_column(Integer)
+    name: Mapped[str | None] = mapped_column(String(128))
+    telemetry: Mapped[dict[str, Any]] = mapped_column(JSONB, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    node: Mapped[Node] = relationship(back_populates="gpus", lazy="raise")
+
+
+class ProbeRun(Base):
+    """One ingested batch; ``batch_id`` makes a retried POST a no-op."""
+
+    __tablename__ = "probe_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(128), unique=True)
+    backend: Mapped[str] = mapped_column(String(16))
+    received_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    measurement_count: Mapped[int] = mapped_column(Integer, default=0)
+    findings: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, default=list)
+
+
+class Measurement(Base):
+    __tablename__ = "measurements"
+    __table_args__ = (
+        Index("ix_measurements_series", "group_key", "op", "size_bytes", "time"),
+        Index("ix_measurements_time", "time"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("probe_runs.id", ondelete="CASCADE"), index=True)
+    time: Mapped[datetime] = mapped_column(TZ)
+    backend: Mapped[str] = mapped_column(String(16))
+    op: Mapped[str] = mapped_column(String(32))
+    scope: Mapped[str] = mapped_column(String(16))
+    # Canonical "a/0,a/1,b/0": the series key of a link or group.
+    group_key: Mapped[str] = mapped_column(Text)
+    members: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    nodes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    dtype: Mapped[str] = mapped_column(String(16))
+    warmup: Mapped[int] = mapped_column(Integer)
+    iters: Mapped[int] = mapped_column(Integer)
+    time_us: Mapped[float] = mapped_column(Float)
+    algbw_gbs: Mapped[float] = mapped_column(Float)
+    busbw_gbs: Mapped[float] = mapped_column(Float)
+    wrong: Mapped[int] = mapped_column(Integer)
+
+
+class LinkHealth(Base):
+    """Current health of one link or group for one op (the largest probed size)."""
+
+    __tablename__ = "link_health"
+    __table_args__ = (UniqueConstraint("group_key", "op", name="uq_link_health_group_op"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    group_key: Mapped[str] = mapped_column(Text)
+    op: Mapped[str] = mapped_column(String(32))
+    scope: Mapped[str] = mapped_column(String(16))
+    members: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    nodes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    status: Mapped[str] = mapped_column(String(16), default="ok")
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    busbw_gbs: Mapped[float] = mapped_column(Float)
+    expected_gbs: Mapped[float | None] = mapped_column(Float)
+    ratio: Mapped[float | None] = mapped_column(Float)
+    bad_streak: Mapped[int] = mapped_column(Integer, default=0)
+    good_streak: Mapped[int] = mapped_column(Integer, default=0)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    changed_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class Finding(Base):
+    """An incident: opened by a health change, resolved by the recovery."""
+
+    __tablename__ = "findings"
+    __table_args__ = (Index("ix_findings_status_kind", "status", "kind"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    severity: Mapped[str] = mapped_column(String(16), default="critical")
+    group_key: Mapped[str | None] = mapped_column(Text)
+    op: Mapped[str | None] = mapped_column(String(32))
+    nodes: Mapped[list[str]] = mapped_column(ARRAY(Text), default=list)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSONB, default=dict)
+    opened_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    resolved_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
+class Webhook(Base):
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    url: Mapped[str] = mapped_column(Text)
+    secret: Mapped[str] = mapped_column(Text)
+    events: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    format: Mapped[str] = mapped_column(String(16), default="json")
+    active: Mapped[bool] = mapped_column(default=True)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class OutboxEvent(Base):
+    """An event written in the same transaction as the change that caused it."""
+
+    __tablename__ = "outbox_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    event_type: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    # Set once the event has been fanned out into one delivery per matching webhook.
+    dispatched_at: Mapped[datetime | None] = mapped_column(TZ, index=True)
+
+
+class WebhookDelivery(Base):
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("webhook_id", "event_id", name="uq_webhook_deliveries_webhook_event"),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    webhook_id: Mapped[int] = mapped_column(ForeignKey("webhooks.id", ondelete="CASCADE"))
+    event_id: Mapped[int] = mapped_column(ForeignKey("outbox_events.id", ondelete="CASCADE"))
+    # X-Ringwatch-Delivery: the same on every retry so receivers can deduplicate.
+    delivery_id: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    delivered_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    role: Mapped[str] = mapped_column(String(16))
+    # sha256 of the token; the token itself is shown once and never stored.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column(TZ)

@@ -1,0 +1,39 @@
+"""Builders for API tests: tokens, clients and measurement batches shaped like a probe's."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from agents.collectives import busbw_factor
+
+
+def measurement(members: list[str], busbw: float, *, op: str = "allreduce", scope: str = "inter_node",
+                size: int = 1 << 20, wrong: int = 0, time: datetime | None = None) -> dict[str, Any]:
+    """A measurement whose algbw, busbw and time agree with nccl-tests' formulas."""
+    n = len(members)
+    algbw = busbw / busbw_factor(op, n)
+    return {
+        "op": op, "scope": scope, "members": members, "size_bytes": size, "dtype": "float32",
+        "warmup": 5, "iters": 20, "time_us": size / (algbw * 1e9) * 1e6, "algbw_gbs": algbw,
+        "busbw_gbs": busbw, "wrong": wrong, "time": (time or datetime.now(UTC)).isoformat(),
+    }
+
+
+def pair(a: str, b: str) -> list[str]:
+    return [f"{a}/0", f"{a}/1", f"{b}/0", f"{b}/1"]
+
+
+def fleet_batch(slow_node: str | None = None, factor: float = 0.4, nodes: int = 4,
+                batch_id: str | None = None) -> dict[str, Any]:
+    """Every node pair once (inter_node), each at 10 GB/s unless it touches ``slow_node``."""
+    names = [f"node-{i:03d}" for i in range(nodes)]
+    ms = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            bw = 10.0 * (factor if slow_node in (a, b) else 1.0)
+            ms.append(measurement(pair(a, b), bw))
+        ms.append(measurement([f"{a}/0", f"{a}/1"], 20.0 * (factor if a == slow_node else 1.0),
+                              scope="intra_node"))
+    return {"batch_id": batch_id or str(uuid.uuid4()), "backend": "gloo", "measurements": ms}

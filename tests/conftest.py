@@ -1,0 +1,67 @@
+"""Shared fixtures: a real, freshly migrated Postgres database for the whole run.
+
+The database is created under a unique name on the configured server (or on the
+embedded one when ``RINGWATCH_DATABASE_URL`` is unset), migrated with
+``alembic upgrade head``, and dropped at the end: the migrations themselves are
+under test, and a shared server keeps nothing of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.config import Settings
+from services.store import db
+from services.store.models import Base
+
+os.makedirs("/tmp/ray", exist_ok=True)  # ray.cluster_utils writes its address there
+
+
+@pytest.fixture(scope="session")
+def admin_url() -> str:
+    return db.resolve_database_url(Settings(database_url=os.environ.get("RINGWATCH_DATABASE_URL", "")))
+
+
+@pytest.fixture(scope="session")
+def database_url(admin_url: str) -> Iterator[str]:
+    name = f"rw_test_{uuid.uuid4().hex[:12]}"
+    url = db.create_database(admin_url, name)
+    try:
+        db.upgrade(url)
+        yield url
+    finally:
+        db.drop_database(admin_url, name)
+
+
+@pytest.fixture(scope="session")
+def session_factory(database_url: str) -> Iterator[sessionmaker[Session]]:
+    engine = db.make_engine(database_url)
+    yield db.make_session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def clean_db(session_factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    """Empty every table before the test (tests that start real processes need real commits)."""
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with db.transaction(session_factory) as s:
+        s.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    return session_factory
+
+
+@pytest.fixture
+def session(clean_db: sessionmaker[Session]) -> Iterator[Session]:
+    with db.transaction(clean_db) as s:
+        yield s
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"

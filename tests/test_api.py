@@ -1,0 +1,176 @@
+"""The REST API through its real ASGI app, on a real migrated Postgres."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from services.config import Settings
+from services.store import db, tokens
+from tests.api_fixtures import fleet_batch, measurement
+
+
+@pytest.fixture
+def api(clean_db):
+    with db.transaction(clean_db) as s:
+        toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
+    app = create_app(Settings(database_url="unused", api_url="http://rw.test"), clean_db)
+    with TestClient(app) as client:
+        client.tokens = toks  # type: ignore[attr-defined]
+        yield client
+
+
+def auth(client, role: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {client.tokens[role]}"}
+
+
+def test_healthz_and_openapi(api) -> None:
+    assert api.get("/healthz").json() == {"ok": True}
+    paths = api.get("/openapi.json").json()["paths"]
+    for path in ("/v1/measurements", "/v1/nodes", "/v1/links", "/v1/series", "/v1/health",
+                 "/v1/preflight", "/v1/webhooks"):
+        assert path in paths
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({}, 401),
+    ({"Authorization": "Bearer nope"}, 401),
+    ({"Authorization": "Basic abc"}, 401),
+])
+def test_measurements_need_a_valid_token(api, headers, status) -> None:
+    resp = api.post("/v1/measurements", json=fleet_batch(), headers=headers)
+    assert resp.status_code == status
+    assert resp.json()["error"] == "unauthorized"
+    assert "token" in resp.json()["message"]
+
+
+def test_reader_may_not_write_and_agent_may_not_admin(api) -> None:
+    resp = api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "reader"))
+    assert resp.status_code == 403
+    assert "reader" in resp.json()["message"]
+    resp = api.post("/v1/webhooks", headers=auth(api, "agent"),
+                    json={"url": "http://127.0.0.1:9/x", "secret": "12345678", "events": ["probe.hang"]})
+    assert resp.status_code == 403
+
+
+def test_malformed_json_is_a_422_with_a_reason(api) -> None:
+    resp = api.post("/v1/measurements", content=b"{not json", headers={
+        **auth(api, "agent"), "Content-Type": "application/json"})
+    assert resp.status_code == 422
+    assert resp.json()["error"] == "invalid_input"
+    assert "JSON" in resp.json()["message"]
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("size_bytes", -1, "size_bytes"),
+    ("iters", 0, "iters"),
+    ("op", "allreduse", "op"),
+    ("members", ["node-000"], "NODE/LOCAL_INDEX"),
+    ("time", "2026-01-01T00:00:00", "UTC offset"),
+])
+def test_bad_measurement_fields_are_rejected_by_name(api, field, value, needle) -> None:
+    batch = fleet_batch()
+    batch["measurements"][0][field] = value
+    resp = api.post("/v1/measurements", json=batch, headers=auth(api, "agent"))
+    assert resp.status_code == 422, resp.text
+    assert needle in resp.text
+    # Nothing of a rejected batch is stored.
+    assert api.get("/v1/nodes", headers=auth(api, "reader")).json() == []
+
+
+def test_retried_batch_is_stored_once(api) -> None:
+    batch = fleet_batch(batch_id="batch-" + uuid.uuid4().hex)
+    first = api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).json()
+    again = api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).json()
+    assert first["created"] is True and again["created"] is False
+    assert first["stored"] == again["stored"] == len(batch["measurements"])
+    series = api.get("/v1/series", params={"members": "node-000/0,node-000/1,node-001/0,node-001/1"},
+                     headers=auth(api, "reader")).json()
+    assert len(series["points"]) == 1
+
+
+def test_ingest_registers_nodes_and_serves_links_and_series(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).raise_for_status()
+    nodes = api.get("/v1/nodes", headers=auth(api, "reader")).json()
+    assert [n["name"] for n in nodes] == ["node-000", "node-001", "node-002", "node-003"]
+    links = api.get("/v1/links", params={"scope": "inter_node"}, headers=auth(api, "reader")).json()
+    assert len(links) == 6 and {x["status"] for x in links} == {"ok"}
+    assert api.get("/v1/health", headers=auth(api, "reader")).json()["status"] == "healthy"
+
+
+def test_unknown_nodes_are_404s(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).raise_for_status()
+    r = api.get("/v1/links", params={"node": "node-999"}, headers=auth(api, "reader"))
+    assert r.status_code == 404 and "node-999" in r.json()["message"]
+    r = api.post("/v1/preflight", json={"nodes": ["node-000", "node-999"]}, headers=auth(api, "reader"))
+    assert r.status_code == 404 and "node-999" in r.json()["message"]
+    r = api.get("/v1/series", params={"members": "bogus"}, headers=auth(api, "reader"))
+    assert r.status_code == 422
+
+
+def test_slow_node_degrades_then_recovers(api) -> None:
+    r = api.post("/v1/measurements", json=fleet_batch(slow_node="node-002"), headers=auth(api, "agent"))
+    body = r.json()
+    degraded_groups = {",".join(d["members"]) for d in body["degraded"]}
+    assert degraded_groups and all("node-002" in g for g in degraded_groups)
+    bad = api.get("/v1/links", params={"status": "degraded"}, headers=auth(api, "reader")).json()
+    assert bad and all("node-002" in x["nodes"] for x in bad)
+    assert api.get("/v1/health", headers=auth(api, "reader")).json()["status"] == "degraded"
+
+    r = api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).json()
+    assert {",".join(d["members"]) for d in r["recovered"]} == degraded_groups
+    assert api.get("/v1/links", params={"status": "degraded"}, headers=auth(api, "reader")).json() == []
+    assert api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json() == []
+
+
+def test_preflight_from_fresh_results(api) -> None:
+    nodes = ["node-000", "node-001", "node-002", "node-003"]
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=auth(api, "agent"))
+    v = api.post("/v1/preflight", json={"nodes": nodes}, headers=auth(api, "reader")).json()
+    assert v["healthy"] is False and v["exclude"] == ["node-001"]
+    assert v["nodes_checked"] == 4
+
+    api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent"))
+    v = api.post("/v1/preflight", json={"nodes": nodes}, headers=auth(api, "reader")).json()
+    assert v["healthy"] is True and v["exclude"] == [] and v["findings"] == []
+
+
+def test_preflight_without_fresh_results_is_not_healthy(api) -> None:
+    old = measurement(["node-000/0", "node-001/0"], 10.0, time=None)
+    old["time"] = "2020-01-01T00:00:00+00:00"
+    api.post("/v1/measurements", json={"batch_id": "old", "backend": "gloo", "measurements": [old]},
+             headers=auth(api, "agent")).raise_for_status()
+    v = api.post("/v1/preflight", json={"nodes": ["node-000", "node-001"], "max_age_s": 60},
+                 headers=auth(api, "reader")).json()
+    assert v["healthy"] is False and v["unprobed"] == ["node-000", "node-001"]
+
+
+def test_probe_findings_become_open_findings(api) -> None:
+    batch = fleet_batch()
+    batch["findings"] = [{"kind": "hang", "node": "node-003", "gpu": 1}]
+    api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).raise_for_status()
+    open_ = api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json()
+    assert [(f["kind"], f["nodes"]) for f in open_] == [("hang", ["node-003"])]
+
+
+def test_webhook_validation_and_admin_flow(api) -> None:
+    bad = api.post("/v1/webhooks", headers=auth(api, "admin"),
+                   json={"url": "not a url", "secret": "12345678", "events": ["probe.hang"]})
+    assert bad.status_code == 422 and "url" in bad.json()["message"]
+    bad = api.post("/v1/webhooks", headers=auth(api, "admin"),
+                   json={"url": "http://127.0.0.1:9/x", "secret": "12345678", "events": ["nope"]})
+    assert bad.status_code == 422
+    ok = api.post("/v1/webhooks", headers=auth(api, "admin"),
+                  json={"url": "http://127.0.0.1:9/x", "secret": "12345678", "events": ["probe.hang"]})
+    assert ok.status_code == 201 and "secret" not in ok.json()
+    assert api.get("/v1/webhooks/999/deliveries", headers=auth(api, "admin")).status_code == 404
+
+
+def test_metrics_are_prometheus_text(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=auth(api, "agent"))
+    text = api.get("/metrics").text
+    assert 'ringwatch_links{status="degraded"}' in text
+    assert "ringwatch_open_findings" in text

@@ -1,0 +1,143 @@
+"""Webhooks end to end: a real local HTTP receiver, signed deliveries, retries, no duplicates."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from services.config import Settings
+from services.notifier.channels import sign, verify
+from services.notifier.loop import Notifier, RetryPolicy
+from services.notifier.receiver import WebhookReceiver
+from services.store import db, tokens
+from tests.api_fixtures import fleet_batch
+
+SECRET = "s3cret-for-tests"
+# Retries come due at once, so tests need no sleeping.
+NO_WAIT = RetryPolicy(base_s=0.0, cap_s=0.0)
+
+
+@pytest.fixture
+def api(clean_db):
+    with db.transaction(clean_db) as s:
+        client_tokens = {r: tokens.create_token(s, r) for r in ("agent", "admin")}
+    app = create_app(Settings(database_url="unused", api_url="http://rw.test"), clean_db)
+    with TestClient(app) as client:
+        client.tokens = client_tokens  # type: ignore[attr-defined]
+        yield client
+
+
+@pytest.fixture
+def receiver():
+    with WebhookReceiver(SECRET) as r:
+        yield r
+
+
+def register(api, url: str, events=("health.degraded", "health.recovered", "probe.hang")) -> int:
+    resp = api.post("/v1/webhooks", headers={"Authorization": f"Bearer {api.tokens['admin']}"},
+                    json={"url": url, "secret": SECRET, "events": list(events)})
+    resp.raise_for_status()
+    return resp.json()["id"]
+
+
+def ingest(api, batch) -> dict:
+    resp = api.post("/v1/measurements", json=batch,
+                    headers={"Authorization": f"Bearer {api.tokens['agent']}"})
+    resp.raise_for_status()
+    return resp.json()
+
+
+def drain(notifier: Notifier, rounds: int = 5) -> None:
+    for _ in range(rounds):
+        if not notifier.run_once():
+            return
+
+
+def test_signature_verifies_with_the_secret_and_fails_with_another() -> None:
+    body = b'{"event":"health.degraded"}'
+    sig = sign(SECRET, body)
+    assert sig.startswith("sha256=") and len(sig) == 7 + 64
+    assert verify(SECRET, body, sig)
+    assert not verify("another-secret", body, sig)
+    assert not verify(SECRET, body + b" ", sig)
+
+
+def test_degraded_then_recovered_fires_signed_webhooks(api, clean_db, receiver) -> None:
+    register(api, receiver.url)
+    notifier = Notifier(clean_db, policy=NO_WAIT)
+    degraded = ingest(api, fleet_batch(slow_node="node-002"))["degraded"]
+    drain(notifier)
+    assert len(receiver.events) == len(degraded) > 0
+    assert {e["event"] for e in receiver.events} == {"health.degraded"}
+    assert all(e["verified"] for e in receiver.events)
+    assert all("node-002" in (e["body"]["finding"].get("nodes") or [e["body"]["finding"].get("node")])
+               for e in receiver.events)
+
+    ingest(api, fleet_batch())
+    drain(notifier)
+    recovered = [e for e in receiver.events if e["event"] == "health.recovered"]
+    assert len(recovered) == len(degraded)
+    assert len({e["delivery"] for e in receiver.events}) == len(receiver.events)
+    notifier.close()
+
+
+def test_receiver_down_then_up_gets_each_event_once(api, clean_db, receiver) -> None:
+    hook = register(api, receiver.url)
+    notifier = Notifier(clean_db, policy=NO_WAIT)
+    receiver.status = 503
+    expected = len(ingest(api, fleet_batch(slow_node="node-001"))["degraded"])
+    drain(notifier, rounds=3)
+    assert receiver.events == []
+    log = api.get(f"/v1/webhooks/{hook}/deliveries",
+                  headers={"Authorization": f"Bearer {api.tokens['admin']}"}).json()
+    assert log and all(d["status"] == "pending" and d["last_status_code"] == 503 for d in log)
+
+    receiver.status = 200
+    drain(notifier)
+    deliveries = [e["delivery"] for e in receiver.events]
+    assert len(deliveries) == len(set(deliveries)) == expected
+    log = api.get(f"/v1/webhooks/{hook}/deliveries",
+                  headers={"Authorization": f"Bearer {api.tokens['admin']}"}).json()
+    assert {d["status"] for d in log} == {"delivered"}
+    assert min(d["attempts"] for d in log) >= 2
+    notifier.close()
+
+
+def test_two_notifiers_send_nothing_twice(api, clean_db, receiver) -> None:
+    register(api, receiver.url)
+    expected = len(ingest(api, fleet_batch(slow_node="node-003", nodes=6))["degraded"])
+    notifiers = [Notifier(clean_db, policy=NO_WAIT, batch=2) for _ in range(2)]
+    threads = [threading.Thread(target=drain, args=(n, 20)) for n in notifiers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deliveries = [e["delivery"] for e in receiver.events]
+    assert len(deliveries) == expected
+    assert len(set(deliveries)) == expected
+    for n in notifiers:
+        n.close()
+
+
+def test_delivery_gives_up_after_max_age(api, clean_db, receiver) -> None:
+    hook = register(api, receiver.url)
+    receiver.status = 500
+    ingest(api, fleet_batch(slow_node="node-001"))
+    notifier = Notifier(clean_db, policy=RetryPolicy(base_s=10.0, cap_s=10.0, max_age_s=1.0))
+    drain(notifier)
+    log = api.get(f"/v1/webhooks/{hook}/deliveries",
+                  headers={"Authorization": f"Bearer {api.tokens['admin']}"}).json()
+    assert log and {d["status"] for d in log} == {"failed"}
+    notifier.close()
+
+
+def test_test_endpoint_sends_a_test_event(api, clean_db, receiver) -> None:
+    hook = register(api, receiver.url)
+    r = api.post(f"/v1/webhooks/{hook}/test", headers={"Authorization": f"Bearer {api.tokens['admin']}"})
+    assert r.status_code == 202
+    drain(Notifier(clean_db, policy=NO_WAIT))
+    assert [e["event"] for e in receiver.events] == ["webhook.test"]
+    assert receiver.events[0]["verified"]
