@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -16,19 +12,9 @@ import pytest
 
 from services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
+from tests.procs import cli, free_port, start_server, stop_server
 
 ADMIN = "rw_admin_" + uuid.uuid4().hex
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli.main", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -37,27 +23,6 @@ def env(database_url: str, clean_db, tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "RINGWATCH_DATABASE_URL": database_url,
             "RINGWATCH_API_URL": f"http://127.0.0.1:{port}", "RINGWATCH_TOKEN": ADMIN,
             "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": ADMIN, "RINGWATCH_STATE_DIR": str(tmp_path)}
-
-
-def start_server(env: dict[str, str]) -> subprocess.Popen:
-    port = env["RINGWATCH_API_URL"].rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", port,
-                             "--no-notifier"], env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited"
-        try:
-            if httpx.get(f"{env['RINGWATCH_API_URL']}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not start")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=15)
 
 
 @pytest.fixture

@@ -73,4 +73,5 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
 
     return RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
                       address=args.address, injected=injected,
-                      temp_dir=get_settings().state_dir / "ray", progress=progress)
+                      temp_dir=get_settings().state_dir / "ray", progress=progress,
+                      repeats=getattr(args, "repeats", 1))

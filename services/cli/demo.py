@@ -77,7 +77,7 @@ def run_demo(args: argparse.Namespace) -> int:
         _cycle(backend, options, shipper, client, admin)
 
         fault = InjectedFault.from_dict(SLOW)
-        backend.inject([fault])
+        backend.set_injected([fault])
         step(f"cycle 2: INJECTED slow rank {fault.member} at {fault.factor}x bandwidth")
         _cycle(backend, options, shipper, client, admin)
 
