@@ -148,6 +148,16 @@ class PreflightIn(Strict):
     max_age_s: float = Field(default=900.0, gt=0)
 
 
+class ClaimIn(Strict):
+    worker: str = Field(min_length=1, max_length=255)
+    lease_s: float = Field(default=300.0, gt=0, le=3600)
+
+
+class CompleteIn(Strict):
+    worker: str = Field(min_length=1, max_length=255)
+    error: str | None = Field(default=None, max_length=4000)
+
+
 class WebhookIn(Strict):
     url: AnyHttpUrl
     secret: str = Field(min_length=8, max_length=512)

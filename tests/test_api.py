@@ -138,16 +138,6 @@ def test_preflight_from_fresh_results(api) -> None:
     assert v["healthy"] is True and v["exclude"] == [] and v["findings"] == []
 
 
-def test_preflight_without_fresh_results_is_not_healthy(api) -> None:
-    old = measurement(["node-000/0", "node-001/0"], 10.0, time=None)
-    old["time"] = "2020-01-01T00:00:00+00:00"
-    api.post("/v1/measurements", json={"batch_id": "old", "backend": "gloo", "measurements": [old]},
-             headers=auth(api, "agent")).raise_for_status()
-    v = api.post("/v1/preflight", json={"nodes": ["node-000", "node-001"], "max_age_s": 60},
-                 headers=auth(api, "reader")).json()
-    assert v["healthy"] is False and v["unprobed"] == ["node-000", "node-001"]
-
-
 def test_probe_findings_become_open_findings(api) -> None:
     batch = fleet_batch()
     batch["findings"] = [{"kind": "hang", "node": "node-003", "gpu": 1}]

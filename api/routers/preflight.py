@@ -1,16 +1,57 @@
-"""``POST /v1/preflight``: may a job launch on these nodes?"""
+"""Preflight: may a job launch on these nodes? Durable requests that a scheduler completes."""
 
-from fastapi import APIRouter
+from typing import Annotated
 
-from api.deps import ReaderDep, SessionDep
-from api.schemas import PreflightIn
-from services.analyzer.stored_verdict import verdict_from_store
+from fastapi import APIRouter, Depends, Query, Request, Response, status
+from sqlalchemy.orm import Session, sessionmaker
 
-router = APIRouter(prefix="/v1", tags=["preflight"])
+from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
+from api.schemas import ClaimIn, CompleteIn, PreflightIn
+from services.preflight import service
+
+router = APIRouter(prefix="/v1/preflight", tags=["preflight"])
 
 
-@router.post("/preflight")
-def preflight(body: PreflightIn, session: SessionDep, _: ReaderDep) -> dict:
-    """The verdict of DESIGN.md for ``nodes`` from results younger than ``max_age_s``.
-    Nodes without fresh results are listed in ``unprobed`` and make the verdict unhealthy."""
-    return verdict_from_store(session, list(body.nodes), body.max_age_s)
+def get_factory(request: Request) -> sessionmaker[Session]:
+    return request.app.state.session_factory
+
+
+FactoryDep = Annotated[sessionmaker[Session], Depends(get_factory)]
+
+
+def _code(body: dict, response: Response) -> dict:
+    if body["status"] in ("pending", "running"):
+        response.status_code = status.HTTP_202_ACCEPTED
+    return body
+
+
+@router.post("")
+def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsDep, _: ReaderDep,
+                     response: Response,
+                     wait: float = Query(default=0.0, ge=0, le=600,
+                                         description="seconds to wait for a probing scheduler")) -> dict:
+    """The verdict of DESIGN.md for ``nodes``. Answered at once (200) when every node has
+    results younger than ``max_age_s``; otherwise the request waits for a scheduler to probe
+    (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``)."""
+    out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url)
+    return _code(out, response)
+
+
+@router.get("/{request_id}")
+def get_preflight(request_id: str, session: SessionDep, _: ReaderDep, response: Response) -> dict:
+    """One preflight request: its status and, once done, its verdict."""
+    return _code(service.get(session, request_id), response)
+
+
+@router.post("/claim", response_model=None)
+def claim_preflight(body: ClaimIn, session: SessionDep, _: AgentDep) -> Response | dict:
+    """A scheduler takes the oldest waiting request (204 when there is none)."""
+    claimed = service.claim(session, body.worker, body.lease_s)
+    return claimed if claimed is not None else Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/{request_id}/complete")
+def complete_preflight(request_id: str, body: CompleteIn, session: SessionDep,
+                       settings: SettingsDep, _: AgentDep) -> dict:
+    """The claiming scheduler has shipped its results: compute and store the verdict."""
+    return service.complete(session, request_id, body.worker, body.error, settings.api_url)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 import threading
 import time
@@ -111,6 +113,7 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.scheduler.api_client import SchedulerApi
     from services.scheduler.cycle import run_scheduler
     from services.scheduler.shipper import Shipper
 
@@ -119,9 +122,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     if not settings.token:
         raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
     shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
-    with closing(make_backend(args, progress)) as backend:
+    api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
+    with closing(make_backend(args, progress)) as backend, closing(shipper), closing(api):
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
-                      once=args.once, progress=progress)
+                      once=args.once, api=api, progress=progress)
     return 0
 
 
@@ -165,19 +169,37 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     else:
         if not nodes:
             raise CliError("name the job's nodes with --nodes, or probe with --local/--address/--fabric")
-        verdict = _api_preflight(nodes, args.max_age)
+        verdict = _api_preflight(nodes, args.max_age, args.timeout)
     _print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
 
 
-def _api_preflight(nodes: list[str], max_age: float) -> dict[str, Any]:
+def _api_preflight(nodes: list[str], max_age: float, timeout_s: float) -> dict[str, Any]:
+    """Ask the API; while a scheduler probes, poll with progress until the verdict is in."""
     settings = get_settings()
+    headers = {"Authorization": f"Bearer {settings.token}"}
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=settings.api_url, headers=headers, timeout=60) as client:
+        body = _api_call(client, "POST", "/v1/preflight?wait=5",
+                         json={"nodes": nodes, "max_age_s": max_age})
+        while body.get("status") in ("pending", "running"):
+            if time.monotonic() > deadline:
+                raise CliError(f"no verdict within {timeout_s:.0f} s (request {body['id']} is "
+                               f"{body['status']}; is a scheduler running?)")
+            progress(f"preflight {body['id'][:8]} {body['status']}: waiting for a scheduler to probe")
+            time.sleep(2)
+            body = _api_call(client, "GET", f"/v1/preflight/{body['id']}")
+    if body.get("status") == "failed":
+        raise CliError(f"preflight failed: {body.get('error')}")
+    return body
+
+
+def _api_call(client: httpx.Client, method: str, path: str, **kw: Any) -> dict[str, Any]:
     try:
-        resp = httpx.post(f"{settings.api_url}/v1/preflight", json={"nodes": nodes, "max_age_s": max_age},
-                          headers={"Authorization": f"Bearer {settings.token}"}, timeout=60)
+        resp = client.request(method, path, **kw)
     except httpx.HTTPError as exc:
-        raise CliError(f"API at {settings.api_url} unreachable: {exc}") from exc
-    if resp.status_code != 200:
+        raise CliError(f"API at {client.base_url} unreachable: {exc}") from exc
+    if resp.status_code not in (200, 202):
         try:
             message = resp.json().get("message", resp.text)
         except ValueError:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
+from services.scheduler.api_client import SchedulerApi
 from services.scheduler.planner import plan_rounds
 from services.scheduler.shipper import Shipper
 
@@ -86,20 +87,53 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
     return result
 
 
+def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
+                    options: ProbeOptions, *, lease_s: float = 300.0,
+                    progress: Progress | None = None) -> bool:
+    """Claim one waiting preflight request, probe its nodes, ship, complete; False if none."""
+    req = api.claim_preflight(lease_s)
+    if req is None:
+        return False
+    known = {r.node for r in backend.ranks()}
+    missing = sorted(set(req["nodes"]) - known)
+    if missing:
+        api.complete_preflight(req["id"], error=f"nodes not in this cluster: {', '.join(missing)}")
+        return True
+    if progress:
+        progress(f"preflight {req['id'][:8]}: probing {len(req['nodes'])} node(s)")
+    cycle = run_cycle(backend, options, only=req["nodes"], progress=progress)
+    if shipper.ship(cycle.to_batch()):
+        # Results still spooled: leave the request to be claimed again once the API takes them.
+        return True
+    verdict = api.complete_preflight(req["id"])
+    if progress:
+        progress(f"preflight {req['id'][:8]}: {'healthy' if verdict.get('healthy') else 'UNHEALTHY'}")
+    return True
+
+
 def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
-                  interval_s: float, once: bool, stop: threading.Event | None = None,
-                  progress: Progress | None = None, jitter: float = 0.1) -> int:
-    """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)."""
+                  interval_s: float, once: bool, api: SchedulerApi | None = None,
+                  stop: threading.Event | None = None, progress: Progress | None = None,
+                  jitter: float = 0.1, poll_s: float = 1.0) -> int:
+    """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)
+    and, between cycles, answer waiting preflight requests."""
     stop = stop or threading.Event()
     cycles = 0
+    next_cycle = time.monotonic()
     while not stop.is_set():
-        cycle = run_cycle(backend, options, progress=progress)
-        left = shipper.ship(cycle.to_batch())
-        cycles += 1
-        if progress:
-            progress(f"cycle {cycles}: {len(cycle.measurements)} measurements, "
-                     f"{len(cycle.findings)} findings, {left} batch(es) still spooled")
-        if once:
-            break
-        stop.wait(interval_s * (1 + random.uniform(-jitter, jitter)))
+        if time.monotonic() >= next_cycle:
+            cycle = run_cycle(backend, options, progress=progress)
+            left = shipper.ship(cycle.to_batch())
+            cycles += 1
+            if progress:
+                progress(f"cycle {cycles}: {len(cycle.measurements)} measurements, "
+                         f"{len(cycle.findings)} findings, {left} batch(es) still spooled")
+            if once:
+                break
+            next_cycle = time.monotonic() + interval_s * (1 + random.uniform(-jitter, jitter))
+        else:
+            shipper.flush()
+        served = api is not None and serve_preflight(backend, shipper, api, options, progress=progress)
+        if not served:
+            stop.wait(max(0.0, min(poll_s, next_cycle - time.monotonic())))
     return cycles

@@ -207,3 +207,26 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     revoked_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
+class PreflightRequest(Base):
+    """A durable preflight: answered from fresh results, or claimed by a scheduler that probes.
+
+    A claim holds a lease; a scheduler that dies mid-request lets the lease run out and
+    another claims the request again.
+    """
+
+    __tablename__ = "preflight_requests"
+    __table_args__ = (Index("ix_preflight_requests_status_created", "status", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    nodes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    max_age_s: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    verdict: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    lease_until: Mapped[datetime | None] = mapped_column(TZ)
+    completed_at: Mapped[datetime | None] = mapped_column(TZ)

@@ -1,0 +1,100 @@
+"""Submit, wait for, claim and complete preflight requests.
+
+A request whose nodes all have fresh results is answered at once. Otherwise it
+waits in Postgres until a scheduler claims it, probes the nodes, ships the
+results and completes it; the verdict is then computed here from the stored
+results, the same way as for an immediate answer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from agents.spec import utcnow
+from services.analyzer.fleet import require_nodes
+from services.analyzer.stored_verdict import verdict_from_store
+from services.errors import BadInput, NotFound
+from services.store import db
+from services.store import health as health_store
+from services.store import preflight as store
+from services.store.models import PreflightRequest
+
+POLL_S = 0.2
+
+
+def _out(req: PreflightRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": req.id, "status": req.status, "nodes": list(req.nodes),
+                            "max_age_s": req.max_age_s, "created_at": req.created_at,
+                            "completed_at": req.completed_at, "attempts": req.attempts}
+    if req.error:
+        body["error"] = req.error
+    if req.verdict is not None:
+        body = {**req.verdict, **body}
+    return body
+
+
+def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = "") -> dict[str, Any]:
+    """Record a request; answer it now if every node has fresh results."""
+    require_nodes(session, nodes)
+    verdict = verdict_from_store(session, nodes, max_age_s)
+    ready = not verdict.get("unprobed")
+    req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,
+                               utcnow())
+    if ready and not verdict["healthy"]:
+        _failed_event(session, req, api_url)
+    return _out(req)
+
+
+def submit_and_wait(factory: sessionmaker[Session], nodes: list[str], max_age_s: float,
+                    wait_s: float, api_url: str = "") -> dict[str, Any]:
+    # The request must be committed before a scheduler can see it, so this is its own job
+    # of several short transactions rather than one request-long transaction.
+    with db.transaction(factory) as s:
+        body = submit(s, nodes, max_age_s, api_url)
+    deadline = time.monotonic() + wait_s
+    while body["status"] in ("pending", "running") and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        with db.transaction(factory) as s:
+            body = get(s, body["id"])
+    return body
+
+
+def get(session: Session, request_id: str) -> dict[str, Any]:
+    req = store.get_request(session, request_id)
+    if req is None:
+        raise NotFound(f"no preflight request {request_id}")
+    return _out(req)
+
+
+def claim(session: Session, worker: str, lease_s: float) -> dict[str, Any] | None:
+    req = store.claim_next(session, worker, lease_s, utcnow())
+    return _out(req) if req else None
+
+
+def complete(session: Session, request_id: str, worker: str, error: str | None = None,
+             api_url: str = "") -> dict[str, Any]:
+    """Finish a claimed request from the results its scheduler has just shipped."""
+    req = store.get_request(session, request_id)
+    if req is None:
+        raise NotFound(f"no preflight request {request_id}")
+    if req.status not in ("running", "pending"):
+        raise BadInput(f"preflight request {request_id} is already {req.status}")
+    if req.claimed_by not in (None, worker):
+        raise BadInput(f"preflight request {request_id} is claimed by {req.claimed_by}")
+    verdict = None if error else verdict_from_store(session, list(req.nodes), req.max_age_s)
+    store.complete(session, req, verdict, utcnow(), error)
+    if verdict is not None and not verdict["healthy"]:
+        _failed_event(session, req, api_url)
+    return _out(req)
+
+
+def _failed_event(session: Session, req: PreflightRequest, api_url: str) -> None:
+    verdict = req.verdict or {}
+    health_store.enqueue_event(session, "preflight.failed", {
+        "preflight_id": req.id, "nodes": list(req.nodes), "exclude": verdict.get("exclude", []),
+        "findings": verdict.get("findings", []), "finding": (verdict.get("findings") or [None])[0],
+        "links": [], "url": f"{api_url}/v1/preflight/{req.id}",
+    })

@@ -1,0 +1,57 @@
+"""Durable preflight requests and their claims (``FOR UPDATE SKIP LOCKED``)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from services.store.models import PreflightRequest
+
+
+def create_request(session: Session, nodes: list[str], max_age_s: float,
+                   verdict: dict[str, Any] | None, now: datetime) -> PreflightRequest:
+    req = PreflightRequest(
+        id=str(uuid.uuid4()), nodes=nodes, max_age_s=max_age_s, attempts=0,
+        status="done" if verdict is not None else "pending", verdict=verdict,
+        completed_at=now if verdict is not None else None,
+    )
+    session.add(req)
+    session.flush()
+    return req
+
+
+def get_request(session: Session, request_id: str) -> PreflightRequest | None:
+    return session.get(PreflightRequest, request_id)
+
+
+def claim_next(session: Session, worker: str, lease_s: float, now: datetime) -> PreflightRequest | None:
+    """The oldest pending request, or one whose claimer's lease ran out; leased to ``worker``."""
+    req = session.scalar(
+        select(PreflightRequest)
+        .where(or_(PreflightRequest.status == "pending",
+                   (PreflightRequest.status == "running") & (PreflightRequest.lease_until < now)))
+        .order_by(PreflightRequest.created_at)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
+    if req is None:
+        return None
+    req.status = "running"
+    req.claimed_by = worker
+    req.attempts += 1
+    req.lease_until = now + timedelta(seconds=lease_s)
+    session.flush()
+    return req
+
+
+def complete(session: Session, req: PreflightRequest, verdict: dict[str, Any] | None,
+             now: datetime, error: str | None = None) -> None:
+    req.status = "done" if error is None else "failed"
+    req.verdict = verdict
+    req.error = error
+    req.completed_at = now
+    req.lease_until = None

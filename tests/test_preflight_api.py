@@ -1,0 +1,109 @@
+"""Durable preflight requests: answered from fresh results, or claimed, probed and completed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from services.config import Settings
+from services.store import db, tokens
+from tests.api_fixtures import fleet_batch, measurement
+
+NODES = ["node-000", "node-001", "node-002", "node-003"]
+
+
+@pytest.fixture
+def api(clean_db):
+    with db.transaction(clean_db) as s:
+        toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
+    app = create_app(Settings(database_url="unused", api_url="http://rw.test"), clean_db)
+    with TestClient(app) as client:
+        client.h = {r: {"Authorization": f"Bearer {t}"} for r, t in toks.items()}  # type: ignore[attr-defined]
+        yield client
+
+
+def stale(api) -> None:
+    """Register the nodes with results too old for any preflight."""
+    old = fleet_batch(batch_id="old")
+    for m in old["measurements"]:
+        m["time"] = "2020-01-01T00:00:00+00:00"
+    api.post("/v1/measurements", json=old, headers=api.h["agent"]).raise_for_status()
+
+
+def test_fresh_results_answer_at_once_and_are_recorded(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-003"), headers=api.h["agent"])
+    r = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"])
+    assert r.status_code == 200
+    v = r.json()
+    assert v["status"] == "done" and v["healthy"] is False and v["exclude"] == ["node-003"]
+    again = api.get(f"/v1/preflight/{v['id']}", headers=api.h["reader"]).json()
+    assert again["exclude"] == ["node-003"]
+
+
+def test_missing_results_wait_for_a_scheduler(api) -> None:
+    stale(api)
+    r = api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60}, headers=api.h["reader"])
+    assert r.status_code == 202
+    req = r.json()
+    assert req["status"] == "pending" and "healthy" not in req
+
+    claimed = api.post("/v1/preflight/claim", json={"worker": "sched-a"}, headers=api.h["agent"])
+    assert claimed.status_code == 200 and claimed.json()["id"] == req["id"]
+    assert api.post("/v1/preflight/claim", json={"worker": "sched-b"},
+                    headers=api.h["agent"]).status_code == 204
+    assert api.get(f"/v1/preflight/{req['id']}", headers=api.h["reader"]).json()["status"] == "running"
+
+    api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"]).raise_for_status()
+    done = api.post(f"/v1/preflight/{req['id']}/complete", json={"worker": "sched-a"},
+                    headers=api.h["agent"]).json()
+    assert done["status"] == "done" and done["healthy"] is True and done["exclude"] == []
+    # A second completion is refused with a reason.
+    r = api.post(f"/v1/preflight/{req['id']}/complete", json={"worker": "sched-a"}, headers=api.h["agent"])
+    assert r.status_code == 422 and "already done" in r.json()["message"]
+
+
+def test_a_dead_schedulers_request_is_claimed_again(api) -> None:
+    stale(api)
+    req = api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60}, headers=api.h["reader"]).json()
+    first = api.post("/v1/preflight/claim", json={"worker": "dies", "lease_s": 0.5}, headers=api.h["agent"])
+    assert first.json()["id"] == req["id"]
+    time.sleep(0.7)  # the claimer never completes; its lease runs out
+    second = api.post("/v1/preflight/claim", json={"worker": "lives"}, headers=api.h["agent"]).json()
+    assert second["id"] == req["id"] and second["attempts"] == 2
+    r = api.post(f"/v1/preflight/{req['id']}/complete", json={"worker": "dies"}, headers=api.h["agent"])
+    assert r.status_code == 422 and "lives" in r.json()["message"]
+
+
+def test_unhealthy_verdict_queues_preflight_failed(api, clean_db) -> None:
+    from sqlalchemy import select
+
+    from services.store.models import OutboxEvent
+
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
+    api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"])
+    with db.transaction(clean_db) as s:
+        events = s.scalars(select(OutboxEvent).where(OutboxEvent.event_type == "preflight.failed")).all()
+        assert len(events) == 1 and events[0].payload["exclude"] == ["node-001"]
+
+
+def test_wait_returns_pending_when_no_scheduler_answers(api) -> None:
+    stale(api)
+    r = api.post("/v1/preflight?wait=0.5", json={"nodes": NODES[:2], "max_age_s": 60},
+                 headers=api.h["reader"])
+    assert r.status_code == 202 and r.json()["status"] == "pending"
+
+
+def test_bad_preflight_input(api) -> None:
+    api.post("/v1/measurements", json={"batch_id": "b", "backend": "gloo",
+                                       "measurements": [measurement(["node-000/0", "node-001/0"], 1.0)]},
+             headers=api.h["agent"])
+    assert api.post("/v1/preflight", json={"nodes": []}, headers=api.h["reader"]).status_code == 422
+    assert api.post("/v1/preflight", json={"nodes": ["node-000"], "max_age_s": -1},
+                    headers=api.h["reader"]).status_code == 422
+    assert api.post("/v1/preflight?wait=-1", json={"nodes": ["node-000"]},
+                    headers=api.h["reader"]).status_code == 422
+    assert api.get("/v1/preflight/nope", headers=api.h["reader"]).status_code == 404
+    assert api.post("/v1/preflight/claim", json={"worker": "x"}, headers=api.h["reader"]).status_code == 403
