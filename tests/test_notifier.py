@@ -141,3 +141,19 @@ def test_test_endpoint_sends_a_test_event(api, clean_db, receiver) -> None:
     drain(Notifier(clean_db, policy=NO_WAIT))
     assert [e["event"] for e in receiver.events] == ["webhook.test"]
     assert receiver.events[0]["verified"]
+
+
+def test_run_forever_delivers_until_stopped(api, clean_db, receiver) -> None:
+    register(api, receiver.url)
+    notifier = Notifier(clean_db, policy=NO_WAIT)
+    stop = threading.Event()
+    loop = threading.Thread(target=notifier.run_forever, args=(0.2, stop))
+    loop.start()
+    try:
+        expected = len(ingest(api, fleet_batch(slow_node="node-000"))["degraded"])
+        assert len(receiver.wait_for(expected, timeout_s=30)) == expected
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+    assert not loop.is_alive()
+    notifier.close()

@@ -16,6 +16,7 @@ from agents.spec import utcnow
 from services.notifier.channels import CHANNELS, sign
 from services.store import db
 from services.store import webhooks as store
+from services.store.health import OUTBOX_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class Notifier:
         log.info("delivery %s of event %s to %s failed (%s)", delivery_id, event_id, url, error)
 
     def run_forever(self, poll_s: float, stop: threading.Event) -> None:
+        """Deliver until ``stop``; wake on the outbox's NOTIFY, or every ``poll_s`` for retries."""
+        listener = self._listen()
         while not stop.is_set():
             try:
                 busy = self.run_once()
@@ -92,7 +95,33 @@ class Notifier:
                 log.exception("notifier pass failed")
                 busy = 0
             if not busy:
-                stop.wait(poll_s)
+                self._wait(listener, poll_s, stop)
+        if listener is not None:
+            listener.close()
+
+    def _listen(self):  # -> psycopg.Connection | None
+        import psycopg
+
+        url = self.factory.kw["bind"].url.set(drivername="postgresql")
+        try:
+            conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+            conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
+            return conn
+        except psycopg.Error:
+            log.warning("LISTEN unavailable; polling every pass instead")
+            return None
+
+    @staticmethod
+    def _wait(listener, poll_s: float, stop: threading.Event) -> None:
+        if listener is None:
+            stop.wait(poll_s)
+            return
+        try:
+            for _ in listener.notifies(timeout=poll_s, stop_after=1):
+                pass
+        except Exception:
+            log.exception("LISTEN connection failed")
+            stop.wait(poll_s)
 
     def close(self) -> None:
         self.client.close()

@@ -84,8 +84,11 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
         raise BadInput(f"preflight request {request_id} is already {req.status}")
     if req.claimed_by not in (None, worker):
         raise BadInput(f"preflight request {request_id} is claimed by {req.claimed_by}")
-    verdict = None if error else verdict_from_store(session, list(req.nodes), req.max_age_s)
-    store.complete(session, req, verdict, utcnow(), error)
+    now = utcnow()
+    # Results probed for this request are fresh however small max_age_s was.
+    window = max(req.max_age_s, (now - req.created_at).total_seconds() + 1.0)
+    verdict = None if error else verdict_from_store(session, list(req.nodes), window)
+    store.complete(session, req, verdict, now, error)
     if verdict is not None and not verdict["healthy"]:
         _failed_event(session, req, api_url)
     return _out(req)

@@ -6,10 +6,12 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from services.store.models import Finding, LinkHealth, OutboxEvent
+
+OUTBOX_CHANNEL = "ringwatch_outbox"
 
 
 def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], LinkHealth]:
@@ -74,6 +76,8 @@ def enqueue_event(session: Session, event_type: str, payload: dict[str, Any]) ->
     event = OutboxEvent(event_type=event_type, payload=payload)
     session.add(event)
     session.flush()
+    # Delivered to listening notifiers at commit, never for a rolled-back change.
+    session.execute(text(f"NOTIFY {OUTBOX_CHANNEL}"))
     return event
 
 

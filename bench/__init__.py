@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print figures (never timed assertions in the tests)."""
