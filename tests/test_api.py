@@ -164,3 +164,19 @@ def test_metrics_are_prometheus_text(api) -> None:
     text = api.get("/metrics").text
     assert 'ringwatch_links{status="degraded"}' in text
     assert "ringwatch_open_findings" in text
+
+
+def test_repeated_hang_is_one_incident_resolved_by_a_clean_probe(api) -> None:
+    hang = {"kind": "hang", "node": "node-003", "gpu": 1}
+    for _ in range(2):
+        batch = fleet_batch()
+        batch["measurements"] = [m for m in batch["measurements"] if "node-003/1" not in m["members"]]
+        batch["findings"] = [hang]
+        r = api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).json()
+    assert r["probe_findings"] == []  # the repeat opened nothing new
+    open_ = api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json()
+    assert [f["kind"] for f in open_] == ["hang"]
+
+    r = api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).json()
+    assert [x["kind"] for x in r["recovered"]] == ["hang"]
+    assert api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json() == []

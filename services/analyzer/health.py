@@ -116,9 +116,37 @@ def apply_round(
                 store.resolve_finding(session, open_, at)
             _event(session, "health.recovered", open_.id if open_ else None, payload, link, api_url)
             changes.recovered.append(payload)
-    for pf in probe_findings:
-        changes.probe_findings.append(_record_probe_finding(session, pf, api_url))
+    _probe_findings(session, rows, probe_findings, at, api_url, changes)
     return changes
+
+
+def _rank_of(detail: dict[str, Any]) -> str | None:
+    node, gpu = detail.get("node"), detail.get("gpu")
+    return f"{node}/{gpu}" if node is not None and gpu is not None else None
+
+
+def _probe_findings(session: Session, rows: list[MeasurementRow], new: list[dict[str, Any]],
+                    at: datetime, api_url: str, changes: HealthChanges) -> None:
+    """Open hang / wrong-data incidents once; resolve them when their rank probes clean again."""
+    open_ = {(f.kind, _rank_of(f.detail) or ",".join(f.nodes)): f
+             for f in store.open_probe_findings(session)}
+    clean = {m for r in rows if r.wrong == 0 for m in r.members}
+    reported = set()
+    for pf in new:
+        key = (pf["kind"], _rank_of(pf) or ",".join(sorted(pf.get("nodes") or [])))
+        reported.add(key)
+        if key in open_:
+            open_[key].last_seen_at = at  # a repeat of an open incident: no new event
+            continue
+        changes.probe_findings.append(_record_probe_finding(session, pf, api_url))
+    for key, f in open_.items():
+        rank = _rank_of(f.detail)
+        if key not in reported and rank is not None and rank in clean:
+            store.resolve_finding(session, f, at)
+            store.enqueue_event(session, "health.recovered", {
+                "finding": f.detail, "finding_id": f.id, "nodes": list(f.nodes), "links": [],
+                "url": f"{api_url}/v1/findings/{f.id}"})
+            changes.recovered.append(dict(f.detail))
 
 
 def _new_link(session: Session, key: tuple[str, str], a: Assessment):

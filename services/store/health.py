@@ -59,6 +59,14 @@ def open_finding_for(session: Session, group_key: str, op: str) -> Finding | Non
     )
 
 
+def open_probe_findings(session: Session) -> list[Finding]:
+    """Open findings the probes raised themselves (hangs, wrong data), locked."""
+    return list(session.scalars(
+        select(Finding).where(Finding.status == "open", Finding.group_key.is_(None))
+        .with_for_update()
+    ))
+
+
 def resolve_finding(session: Session, finding: Finding, at: datetime) -> None:
     finding.status = "resolved"
     finding.resolved_at = at
