@@ -1,0 +1,339 @@
+"""The op table: what each probe collective moves, how nccl-tests counts its bandwidth,
+and what a correct result holds, so every backend sizes, scores and checks ops alike.
+
+Sizes follow nccl-tests: ``size_bytes`` is the per-rank buffer for AllReduce, AllToAll
+and SendRecv, the OUTPUT for AllGather and the INPUT for ReduceScatter. Bandwidth
+follows nccl-tests' doc/PERFORMANCE.md: ``algbw = size / time``, ``busbw = algbw * factor``.
+
+Input patterns are small integers, so every value and every partial sum is exact in
+float32, bfloat16 and float16 whatever order the backend reduces in: a correct run
+compares bit for bit, and any wrong element is a real error, not rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agents.spec import GroupSpec, member
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Every integer in [0, limit] is exactly representable (mantissa bits + 1).
+_EXACT_LIMIT: dict[str, int] = {"float32": 1 << 24, "bfloat16": 1 << 8, "float16": 1 << 11}
+# Non-reducing ops tag elements modulo a prime below 256: exact in every dtype, and a
+# block shifted by one rank or one chunk no longer matches.
+_TAG_MODULUS = 251
+# Reducing ops use summands in [0, k); k stays small so partial sums stay tiny.
+_MAX_SUMMAND_MODULUS = 16
+
+
+def dtype_size(dtype: str) -> int:
+    return torch.tensor([], dtype=torch_dtype(dtype)).element_size()
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """How one op at one requested size is laid out on one rank (nccl-tests' columns)."""
+
+    op: str
+    world_size: int
+    dtype: str
+    count: int  # nccl-tests' "count" column: the element count the op is called with
+    in_numel: int
+    out_numel: int
+    size_bytes: int  # nccl-tests' "size" column: the size actually used after rounding
+
+    @property
+    def chunk(self) -> int:
+        """Elements per peer block of the chunked ops (nccl-tests passes this as count)."""
+        return self.count
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One row of the op table."""
+
+    name: str
+    # busbw = algbw * factor(world_size), nccl-tests doc/PERFORMANCE.md.
+    factor: Callable[[int], float]
+    # True where the buffer is split into world_size blocks (count is per block).
+    chunked: bool
+    # True where torch runs the op in place (input buffer becomes the output).
+    in_place: bool
+    min_ranks: int = 1
+
+    def buffers(self, size_bytes: int, world_size: int, dtype: str) -> Buffers:
+        return plan(self.name, size_bytes, world_size, dtype)
+
+
+def _allreduce_factor(n: int) -> float:
+    return 2.0 * (n - 1) / n
+
+
+def _fraction_factor(n: int) -> float:
+    return (n - 1) / n
+
+
+OPS: dict[str, Collective] = {
+    "allreduce": Collective("allreduce", _allreduce_factor, chunked=False, in_place=True),
+    "alltoall": Collective("alltoall", _fraction_factor, chunked=True, in_place=False),
+    "allgather": Collective("allgather", _fraction_factor, chunked=True, in_place=False),
+    "reducescatter": Collective("reducescatter", _fraction_factor, chunked=True, in_place=False),
+    "sendrecv": Collective("sendrecv", lambda n: 1.0, chunked=False, in_place=False, min_ranks=2),
+}
+
+
+def collective(op: str) -> Collective:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}") from None
+
+
+def busbw_factor(op: str, world_size: int) -> float:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return collective(op).factor(world_size)
+
+
+def algbw_gbs(size_bytes: int, time_s: float) -> float:
+    """nccl-tests' algorithm bandwidth in GB/s (1e9 bytes per second)."""
+    if time_s <= 0:
+        raise ValueError(f"time must be positive, got {time_s}")
+    return size_bytes / time_s / 1e9
+
+
+def busbw_gbs(op: str, size_bytes: int, time_s: float, world_size: int) -> float:
+    """nccl-tests' bus bandwidth: algbw times the op's factor for this world size."""
+    return algbw_gbs(size_bytes, time_s) * busbw_factor(op, world_size)
+
+
+def plan(op: str, size_bytes: int, world_size: int, dtype: str) -> Buffers:
+    """Lay out ``op`` at ``size_bytes`` on ``world_size`` ranks, nccl-tests style.
+
+    Chunked ops round the element count down to a multiple of the world size, but
+    never below one element per block, so even an 8-byte probe moves data.
+    """
+    coll = collective(op)
+    if world_size < coll.min_ranks:
+        raise ValueError(f"{op} needs at least {coll.min_ranks} ranks, got {world_size}")
+    if size_bytes < 0:
+        raise ValueError(f"size must be >= 0, got {size_bytes}")
+    esize = dtype_size(dtype)
+    elements = max(1, size_bytes // esize)
+    n = world_size
+    if not coll.chunked:
+        return Buffers(op, n, dtype, elements, elements, elements, elements * esize)
+    block = max(1, elements // n)
+    full = block * n
+    in_numel, out_numel = {
+        "alltoall": (full, full),
+        "allgather": (block, full),
+        "reducescatter": (full, block),
+    }[op]
+    return Buffers(op, n, dtype, block, in_numel, out_numel, max(in_numel, out_numel) * esize)
+
+
+# ---- patterns -------------------------------------------------------------------------
+
+
+def _index(numel: int, device: torch.device | str) -> torch.Tensor:
+    # int64: element indices of a 1 GiB float16 buffer are fine in int32 too, but the
+    # sums below add rank offsets; int64 keeps them clear of overflow.
+    return torch.arange(numel, dtype=torch.int64, device=device)
+
+
+def _tag(
+    index: torch.Tensor, rank: int | torch.Tensor, block: int | torch.Tensor = 0
+) -> torch.Tensor:
+    """A value that names (element, rank, block): used by the non-reducing ops."""
+    return (index + 7 * rank + 13 * block) % _TAG_MODULUS
+
+
+def summand_modulus(world_size: int, dtype: str) -> int:
+    """Summands lie in [0, k) with (k-1) * world_size <= exact limit, so sums stay exact.
+
+    Returns 1 when even {0, 1} summands could overflow the exact range (bfloat16 beyond
+    256 ranks); the pattern then becomes one-hot, whose sum is always exactly 1.
+    """
+    limit = _EXACT_LIMIT[dtype]
+    return max(1, min(_MAX_SUMMAND_MODULUS, limit // world_size + 1))
+
+
+def _summand(index: torch.Tensor, rank: int, world_size: int, dtype: str) -> torch.Tensor:
+    k = summand_modulus(world_size, dtype)
+    if k == 1:
+        return ((index + rank) % world_size == 0).to(torch.int64)
+    return (index + rank) % k
+
+
+def _sum_of_summands(index: torch.Tensor, world_size: int, dtype: str) -> torch.Tensor:
+    """Closed form of sum over ranks r of _summand(index, r): O(numel), not O(numel * n)."""
+    k = summand_modulus(world_size, dtype)
+    if k == 1:
+        return torch.ones_like(index)
+    full_cycles, rest = divmod(world_size, k)
+    # Ranks 0..rest-1 past the last full cycle add (a + j) % k for j < rest, a = i % k.
+    table = torch.tensor(
+        [sum((a + j) % k for j in range(rest)) for a in range(k)],
+        dtype=torch.int64,
+        device=index.device,
+    )
+    return full_cycles * (k * (k - 1) // 2) + table[index % k]
+
+
+def make_input(buf: Buffers, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The deterministic, rank-dependent input of ``rank`` for ``buf``."""
+    idx = _index(buf.in_numel, device)
+    if buf.op in ("allreduce", "reducescatter"):
+        values = _summand(idx, rank, buf.world_size, buf.dtype)
+    elif buf.op == "alltoall":
+        # Block d goes to rank d: tag it with (sender, receiver).
+        values = _tag(idx % buf.chunk, rank, block=idx // buf.chunk)
+    else:  # allgather, sendrecv
+        values = _tag(idx, rank)
+    return values.to(torch_dtype(buf.dtype))
+
+
+def expected_output(buf: Buffers, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """What ``rank``'s output buffer must hold after a correct run of ``buf.op``."""
+    n = buf.world_size
+    idx = _index(buf.out_numel, device)
+    if buf.op == "allreduce":
+        values = _sum_of_summands(idx, n, buf.dtype)
+    elif buf.op == "reducescatter":
+        values = _sum_of_summands(idx + rank * buf.chunk, n, buf.dtype)
+    elif buf.op == "alltoall":
+        # Block s comes from rank s, which tagged it with (s, rank).
+        values = _tag(idx % buf.chunk, idx // buf.chunk, block=rank)
+    elif buf.op == "allgather":
+        # Block s is rank s's input.
+        values = _tag(idx % buf.chunk, idx // buf.chunk)
+    else:  # sendrecv: the output came from rank (r - 1) % n
+        values = _tag(idx, (rank - 1) % n)
+    return values.to(torch_dtype(buf.dtype))
+
+
+def count_wrong(output: torch.Tensor, expected: torch.Tensor) -> int:
+    """Number of wrong elements; a buffer of the wrong shape is wrong everywhere.
+
+    Exact comparison is right here because the patterns are exact integers; NaN
+    compares unequal, so it counts as wrong too.
+    """
+    if output.shape != expected.shape:
+        return max(output.numel(), expected.numel())
+    return int((output != expected).sum().item())
+
+
+# ---- size presets ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    """A size sweep: latency sizes (time dominated by fixed cost) then bandwidth sizes."""
+
+    name: str
+    latency_sizes: tuple[int, ...]
+    bandwidth_sizes: tuple[int, ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.latency_sizes + self.bandwidth_sizes
+
+
+_KiB, _MiB, _GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def _doubling(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2*lo, ... up to hi: nccl-tests' ``-b lo -e hi -f 2``."""
+    sizes = []
+    size = lo
+    while size <= hi:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes)
+
+
+def _full(cap: int) -> SizePreset:
+    sizes = _doubling(8, cap)
+    return SizePreset("full", tuple(s for s in sizes if s <= 64 * _KiB),
+                      tuple(s for s in sizes if s > 64 * _KiB))
+
+
+# The arithmetic behind these is in docs/probes.md ("Presets"). GPU figures are for
+# NVLink/IB-class links; gloo moves ~1 GB/s through CPU memory, so its sweep stops early.
+SIZE_PRESETS: dict[tuple[str, str], SizePreset] = {
+    ("quick", "gpu"): SizePreset("quick", (8, 64, 512, 4 * _KiB, 64 * _KiB),
+                                 (64 * _MiB, 128 * _MiB, 256 * _MiB)),
+    ("quick", "cpu"): SizePreset("quick", (8, 512, 4 * _KiB, 64 * _KiB), (1 * _MiB, 4 * _MiB)),
+    ("full", "gpu"): _full(1 * _GiB),
+    ("full", "cpu"): _full(64 * _MiB),
+}
+
+
+def size_preset(name: str, backend: str) -> SizePreset:
+    """The ``quick`` or ``full`` sweep for a backend: gloo gets the CPU sweep; nccl and the
+    sim (which models GPUs) the GPU one."""
+    kind = "cpu" if backend == "gloo" else "gpu"
+    try:
+        return SIZE_PRESETS[(name, kind)]
+    except KeyError:
+        raise ValueError(f"preset must be quick or full, got {name!r}") from None
+
+
+def preset_sizes(name: str, backend: str) -> tuple[int, ...]:
+    return size_preset(name, backend).sizes
+
+
+# ---- GPU pairs inside a node ----------------------------------------------------------
+
+
+def pair_matchings(count: int) -> list[list[tuple[int, int]]]:
+    """Perfect matchings of ``count`` ranks by the circle method: every pair exactly once,
+    no rank twice in a round. 8 ranks: 7 rounds of 4 pairs = 28 pairs. An odd count adds
+    a bye, so one rank sits out each of its ``count`` rounds."""
+    if count < 2:
+        return []
+    ring: list[int | None] = list(range(count)) + ([None] if count % 2 else [])
+    n = len(ring)
+    rounds = []
+    for _ in range(n - 1):
+        pairs = [(ring[i], ring[n - 1 - i]) for i in range(n // 2)]
+        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a is not None and b is not None])
+        # Rank 0 stays put; the rest turn one place, which meets every partner once.
+        ring = [ring[0], ring[-1], *ring[1:-1]]
+    return rounds
+
+
+def gpu_pair_rounds(
+    nodes: dict[str, list[int]], ops: tuple[str, ...] = ("sendrecv",), **spec: Any
+) -> list[list[GroupSpec]]:
+    """Rounds of ``gpu_pair`` groups: round k holds matching k of every node at once (the
+    nodes' pairs are disjoint, so they run concurrently). ``spec`` goes to GroupSpec."""
+    per_node = {node: pair_matchings(len(ix)) for node, ix in nodes.items()}
+    depth = max((len(m) for m in per_node.values()), default=0)
+    rounds: list[list[GroupSpec]] = []
+    for k in range(depth):
+        groups = []
+        for node, matchings in per_node.items():
+            if k < len(matchings):
+                ix = nodes[node]
+                for a, b in matchings[k]:
+                    groups.append(GroupSpec("gpu_pair", (member(node, ix[a]), member(node, ix[b])),
+                                            ops=ops, **spec))
+        rounds.append(groups)
+    return rounds

@@ -1,0 +1,447 @@
+"""ProbeAgent: one rank of the probe fabric (one GPU under nccl, one CPU slot under gloo).
+
+The scheduler's backend makes it a Ray actor; importing this module starts nothing.
+Each ``run_group`` call joins one probe group through a store the driver hosts, forms
+a process group of its own for it (one actor takes part in many groups over its life,
+so never the global default group), times every op nccl-tests style, checks the data
+and leaves. A sick peer comes back as data, never as a crashed agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agents import telemetry
+from agents.collectives import (
+    Buffers,
+    collective,
+    count_wrong,
+    expected_output,
+    make_input,
+    plan,
+    torch_dtype,
+)
+from agents.spec import InjectedFault, RankInfo, member
+
+# An injected hang sleeps this long; the driver kills the agent long before.
+_HANG_SLEEP_S = 24 * 3600.0
+
+Work = Any  # torch's c10d Work: has .wait()
+Launch = Callable[[Any, torch.Tensor, torch.Tensor, int, int], list[Work]]
+
+
+# ---- store keys: the progress protocol the driver reads after a deadline ---------------
+
+
+def arrived_key(rank: int) -> str:
+    return f"arrived/{rank}"
+
+
+def entered_key(rank: int, op: str, size: int) -> str:
+    return f"entered/{rank}/{op}/{size}"
+
+
+def done_key(rank: int, op: str, size: int) -> str:
+    return f"done/{rank}/{op}/{size}"
+
+
+# ---- launching one op on a process-group backend object -------------------------------
+
+
+def _allreduce(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
+    # torch's allreduce is in place: the caller passes the input as recv.
+    return [pg.allreduce([recv])]
+
+
+def _alltoall(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
+    return [pg.alltoall_base(recv, send, [], [])]
+
+
+def _allgather(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
+    return [pg._allgather_base(recv, send)]
+
+
+def _reducescatter(
+    pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int
+) -> list[Work]:
+    return [pg._reduce_scatter_base(recv, send)]
+
+
+def _sendrecv_gloo(
+    pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int
+) -> list[Work]:
+    # Gloo's send is asynchronous, so posting both before waiting cannot deadlock.
+    return [pg.send([send], (rank + 1) % n, 0), pg.recv([recv], (rank - 1) % n, 0)]
+
+
+def _sendrecv_nccl(
+    pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int
+) -> list[Work]:
+    # A lone ncclSend followed by ncclRecv on every rank deadlocks on large messages;
+    # alltoall_base with one non-empty split is torch's grouped send+recv (ncclGroupStart).
+    numel = send.numel()
+    in_splits = [numel if peer == (rank + 1) % n else 0 for peer in range(n)]
+    out_splits = [numel if peer == (rank - 1) % n else 0 for peer in range(n)]
+    return [pg.alltoall_base(recv, send, out_splits, in_splits)]
+
+
+_LAUNCH: dict[str, Launch] = {
+    "allreduce": _allreduce,
+    "alltoall": _alltoall,
+    "allgather": _allgather,
+    "reducescatter": _reducescatter,
+}
+
+
+def launcher(op: str, backend: str) -> Launch:
+    collective(op)  # raises on an unknown op
+    if op == "sendrecv":
+        return _sendrecv_nccl if backend == "nccl" else _sendrecv_gloo
+    return _LAUNCH[op]
+
+
+def _wait(works: list[Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+# ---- forming and leaving a group ------------------------------------------------------
+
+
+def make_group(
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    *,
+    host: str = "127.0.0.1",
+    device: torch.device | None = None,
+) -> Any:
+    """A process-group backend object of its own, outside torch's global group registry."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        # Bind to the address Ray uses, not whatever the hostname resolves to.
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "nccl":
+        if device is not None:
+            torch.cuda.set_device(device)
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
+    raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+
+
+def leave_group(pg: Any, failed: bool) -> None:
+    """Tear a group down; after a failure NCCL must abort, or its threads keep waiting."""
+    if pg is None:
+        return
+    for name in ("abort",) if failed else ("shutdown",):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            # Teardown of a broken group: nothing more to save if it fails too.
+            with contextlib.suppress(Exception):
+                fn()
+
+
+# ---- timing ---------------------------------------------------------------------------
+
+
+def _sync_point(pg: Any, backend: str, device: torch.device) -> None:
+    """All ranks line up here, so the timed loop starts together."""
+    if backend == "gloo":
+        pg.barrier().wait()
+        return
+    # A one-element allreduce is NCCL's barrier; synchronize so the host lines up too.
+    token = torch.zeros(1, device=device)
+    _wait(pg.allreduce([token]))
+    torch.cuda.synchronize(device)
+
+
+def _slow_down(elapsed_s: float, slow_factor: float | None) -> None:
+    """An injected slow rank stretches each iteration so it runs at ``factor`` speed."""
+    if slow_factor is not None and elapsed_s > 0:
+        time.sleep(elapsed_s * (1.0 / slow_factor - 1.0))
+
+
+def _time_host(run: Callable[[], None], iters: int, slow_factor: float | None) -> float:
+    """Mean seconds per iteration by wall clock (gloo: the op is done when wait returns)."""
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        ti = time.perf_counter()
+        run()
+        _slow_down(time.perf_counter() - ti, slow_factor)
+    return (time.perf_counter() - t0) / iters
+
+
+def _time_cuda(
+    run: Callable[[], None], iters: int, slow_factor: float | None, device: torch.device
+) -> float:
+    """Mean seconds per iteration by CUDA events around the loop, with no host sync inside.
+
+    ``wait`` on an NCCL work only makes the current stream wait for NCCL's stream, so the
+    end event lands after the last op. Only an injected slow rank syncs per iteration,
+    because it must know how long the iteration took.
+    """
+    stream = torch.cuda.current_stream(device)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(iters):
+        ti = time.perf_counter()
+        run()
+        if slow_factor is not None:
+            torch.cuda.synchronize(device)
+            _slow_down(time.perf_counter() - ti, slow_factor)
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def run_probe(
+    pg: Any,
+    buf: Buffers,
+    rank: int,
+    *,
+    backend: str = "gloo",
+    device: torch.device | None = None,
+    warmup: int = 5,
+    iters: int = 20,
+    repeats: int = 1,
+    slow_factor: float | None = None,
+    corrupt: bool = False,
+) -> dict[str, Any]:
+    """Warm up, time ``repeats`` loops of ``iters`` iterations, then check one fresh run.
+
+    Returns this rank's mean seconds per iteration for each repeat (``times_s``), the wall
+    time of its timed sections (``timed_s``) and its wrong element count (``wrong``).
+    """
+    device = device or torch.device("cpu")
+    launch = launcher(buf.op, backend)
+    times, timed_s = _timed_loops(pg, buf, rank, launch, backend, device, warmup, iters,
+                                  max(1, repeats), slow_factor)
+    # The timed buffers are gone by now, which keeps the peak low at 1 GiB sizes.
+    wrong = _checked_run(pg, buf, rank, launch, device, corrupt)
+    return {"times_s": times, "timed_s": timed_s, "wrong": wrong}
+
+
+def _timed_loops(
+    pg: Any, buf: Buffers, rank: int, launch: Launch, backend: str, device: torch.device,
+    warmup: int, iters: int, repeats: int, slow_factor: float | None,
+) -> tuple[list[float], float]:
+    """The warm-ups and timed loops. An in-place op (AllReduce) runs on zeros here, so
+    repeated sums stay finite; the data check is a separate run, as in nccl-tests' -c."""
+    send = make_input(buf, rank, device)
+    recv = torch.zeros(buf.out_numel, dtype=torch_dtype(buf.dtype), device=device)
+    if collective(buf.op).in_place:
+        send = recv
+
+    def run() -> None:
+        _wait(launch(pg, send, recv, rank, buf.world_size))
+
+    for _ in range(warmup):
+        run()
+    times: list[float] = []
+    timed_s = 0.0
+    for _ in range(repeats):
+        _sync_point(pg, backend, device)
+        t0 = time.perf_counter()
+        if backend == "nccl":
+            times.append(_time_cuda(run, iters, slow_factor, device))
+        else:
+            times.append(_time_host(run, iters, slow_factor))
+        timed_s += time.perf_counter() - t0
+        _sync_point(pg, backend, device)
+    return times, timed_s
+
+
+def _checked_run(
+    pg: Any, buf: Buffers, rank: int, launch: Launch, device: torch.device, corrupt: bool
+) -> int:
+    """One run on the real pattern; the number of elements of this rank's output that are wrong."""
+    send = make_input(buf, rank, device)
+    if collective(buf.op).in_place:
+        recv = send  # fresh for this run; the op overwrites it with the result
+    else:
+        # Zeroed first, as nccl-tests does, so a block nobody wrote cannot pass.
+        recv = torch.zeros(buf.out_numel, dtype=send.dtype, device=device)
+    _wait(launch(pg, send, recv, rank, buf.world_size))
+    if corrupt:
+        # An injected corrupt rank flips one element, as a bad link or bad HBM would.
+        recv.view(-1)[0] += 1
+    return count_wrong(recv, expected_output(buf, rank, device))
+
+
+# ---- the agent ------------------------------------------------------------------------
+
+
+class ProbeAgent:
+    """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too."""
+
+    def __init__(
+        self,
+        node: str,
+        local_index: int,
+        backend: str = "gloo",
+        injected: list[dict[str, Any]] | None = None,
+        *,
+        device_index: int | None = None,
+        host: str | None = None,
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        # One rank per CPU slot: more threads per rank would fight over the same cores.
+        torch.set_num_threads(1)
+        self.node = node
+        self.local_index = local_index
+        self.backend = backend
+        # Under nccl the GPU; on a single machine playing several logical nodes the
+        # backend maps logical ranks to distinct GPUs, so it may differ from local_index.
+        self.device_index = local_index if device_index is None else device_index
+        self._host = host
+        self._faults: dict[str, InjectedFault] = {}
+        self.set_injected(injected or [])
+        if backend == "nccl":
+            # A peer that dies must surface as an error here, not as a silent hang.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+    @property
+    def member(self) -> str:
+        return member(self.node, self.local_index)
+
+    def set_injected(self, injected: list[dict[str, Any]]) -> None:
+        """Replace the faults injected into this rank (dicts of agents.spec.InjectedFault)."""
+        faults = [InjectedFault.from_dict(d) for d in injected]
+        self._faults = {f.kind: f for f in faults}
+
+    def identity(self) -> dict[str, Any]:
+        gpu: dict[str, Any] = {}
+        if self.backend == "nccl":
+            gpu = telemetry.gpu_identity(self.device_index)
+        info = RankInfo(
+            node=self.node,
+            local_index=self.local_index,
+            hostname=socket.gethostname(),
+            gpu_uuid=gpu.get("uuid"),
+            pci_bus_id=gpu.get("pci_bus_id"),
+            numa_node=gpu.get("numa_node"),
+            gpu_name=gpu.get("name"),
+            telemetry=gpu.get("telemetry", {}),
+        )
+        return info.to_dict()
+
+    def where(self) -> dict[str, Any]:
+        """Where Ray placed this agent: its Ray node id, address and process id."""
+        import ray  # only meaningful inside Ray; keeps the module importable without it
+
+        return {
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
+
+    def _gloo_host(self) -> str:
+        if self._host is None:
+            import ray
+
+            self._host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        return self._host
+
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device(f"cuda:{self.device_index}")
+        return torch.device("cpu")
+
+    def run_group(
+        self, spec: dict[str, Any], rank: int, store_host: str, store_port: int, group_id: str
+    ) -> dict[str, Any]:
+        """Join one probe group as ``rank``, run its ops and sizes, and report this rank's view.
+
+        Returns ``{"rank", "member", "status": ok|error, "stage", "error", "probes": [...],
+        "timed_s"}``; each probe holds op, size_bytes (used), count, times_s and wrong.
+        """
+        out: dict[str, Any] = {
+            "rank": rank,
+            "member": self.member,
+            "status": "ok",
+            "stage": "connect",
+            "error": None,
+            "probes": [],
+            "timed_s": 0.0,
+        }
+        deadline_s = float(spec.get("deadline_s", 60.0))
+        pg = None
+        failed = False
+        try:
+            store = dist.TCPStore(
+                store_host,
+                store_port,
+                None,
+                False,
+                timeout=datetime.timedelta(seconds=deadline_s),
+            )
+            if "hang" in self._faults:
+                # Never enter: nothing written to the store, so the driver can name us.
+                out["stage"] = "join"
+                time.sleep(_HANG_SLEEP_S)
+            store.set(arrived_key(rank), self.member)
+            out["stage"] = "form"
+            pg = make_group(
+                self.backend,
+                dist.PrefixStore(f"{group_id}/pg", store),
+                rank,
+                len(spec["members"]),
+                deadline_s,
+                host=self._gloo_host(),
+                device=self._device() if self.backend == "nccl" else None,
+            )
+            self._run_ops(spec, rank, store, pg, out)
+            out["stage"] = "done"
+        except Exception as exc:  # a sick peer or a broken group is a result, not a crash
+            failed = True
+            out["status"] = "error"
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["traceback"] = traceback.format_exc(limit=4)
+        finally:
+            leave_group(pg, failed)
+        return out
+
+    def _run_ops(
+        self, spec: dict[str, Any], rank: int, store: dist.Store, pg: Any, out: dict[str, Any]
+    ) -> None:
+        n = len(spec["members"])
+        slow = self._faults.get("slow")
+        for op in spec["ops"]:
+            for size in spec["sizes"]:
+                out["stage"] = f"{op}/{size}"
+                store.set(entered_key(rank, op, size), "1")
+                buf = plan(op, size, n, spec.get("dtype", "float32"))
+                result = run_probe(
+                    pg,
+                    buf,
+                    rank,
+                    backend=self.backend,
+                    device=self._device(),
+                    warmup=int(spec.get("warmup", 5)),
+                    iters=int(spec.get("iters", 20)),
+                    repeats=int(spec.get("repeats", 1)),
+                    slow_factor=slow.factor if slow else None,
+                    corrupt="corrupt" in self._faults,
+                )
+                out["timed_s"] += result.pop("timed_s")
+                out["probes"].append({"op": op, "size_requested": size,
+                                      "size_bytes": buf.size_bytes, "count": buf.count, **result})
+                store.set(done_key(rank, op, size), "1")

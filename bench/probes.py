@@ -1,0 +1,81 @@
+"""Probe fidelity and cost on gloo: ringwatch's busbw beside a plain torch.distributed
+reference for the same ops, sizes and rank count; the cost of forming and leaving a group;
+the wall time of a ``quick`` cycle on the local 3x2 cluster."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from agents.collectives import preset_sizes
+from agents.spec import GroupSpec
+from bench import plain_collectives
+from services.scheduler.cycle import ProbeOptions, run_cycle
+from services.scheduler.ray_backend import RayBackend
+
+OPS = ("allreduce", "alltoall", "allgather", "reducescatter")
+SIZES = (1 << 20, 1 << 22)
+WARMUP, ITERS, TRIALS = 5, 20, 3
+
+
+def main(flags: list[str]) -> None:
+    temp = Path(".ringwatch") / "ray"
+    with RayBackend("gloo", local_nodes=2, ranks_per_node=2, temp_dir=temp) as backend:
+        members = tuple(r.member for r in backend.ranks())
+        ours = ringwatch_busbw(backend, members)
+        overhead(backend, members)
+    ref = reference_busbw(len(members))
+    print(f"\nbusbw GB/s, {len(members)} gloo ranks, median of {TRIALS} trials "
+          f"(warmup {WARMUP}, iters {ITERS}):")
+    print(f"  {'op':<14}{'size':>10}{'ringwatch':>12}{'plain torch':>13}{'ratio':>8}")
+    for op in OPS:
+        for size in SIZES:
+            a, b = ours[(op, size)], ref[(op, size)]
+            print(f"  {op:<14}{size:>10}{a:>12.3f}{b:>13.3f}{a / b:>8.2f}")
+    with RayBackend("gloo", local_nodes=3, ranks_per_node=2, temp_dir=temp) as backend:
+        quick_cycle(backend)
+
+
+def ringwatch_busbw(backend: RayBackend, members: tuple[str, ...]) -> dict[tuple[str, int], float]:
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _ in range(TRIALS):
+        rr = backend.run_round([GroupSpec("world", members, ops=OPS, sizes=SIZES, warmup=WARMUP,
+                                          iters=ITERS, deadline_s=300)])
+        for m in rr.measurements:
+            samples.setdefault((m.op, m.size_bytes), []).append(m.busbw_gbs)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def reference_busbw(n: int) -> dict[tuple[str, int], float]:
+    samples: dict[tuple[str, int], list[float]] = {}
+    cases = [(op, s) for op in OPS for s in SIZES]
+    for _ in range(TRIALS):
+        for k, v in plain_collectives.measure(cases, n, WARMUP, ITERS).items():
+            samples.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def overhead(backend: RayBackend, members: tuple[str, ...], trials: int = 10) -> None:
+    """Wall time of a group whose only work is one 8-byte allreduce: forming, the store,
+    the driver's round trip and leaving, nearly all of it overhead."""
+    walls = []
+    for _ in range(trials):
+        t0 = time.monotonic()
+        backend.run_round([GroupSpec("world", members, ops=("allreduce",), sizes=(8,), warmup=0,
+                                     iters=1, deadline_s=60)])
+        walls.append(time.monotonic() - t0)
+    print(f"form + run 8 B + leave a {len(members)}-rank group: median "
+          f"{statistics.median(walls) * 1000:.0f} ms, min {min(walls) * 1000:.0f} ms")
+
+
+def quick_cycle(backend: RayBackend) -> None:
+    options = ProbeOptions(sizes=preset_sizes("quick", "gloo"), warmup=5, iters=20)
+    walls, fabric = [], []
+    for _ in range(3):
+        c = run_cycle(backend, options)
+        walls.append(c.wall_time_s)
+        fabric.append(c.fabric_time_s)
+    print(f"quick cycle on local 3x2 gloo ({len(options.sizes)} sizes x 2 ops, {c.rounds} rounds, "
+          f"{len(c.measurements)} measurements): wall median {statistics.median(walls):.2f} s, "
+          f"timed fabric {statistics.median(fabric):.2f} s")

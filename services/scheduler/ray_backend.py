@@ -1,0 +1,490 @@
+"""The real probe backends (gloo, nccl) as a Ray driver: start or join a Ray cluster,
+place one ProbeAgent per rank, run rounds of disjoint groups concurrently, and turn a
+group that misses its deadline into ``hang`` findings that name the ranks, replacing
+their agents so the next round starts clean.
+
+Each group gets a fresh TCPStore hosted here, on the driver. Agents write their progress
+into it (``arrived/R``, ``entered/R/OP/SIZE``, ``done/R/OP/SIZE``), so after a deadline the
+store itself says who never came and who stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch.distributed as dist
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from agents.collectives import algbw_gbs, busbw_gbs, plan
+from agents.probe import ProbeAgent, arrived_key, done_key, entered_key
+from agents.spec import Finding, GroupSpec, InjectedFault, Measurement, RankInfo, RoundResult
+
+# Ray puts unix sockets at <temp_dir>/session_<date>_<time>_<pid>/sockets/plasma_store and
+# AF_UNIX paths must fit 107 bytes; the session part is about 60 of them.
+_UNIX_PATH_MAX = 107
+_SESSION_SUFFIX_LEN = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+# Small: probes ship a few KB of results, never tensors, through Ray.
+_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+# How long agents may take to start: a cold worker imports torch; on a busy cluster Ray
+# may also wait for the CPU or GPU slot to free up.
+_START_TIMEOUT_S = 300.0
+
+Progress = Callable[[str], None]
+
+
+def ray_temp_dir(preferred: Path) -> Path:
+    """``preferred`` if Ray's socket paths under it stay short enough, else /tmp/rw-<uid>."""
+    path = preferred.expanduser().resolve()
+    if len(str(path)) + _SESSION_SUFFIX_LEN > _UNIX_PATH_MAX:
+        path = Path("/tmp") / f"rw-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def local_node_name(index: int) -> str:
+    return f"node-{index:03d}"
+
+
+def _node_resource(node: str) -> str:
+    """The custom resource that pins an agent to one logical node of a local cluster."""
+    return f"rw-{node}"
+
+
+def rank_progress(store: Any, spec: GroupSpec, rank: int) -> int:
+    """How far a rank got, from its keys in the group's store: 0 never arrived, 1 arrived,
+    then one more for each op/size it entered and each it finished."""
+    if not store.check([arrived_key(rank)]):
+        return 0
+    keys = [key(rank, op, size) for op in spec.ops for size in spec.sizes
+            for key in (entered_key, done_key)]
+    return 1 + sum(1 for k in keys if store.check([k]))
+
+
+def _stage(spec: GroupSpec, progress: int) -> str:
+    """Where a rank with this progress is stuck: join, form, OP/SIZE or leave."""
+    if progress <= 1:
+        return ("join", "form")[progress]
+    steps = [f"{op}/{size}" for op in spec.ops for size in spec.sizes]
+    index = (progress - 1) // 2  # entered step k: 2k+2; finished step k: 2k+3 (next step)
+    return steps[index] if index < len(steps) else "leave"
+
+
+def hang_suspects(store: Any, spec: GroupSpec, unfinished: list[int]) -> tuple[list[int], str]:
+    """The ranks that held a group up, and where: those that got least far. Peers blocked
+    in a collective wait at the same step as the rank that stalled inside it, so then all
+    of them are named; a rank that never arrived, or stalled between steps, stands alone."""
+    progress = {r: rank_progress(store, spec, r) for r in unfinished}
+    lowest = min(progress.values())
+    return [r for r, p in progress.items() if p == lowest], _stage(spec, lowest)
+
+
+@dataclass
+class _Slot:
+    """One rank's place: who it is and how to (re)start its agent there."""
+
+    node: str
+    local_index: int
+    device_index: int
+    options: dict[str, Any]
+    handle: Any = None
+
+    @property
+    def member(self) -> str:
+        return f"{self.node}/{self.local_index}"
+
+
+@dataclass
+class _GroupRun:
+    """One group of a round while it runs: its store, its calls, what came back."""
+
+    spec: GroupSpec
+    group_id: str
+    store: Any
+    deadline: float
+    refs: dict[Any, int] = field(default_factory=dict)
+    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    died: dict[int, str] = field(default_factory=dict)
+    expired: bool = False
+
+    def unfinished(self) -> list[int]:
+        return [r for r in range(self.spec.world_size) if r not in self.replies and r not in self.died]
+
+
+class RayBackend:
+    """gloo or nccl probes on a Ray cluster: local logical nodes or an existing cluster."""
+
+    def __init__(
+        self,
+        backend: str = "gloo",
+        *,
+        local_nodes: int | None = None,
+        ranks_per_node: int = 2,
+        address: str | None = None,
+        injected: Iterable[InjectedFault] = (),
+        temp_dir: Path = Path(".ringwatch/ray"),
+        progress: Progress | None = None,
+        repeats: int = 1,
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+        if (local_nodes is None) == (address is None):
+            raise ValueError("give exactly one of local_nodes and address")
+        if local_nodes is not None and local_nodes < 1 or ranks_per_node < 1 or repeats < 1:
+            raise ValueError("local_nodes, ranks_per_node and repeats must be >= 1")
+        self.name = backend
+        self.repeats = repeats
+        self._progress = progress or (lambda _msg: None)
+        self._injected: list[InjectedFault] = list(injected)
+        # Members whose hung agent was replaced: a restart clears an injected hang.
+        self._hang_cleared: set[str] = set()
+        self._cluster: Any = None
+        self._owns_ray = False  # never shut down a Ray connection someone else made
+        self._slots: dict[str, _Slot] = {}
+        self._identities: dict[str, RankInfo] = {}
+        self._round = 0
+        self._closed = False
+        try:
+            if local_nodes is not None:
+                self._start_local(local_nodes, ranks_per_node, temp_dir)
+            else:
+                assert address is not None
+                self._join(address, ranks_per_node)
+            self._start_agents(list(self._slots.values()))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- cluster ------------------------------------------------------------------
+
+    def _start_local(self, nodes: int, ranks_per_node: int, temp_dir: Path) -> None:
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already initialized in this process; close it first")
+        # ray.cluster_utils records the cluster address under /tmp/ray whatever temp_dir says.
+        Path("/tmp/ray").mkdir(parents=True, exist_ok=True)
+        tmp = ray_temp_dir(temp_dir)
+        self._cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                # The head holds no ranks: every agent lives on a logical node.
+                "num_cpus": 0,
+                "include_dashboard": False,
+                "temp_dir": str(tmp),
+                "object_store_memory": _OBJECT_STORE_BYTES,
+            },
+        )
+        for i in range(nodes):
+            node = local_node_name(i)
+            self._cluster.add_node(
+                num_cpus=ranks_per_node,
+                resources={_node_resource(node): ranks_per_node},
+                object_store_memory=_OBJECT_STORE_BYTES,
+            )
+            for j in range(ranks_per_node):
+                # On one machine the logical nodes share its GPUs: give each rank its own.
+                self._add_slot(node, j, i * ranks_per_node + j,
+                               {"num_cpus": 1, "resources": {_node_resource(node): 1}})
+        ray.init(address=self._cluster.address, include_dashboard=False, log_to_driver=False)
+        self._owns_ray = True
+        self._progress(f"ray: local cluster of {nodes} nodes x {ranks_per_node} ranks at {tmp}")
+
+    def _join(self, address: str, ranks_per_node: int) -> None:
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already initialized in this process; close it first")
+        ray.init(address=address, log_to_driver=False)
+        self._owns_ray = True
+        seen: dict[str, int] = {}
+        for info in sorted(ray.nodes(), key=lambda n: n["NodeManagerHostname"]):
+            if not info.get("Alive"):
+                continue
+            res = info.get("Resources", {})
+            slots = int(res.get("GPU", 0)) if self.name == "nccl" else min(
+                ranks_per_node, int(res.get("CPU", 0)))
+            if slots == 0:
+                continue
+            host = info["NodeManagerHostname"]
+            seen[host] = seen.get(host, 0) + 1
+            # Two raylets on one host (rare) still need distinct node names.
+            node = host if seen[host] == 1 else f"{host}-{seen[host]}"
+            pin = NodeAffinitySchedulingStrategy(node_id=info["NodeID"], soft=False)
+            for j in range(slots):
+                options: dict[str, Any] = {"num_cpus": 1, "scheduling_strategy": pin}
+                if self.name == "nccl":
+                    options["num_gpus"] = 1
+                self._add_slot(node, j, j, options)
+        if not self._slots:
+            raise RuntimeError(f"no alive Ray node at {address} has a {'GPU' if self.name == 'nccl' else 'CPU'}")
+        self._progress(f"ray: joined {address}: {len(self._slots)} ranks")
+
+    def _add_slot(self, node: str, local_index: int, device_index: int, options: dict[str, Any]) -> None:
+        if self.name == "nccl":
+            # Ray would narrow CUDA_VISIBLE_DEVICES to one GPU per actor; NCCL needs to
+            # see its peers to use NVLink P2P, so the agent picks cuda:<index> itself.
+            options = {**options, "runtime_env": {"env_vars": {
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            }}}
+        slot = _Slot(node, local_index, device_index, options)
+        self._slots[slot.member] = slot
+
+    # ---- agents -------------------------------------------------------------------
+
+    def _faults_for(self, member: str) -> list[dict[str, Any]]:
+        return [
+            f.to_dict() for f in self._injected
+            if f.member == member and not (f.kind == "hang" and member in self._hang_cleared)
+        ]
+
+    def _start_agents(self, slots: list[_Slot]) -> None:
+        remote_agent = ray.remote(ProbeAgent)
+        for slot in slots:
+            slot.handle = remote_agent.options(**slot.options).remote(
+                slot.node, slot.local_index, self.name, self._faults_for(slot.member),
+                device_index=slot.device_index,
+            )
+        # identity() doubles as "the agent is up".
+        try:
+            infos = ray.get([s.handle.identity.remote() for s in slots], timeout=_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"probe agents did not start within {_START_TIMEOUT_S:.0f} s: "
+                               "are the CPU/GPU slots they need free?") from None
+        for slot, info in zip(slots, infos, strict=True):
+            self._identities[slot.member] = RankInfo(**info)
+
+    @property
+    def injected(self) -> list[InjectedFault]:
+        """The faults injected into this backend, as given (reported as injected)."""
+        return list(self._injected)
+
+    def set_injected(self, faults: Iterable[InjectedFault]) -> None:
+        """Replace the injected faults on every agent (a fresh hang fault arms again)."""
+        self._injected = list(faults)
+        self._hang_cleared.clear()
+        unknown = {f.member for f in self._injected} - set(self._slots)
+        if unknown:
+            raise ValueError(f"injected faults name unknown ranks: {sorted(unknown)}")
+        ray.get([s.handle.set_injected.remote(self._faults_for(m)) for m, s in self._slots.items()])
+
+    def ranks(self) -> list[RankInfo]:
+        return [self._identities[m] for m in self._slots]
+
+    def placement(self) -> dict[str, dict[str, Any]]:
+        """Where Ray runs each rank's agent: ray_node_id, ip and pid per member."""
+        slots = list(self._slots.values())
+        return dict(zip((s.member for s in slots),
+                        ray.get([s.handle.where.remote() for s in slots]), strict=True))
+
+    # ---- rounds -------------------------------------------------------------------
+
+    def run_round(self, groups: list[GroupSpec]) -> RoundResult:
+        """Run disjoint groups concurrently; a group past its deadline becomes hang findings."""
+        self._check(groups)
+        self._round += 1
+        started = time.perf_counter()
+        result = RoundResult()
+        for wave in self._waves(groups):
+            runs = [self._launch(spec, i) for i, spec in wave]
+            self._await(runs)
+            for run in runs:
+                self._collect(run, result)
+            self._replace([m for run in runs for m in self._to_replace(run)])
+            result.fabric_time_s += max((self._timed_s(run) for run in runs), default=0.0)
+        result.wall_time_s = time.perf_counter() - started
+        return result
+
+    def _waves(self, groups: list[GroupSpec]) -> list[list[tuple[int, GroupSpec]]]:
+        """Groups to run at once. On a real cluster, all of them: they share no hardware.
+        The logical nodes of a local cluster share this machine's cores, and groups run side
+        by side there would time each other's CPU contention, not their own links."""
+        indexed = list(enumerate(groups))
+        if self._cluster is None or not groups:
+            return [indexed]
+        widest = max(g.world_size for g in groups)
+        at_once = max(1, (os.cpu_count() or 1) // widest)
+        return [indexed[i:i + at_once] for i in range(0, len(indexed), at_once)]
+
+    def _check(self, groups: list[GroupSpec]) -> None:
+        """Bad group specs are the caller's bug: refuse them before anything runs."""
+        seen: set[str] = set()
+        for spec in groups:
+            unknown = [m for m in spec.members if m not in self._slots]
+            if unknown:
+                raise ValueError(f"group {spec.scope} names unknown ranks {unknown}")
+            if seen & set(spec.members) or len(set(spec.members)) != len(spec.members):
+                raise ValueError("groups of one round must be disjoint and without repeats")
+            seen.update(spec.members)
+            for op in spec.ops:
+                for size in spec.sizes:
+                    plan(op, size, spec.world_size, spec.dtype)
+
+    def _launch(self, spec: GroupSpec, index: int) -> _GroupRun:
+        host = ray.util.get_node_ip_address()
+        # Port 0: the OS picks a free port; agents learn it from the call below.
+        store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=spec.deadline_s))
+        run = _GroupRun(spec, f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}", store,
+                        deadline=time.monotonic() + spec.deadline_s)
+        payload = {**spec.to_dict(), "repeats": self.repeats}
+        for rank, m in enumerate(spec.members):
+            ref = self._slots[m].handle.run_group.remote(payload, rank, host, store.port, run.group_id)
+            run.refs[ref] = rank
+        return run
+
+    def _await(self, runs: list[_GroupRun]) -> None:
+        """Collect replies until every group finished or passed its own deadline."""
+        pending = {ref: run for run in runs for ref in run.refs}
+        while pending:
+            now = time.monotonic()
+            for ref, run in list(pending.items()):
+                if now >= run.deadline:
+                    run.expired = True
+                    del pending[ref]
+            if not pending:
+                break
+            wait_s = min(run.deadline for run in pending.values()) - now
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wait_s))
+            for ref in ready:
+                run = pending.pop(ref)
+                rank = run.refs[ref]
+                try:
+                    run.replies[rank] = ray.get(ref)
+                except ray.exceptions.RayError as exc:  # the agent process itself died
+                    run.died[rank] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    def _collect(self, run: _GroupRun, result: RoundResult) -> None:
+        result.findings.extend(self._hang_findings(run))
+        result.findings.extend(self._corruption_findings(run))
+        result.measurements.extend(self._measurements(run))
+        run.store = None  # closes the listening socket
+
+    # ---- hangs ---------------------------------------------------------------------
+
+    def _hang_findings(self, run: _GroupRun) -> list[Finding]:
+        blamed: dict[int, dict[str, Any]] = {}
+        if run.expired and run.unfinished():
+            ranks, stage = hang_suspects(run.store, run.spec, run.unfinished())
+            blamed.update({r: {"stage": stage} for r in ranks})
+            self._progress(f"round {self._round}: {run.spec.scope} group hung at {stage}: "
+                           f"{[run.spec.members[r] for r in ranks]}")
+        for rank, why in run.died.items():
+            blamed[rank] = {"stage": "agent_died", "error": why}
+        if not blamed:
+            blamed = self._errored(run)
+        return [self._hang_finding(run, rank, detail) for rank, detail in sorted(blamed.items())]
+
+    def _errored(self, run: _GroupRun) -> dict[int, dict[str, Any]]:
+        """Ranks that reported an error although nobody hung (e.g. an NCCL error)."""
+        return {
+            rank: {"stage": reply.get("stage"), "error": reply.get("error")}
+            for rank, reply in run.replies.items() if reply.get("status") != "ok"
+        }
+
+    def _hang_finding(self, run: _GroupRun, rank: int, detail: dict[str, Any]) -> Finding:
+        m = run.spec.members[rank]
+        slot = self._slots[m]
+        info: dict[str, Any] = {"members": list(run.spec.members), "scope": run.spec.scope,
+                                "deadline_s": run.spec.deadline_s, **detail}
+        if any(f.kind == "hang" and f.member == m for f in self._injected):
+            info["injected"] = True
+        return Finding(kind="hang", node=slot.node, gpu=slot.local_index, detail=info)
+
+    def _to_replace(self, run: _GroupRun) -> list[str]:
+        """Agents that may still be stuck in this group's collective, or are gone."""
+        return [run.spec.members[r] for r in (*run.unfinished(), *run.died)] if (
+            run.expired or run.died) else []
+
+    def _replace(self, members: list[str]) -> None:
+        """Kill stuck agents and start fresh ones with the same identity, before the next round."""
+        if not members:
+            return
+        slots = [self._slots[m] for m in members]
+        for slot in slots:
+            ray.kill(slot.handle, no_restart=True)
+            self._hang_cleared.add(slot.member)
+        self._progress(f"round {self._round}: replacing agents {members}")
+        self._start_agents(slots)
+
+    # ---- measurements ----------------------------------------------------------------
+
+    def _measurements(self, run: _GroupRun) -> list[Measurement]:
+        """One Measurement per op/size that every rank finished: nccl-tests' reduction,
+        the slowest rank's time, and the wrong counts summed over ranks."""
+        if len(run.replies) != run.spec.world_size:
+            return []
+        per_rank = [run.replies[r]["probes"] for r in range(run.spec.world_size)]
+        finished = min(len(p) for p in per_rank)
+        return [self._measurement(run.spec, [p[i] for p in per_rank]) for i in range(finished)]
+
+    def _measurement(self, spec: GroupSpec, probes: list[dict[str, Any]]) -> Measurement:
+        first = probes[0]
+        # Per repeat, the group's time is its slowest rank's (nccl-tests' -a reduction).
+        group_times = [max(p["times_s"][i] for p in probes) for i in range(len(first["times_s"]))]
+        time_s = statistics.median(group_times)
+        n = spec.world_size
+        stats = None
+        if len(group_times) > 1:
+            stats = {"min": min(group_times) * 1e6, "median": time_s * 1e6,
+                     "max": max(group_times) * 1e6}
+        return Measurement(
+            op=first["op"], scope=spec.scope, members=list(spec.members),
+            size_bytes=first["size_bytes"], dtype=spec.dtype, warmup=spec.warmup,
+            iters=spec.iters, time_us=time_s * 1e6,
+            algbw_gbs=algbw_gbs(first["size_bytes"], time_s),
+            busbw_gbs=busbw_gbs(first["op"], first["size_bytes"], time_s, n),
+            wrong=sum(p["wrong"] for p in probes), stats=stats,
+        )
+
+    def _corruption_findings(self, run: _GroupRun) -> list[Finding]:
+        findings = []
+        for rank, reply in sorted(run.replies.items()):
+            bad = [p for p in reply.get("probes", []) if p["wrong"] > 0]
+            if not bad:
+                continue
+            m = run.spec.members[rank]
+            slot = self._slots[m]
+            detail: dict[str, Any] = {
+                "members": list(run.spec.members), "scope": run.spec.scope,
+                "wrong": sum(p["wrong"] for p in bad),
+                "ops": sorted({f"{p['op']}/{p['size_bytes']}" for p in bad}),
+            }
+            if any(f.kind == "corrupt" and f.member == m for f in self._injected):
+                detail["injected"] = True
+            findings.append(Finding(kind="data_corruption", node=slot.node, gpu=slot.local_index,
+                                    detail=detail))
+        return findings
+
+    def _timed_s(self, run: _GroupRun) -> float:
+        return max((reply.get("timed_s", 0.0) for reply in run.replies.values()), default=0.0)
+
+    # ---- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for slot in self._slots.values():
+            if slot.handle is not None:
+                with contextlib.suppress(Exception):  # already gone with its node
+                    ray.kill(slot.handle, no_restart=True)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+
+    def __enter__(self) -> RayBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,260 @@
+"""The op table: nccl-tests bandwidth math, buffer sizing, patterns, and the data check
+run for real on gloo groups formed by threads of this process."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents.collectives import (
+    DTYPES,
+    OPS,
+    algbw_gbs,
+    busbw_factor,
+    busbw_gbs,
+    count_wrong,
+    dtype_size,
+    expected_output,
+    make_input,
+    plan,
+    summand_modulus,
+)
+from agents.probe import make_group, run_probe
+
+ops = st.sampled_from(sorted(OPS))
+dtypes = st.sampled_from(sorted(DTYPES))
+
+
+# ---- bandwidth math (nccl-tests doc/PERFORMANCE.md) -----------------------------------
+
+
+@given(
+    op=ops,
+    size=st.integers(min_value=0, max_value=1 << 34),
+    time_s=st.floats(min_value=1e-7, max_value=1e3),
+    n=st.integers(min_value=2, max_value=4096),
+)
+def test_busbw_is_algbw_times_the_nccl_tests_factor(op: str, size: int, time_s: float, n: int) -> None:
+    factor = {
+        "allreduce": 2 * (n - 1) / n,
+        "allgather": (n - 1) / n,
+        "reducescatter": (n - 1) / n,
+        "alltoall": (n - 1) / n,
+        "sendrecv": 1.0,
+    }[op]
+    assert algbw_gbs(size, time_s) == pytest.approx(size / time_s / 1e9)
+    assert busbw_gbs(op, size, time_s, n) == pytest.approx(size / time_s / 1e9 * factor)
+
+
+def test_known_figures() -> None:
+    # 1 GiB AllReduce in 10 ms on 8 ranks: algbw 107.37 GB/s, busbw * 14/8.
+    assert algbw_gbs(1 << 30, 0.01) == pytest.approx(107.374182)
+    assert busbw_gbs("allreduce", 1 << 30, 0.01, 8) == pytest.approx(107.374182 * 1.75)
+    assert busbw_factor("allreduce", 1) == 0.0
+    assert busbw_factor("sendrecv", 2) == 1.0
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError):
+        algbw_gbs(100, 0.0)
+    with pytest.raises(ValueError):
+        busbw_gbs("broadcast", 100, 1.0, 2)
+    with pytest.raises(ValueError):
+        plan("sendrecv", 1024, 1, "float32")
+    with pytest.raises(ValueError):
+        plan("allreduce", 1024, 2, "int8")
+
+
+# ---- buffer sizing (nccl-tests conventions) -------------------------------------------
+
+
+@given(op=ops, size=st.integers(min_value=0, max_value=1 << 31), n=st.integers(2, 64), dtype=dtypes)
+def test_plan_follows_nccl_tests_sizes(op: str, size: int, n: int, dtype: str) -> None:
+    buf = plan(op, size, n, dtype)
+    esize = dtype_size(dtype)
+    assert buf.size_bytes == max(buf.in_numel, buf.out_numel) * esize
+    assert buf.count >= 1
+    if op in ("allreduce", "sendrecv"):
+        assert buf.in_numel == buf.out_numel == buf.count
+    elif op == "alltoall":
+        assert buf.in_numel == buf.out_numel == buf.count * n
+    elif op == "allgather":  # size counts the output
+        assert (buf.in_numel, buf.out_numel) == (buf.count, buf.count * n)
+    else:  # reducescatter: size counts the input
+        assert (buf.in_numel, buf.out_numel) == (buf.count * n, buf.count)
+    if size >= n * esize:
+        # Rounded down, never up, once the request holds one element per block.
+        assert buf.size_bytes <= size
+        assert size - buf.size_bytes < n * esize + esize
+
+
+def test_plan_reports_the_size_actually_used() -> None:
+    # 1000 float32 elements do not split over 3 ranks: 999 are used.
+    buf = plan("alltoall", 4000, 3, "float32")
+    assert (buf.count, buf.size_bytes) == (333, 3996)
+    # An 8-byte AllGather on 8 ranks still moves one element per rank.
+    assert plan("allgather", 8, 8, "float32").size_bytes == 32
+
+
+# ---- patterns: exact, rank-dependent, and what the op really produces ------------------
+
+
+def _reference(op: str, inputs: list[torch.Tensor], rank: int, chunk: int) -> torch.Tensor:
+    """The op's definition applied to every rank's input, summed in float64."""
+    n = len(inputs)
+    if op == "allreduce":
+        return torch.stack([t.double() for t in inputs]).sum(0)
+    if op == "reducescatter":
+        return torch.stack([t.double() for t in inputs]).sum(0)[rank * chunk:(rank + 1) * chunk]
+    if op == "allgather":
+        return torch.cat([t.double() for t in inputs])
+    if op == "alltoall":
+        return torch.cat([t.double()[rank * chunk:(rank + 1) * chunk] for t in inputs])
+    return inputs[(rank - 1) % n].double()  # sendrecv
+
+
+@settings(max_examples=60, deadline=None)
+@given(op=ops, n=st.integers(2, 9), size=st.integers(1, 4096), dtype=dtypes)
+def test_expected_output_matches_the_ops_definition(op: str, n: int, size: int, dtype: str) -> None:
+    buf = plan(op, size, n, dtype)
+    inputs = [make_input(buf, r) for r in range(n)]
+    for rank in range(n):
+        want = _reference(op, inputs, rank, buf.chunk)
+        got = expected_output(buf, rank)
+        # Bit-exact in the narrow dtype too: the reference fits without rounding.
+        assert torch.equal(got.double(), want)
+    assert any(not torch.equal(inputs[0], t) for t in inputs[1:]), "pattern must depend on rank"
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("n", [2, 8, 255, 256, 1000, 5000])
+def test_reduction_sums_stay_exact_at_any_world_size(dtype: str, n: int) -> None:
+    buf = plan("allreduce", 64 * dtype_size(dtype), n, dtype)
+    exact = sum(make_input(buf, r).double() for r in range(n))
+    assert torch.equal(expected_output(buf, 0).double(), exact)
+    assert exact.max() >= 1  # a pattern of zeros would check nothing
+    assert summand_modulus(n, dtype) >= 1
+
+
+def test_count_wrong_counts_elements() -> None:
+    want = torch.arange(10, dtype=torch.bfloat16)
+    got = want.clone()
+    assert count_wrong(got, want) == 0
+    got[3] += 1
+    got[7] = float("nan")
+    assert count_wrong(got, want) == 2
+    assert count_wrong(got[:5], want) == 10
+
+
+# ---- the real thing: ops on a gloo group of threads -------------------------------------
+
+
+def on_gloo_threads(n: int, fn: Callable[[int, Any], Any], timeout_s: float = 30.0) -> list[Any]:
+    """Run ``fn(rank, pg)`` on ``n`` threads that form one gloo group over a HashStore."""
+    store = dist.PrefixStore(uuid.uuid4().hex, dist.HashStore())
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            pg = make_group("gloo", store, rank, n, timeout_s, host="127.0.0.1")
+            results[rank] = fn(rank, pg)
+        except BaseException as exc:  # reported to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_real_gloo_run_is_correct_and_one_wrong_element_is_caught(op: str, dtype: str) -> None:
+    n = 2 if op == "sendrecv" else 3
+    buf = plan(op, 3000, n, dtype)
+
+    def probe(rank: int, pg: Any) -> dict[str, Any]:
+        # Rank 1 flips one element of its output before the check.
+        return run_probe(pg, buf, rank, warmup=1, iters=2, repeats=2, corrupt=(rank == 1))
+
+    results = on_gloo_threads(n, probe)
+    wrong = [r["wrong"] for r in results]
+    assert wrong == [1 if rank == 1 else 0 for rank in range(n)]
+    assert all(len(r["times_s"]) == 2 and min(r["times_s"]) > 0 for r in results)
+
+
+def test_sendrecv_ring_of_three() -> None:
+    buf = plan("sendrecv", 400, 3, "float32")
+    results = on_gloo_threads(3, lambda rank, pg: run_probe(pg, buf, rank, warmup=0, iters=1))
+    assert [r["wrong"] for r in results] == [0, 0, 0]
+
+
+# ---- presets ------------------------------------------------------------------------------
+
+
+def test_quick_preset_has_latency_and_bandwidth_sizes() -> None:
+    from agents.collectives import preset_sizes, size_preset
+
+    gpu = size_preset("quick", "nccl")
+    assert gpu.latency_sizes[0] == 8 and gpu.latency_sizes[-1] == 64 * 1024
+    assert gpu.bandwidth_sizes == (64 << 20, 128 << 20, 256 << 20)
+    assert preset_sizes("quick", "sim") == gpu.sizes
+    assert max(preset_sizes("quick", "gloo")) == 4 << 20
+    with pytest.raises(ValueError):
+        preset_sizes("huge", "nccl")
+
+
+def test_full_preset_is_nccl_tests_b8_e1g_f2() -> None:
+    from agents.collectives import preset_sizes
+
+    full = preset_sizes("full", "nccl")
+    assert full == tuple(1 << k for k in range(3, 31))  # 8 B .. 1 GiB, factor 2: 28 sizes
+    gloo = preset_sizes("full", "gloo")
+    assert gloo[0] == 8 and gloo[-1] == 64 << 20 and gloo == full[: len(gloo)]
+
+
+# ---- GPU pairs: circle-method rounds ----------------------------------------------------
+
+
+@given(count=st.integers(0, 40))
+def test_pair_matchings_cover_every_pair_once_and_no_rank_twice(count: int) -> None:
+    from agents.collectives import pair_matchings
+
+    rounds = pair_matchings(count)
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == [(a, b) for a in range(count) for b in range(a + 1, count)]
+    for r in rounds:
+        ranks = [x for p in r for x in p]
+        assert len(ranks) == len(set(ranks))
+    if count >= 2:
+        # Even: count-1 perfect rounds; odd: count rounds with one bye each.
+        assert len(rounds) == (count - 1 if count % 2 == 0 else count)
+        assert all(len(r) == count // 2 for r in rounds)
+
+
+def test_eight_gpus_give_seven_rounds_of_four_pairs() -> None:
+    from agents.collectives import gpu_pair_rounds
+
+    rounds = gpu_pair_rounds({"node-000": list(range(8)), "node-001": list(range(8))},
+                             sizes=(1 << 20,))
+    assert len(rounds) == 7
+    assert all(len(groups) == 8 for groups in rounds)  # 4 pairs on each of 2 nodes
+    for groups in rounds:
+        members = [m for g in groups for m in g.members]
+        assert len(members) == len(set(members))
+        assert all(g.scope == "gpu_pair" and g.ops == ("sendrecv",) for g in groups)
+        assert all(g.members[0].split("/")[0] == g.members[1].split("/")[0] for g in groups)
+    pairs = {g.members for groups in rounds for g in groups if g.members[0].startswith("node-000")}
+    assert len(pairs) == 28
