@@ -139,11 +139,12 @@ def test_overlapping_or_unknown_groups_are_refused(backend: RayBackend) -> None:
 
 @pytest.mark.ray
 def test_injected_slow_rank_slows_its_group(backend: RayBackend) -> None:
-    backend.set_injected([InjectedFault("slow", "node-001", 0, factor=0.5)])
+    backend.set_injected([InjectedFault("slow", "node-001", 0, factor=0.25)])
     assert [f.kind for f in backend.injected] == ["slow"]
     result = backend.run_round(intra(ops=("allreduce",), iters=20))
     got = by_group(result.measurements, "allreduce")
-    # Relative only: the slow group runs at about half the healthy peer's bandwidth.
+    # Relative only: the slow group runs at about a quarter of the healthy peer's bandwidth,
+    # so even a loaded machine's noise leaves a wide margin.
     assert got[N1].busbw_gbs < 0.8 * got[N0].busbw_gbs
     assert all(m.wrong == 0 for m in result.measurements)
 

@@ -71,7 +71,7 @@ def run_demo(args: argparse.Namespace) -> int:
         note(f"{len(ranks)} agents up: {', '.join(r.member for r in ranks)}")
         shipper = Shipper(api_url, agent, settings.state_dir / f"spool-demo-{os.getpid()}")
         stack.callback(shipper.close)
-        options = ProbeOptions(ops=("allreduce", "alltoall"), sizes=(1 << 20,), warmup=3, iters=10)
+        options = ProbeOptions(ops=("allreduce", "alltoall"), sizes=(1 << 16, 1 << 22), warmup=3, iters=10)
 
         step("cycle 1: clean")
         _cycle(backend, options, shipper, client, admin)
@@ -156,7 +156,7 @@ def _backend(args: argparse.Namespace, settings: Settings):
 
     return RayBackend(backend="gloo", local_nodes=args.nodes, ranks_per_node=args.gpus_per_node,
                       address=None, injected=[], temp_dir=settings.state_dir / "ray",
-                      progress=lambda m: note(f".. {m}"))
+                      progress=lambda m: note(f".. {m}"), repeats=3)
 
 
 def _cycle(backend, options: ProbeOptions, shipper: Shipper, client: httpx.Client, token: str) -> None:
