@@ -1,0 +1,448 @@
+"""The modeled fabric backend: alpha-beta collectives over NVLink pairs, NICs and node paths.
+
+Built from a scenario (DESIGN.md, "Fabric scenario file"). Each group's time follows the
+links its algorithm loads: a ring runs at its slowest edge, an all-to-all ends with its
+slowest flow. Faults scale what they name; per-link variation and measurement noise are
+seeded. The analyzer sees only the measurements and the ranks' telemetry, never the
+fault list. Model and figures: docs/analysis.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agents.fabric_presets import preset
+from agents.spec import Finding, GroupSpec, Measurement, RankInfo, RoundResult
+
+FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only")
+RING_OPS = ("allreduce", "allgather", "reducescatter")
+# Communicator setup: a fixed part plus one bootstrap all-gather step per doubling of ranks.
+SETUP_S = 0.05
+SETUP_PER_DOUBLING_S = 0.005
+# A mean over 20 timed iterations has no heavy tail: noise is clipped at this many sigmas.
+NOISE_CLIP = 4.0
+# The p2p word of a pair that has no NVLink (nvidia-smi topo: same PCIe host bridge).
+PCIE_WORD = "PHB"
+
+
+def node_name(i: int) -> str:
+    return f"node-{i:03d}"
+
+
+def _busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw factor. Kept here rather than imported from agents.collectives
+    so the sim stays free of torch (seconds of import for one formula)."""
+    if op == "allreduce":
+        return 2.0 * (n - 1) / n
+    if op in ("allgather", "reducescatter", "alltoall"):
+        return (n - 1) / n
+    if op == "sendrecv":
+        return 1.0
+    raise ValueError(f"the sim has no model for op {op!r}")
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """A stateless 64-bit hash: per-path variation without an N x N table."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+@dataclass
+class Scenario:
+    """A validated scenario file."""
+
+    nodes: int
+    gpus_per_node: int = 8
+    gpu: str = "H100-SXM"
+    nvlink_gbs: float | None = None
+    net_gbs: float | None = None
+    noise: float = 0.03
+    variation: float = 0.02
+    seed: int = 0
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Scenario:
+        if not isinstance(d, dict):
+            raise ValueError("a scenario is a JSON object")
+        unknown = set(d) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"unknown scenario field(s): {', '.join(sorted(unknown))}")
+        s = cls(
+            nodes=_int(d, "nodes", None, 1),
+            gpus_per_node=_int(d, "gpus_per_node", 8, 1),
+            gpu=str(d.get("gpu", "H100-SXM")),
+            nvlink_gbs=_positive(d, "nvlink_gbs"),
+            net_gbs=_positive(d, "net_gbs"),
+            noise=_fraction(d, "noise", 0.03),
+            variation=_fraction(d, "variation", 0.02),
+            seed=_int(d, "seed", 0, None),
+            faults=list(d.get("faults") or []),
+        )
+        preset(s.gpu)  # unknown GPU: ValueError naming the known ones
+        if not isinstance(d.get("faults", []), list):
+            raise ValueError("faults must be a list")
+        for i, f in enumerate(s.faults):
+            _check_fault(i, f, s.nodes, s.gpus_per_node)
+        return s
+
+
+def _int(d: dict[str, Any], key: str, default: int | None, low: int | None) -> int:
+    if key not in d:
+        if default is None:
+            raise ValueError(f"scenario needs {key!r}")
+        return default
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{key} must be at least {low}, got {value}")
+    return value
+
+
+def _positive(d: dict[str, Any], key: str) -> float | None:
+    if d.get(key) is None:
+        return None
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _fraction(d: dict[str, Any], key: str, default: float) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise ValueError(f"{key} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _node_index(where: str, name: Any, n_nodes: int) -> int:
+    if not isinstance(name, str) or not name.startswith("node-") or not name[5:].isdigit():
+        raise ValueError(f"{where}: node must be named node-000 ..., got {name!r}")
+    i = int(name[5:])
+    if name != node_name(i) or i >= n_nodes:
+        raise ValueError(f"{where}: no node {name!r} in a fabric of {n_nodes} node(s)")
+    return i
+
+
+def _gpu_index(where: str, g: Any, gpus: int) -> int:
+    if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < gpus:
+        raise ValueError(f"{where}: gpu must be an integer in [0, {gpus}), got {g!r}")
+    return g
+
+
+def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
+    where = f"faults[{i}]"
+    if not isinstance(f, dict):
+        raise ValueError(f"{where} must be an object")
+    kind = f.get("kind")
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"{where}: kind must be one of {', '.join(FAULT_KINDS)}, got {kind!r}")
+    if kind == "net_path":
+        pair = f.get("nodes")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{where}: net_path needs \"nodes\": [a, b]")
+        if _node_index(where, pair[0], n_nodes) == _node_index(where, pair[1], n_nodes):
+            raise ValueError(f"{where}: net_path needs two different nodes")
+    else:
+        _node_index(where, f.get("node"), n_nodes)
+    if kind in ("nvlink", "pcie_only"):
+        pair = f.get("gpus")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{where}: {kind} needs \"gpus\": [a, b]")
+        if _gpu_index(where, pair[0], gpus) == _gpu_index(where, pair[1], gpus):
+            raise ValueError(f"{where}: {kind} needs two different gpus")
+    if kind in ("hang", "corrupt"):
+        _gpu_index(where, f.get("gpu", 0), gpus)
+    if kind in ("nvlink", "nic", "net_path"):
+        factor = f.get("factor", 0.5)
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+            raise ValueError(f"{where}: factor must lie in (0, 1], got {factor!r}")
+
+
+class Fabric:
+    """Link rates of the whole fleet as arrays: no per-rank objects on the hot path."""
+
+    def __init__(self, s: Scenario) -> None:
+        hw = preset(s.gpu)
+        self.hw = hw
+        self.n, self.g = s.nodes, s.gpus_per_node
+        self.nvlink_gbs = s.nvlink_gbs or hw.nvlink_gbs
+        self.net_gbs = s.net_gbs or hw.net_gbs
+        self.variation = s.variation
+        self.seed = s.seed
+        rng = np.random.default_rng([s.seed, 0])
+        v = s.variation
+        upper = np.triu(rng.uniform(1 - v, 1 + v, (self.n, self.g, self.g)), 1)
+        self.pair = self.nvlink_gbs * (upper + np.transpose(upper, (0, 2, 1)))
+        self.pcie = np.zeros((self.n, self.g, self.g), dtype=bool)
+        self.nic = self.g * self.net_gbs * rng.uniform(1 - v, 1 + v, self.n)
+        self.path_fault: dict[tuple[int, int], float] = {}
+        self.hung: set[tuple[int, int]] = set()
+        self.corrupt: set[tuple[int, int]] = set()
+        for f in s.faults:
+            self._apply(f)
+        idx = np.arange(self.g)
+        self.pair[:, idx, idx] = np.inf
+        # Slowest pair of each whole node: what its all-to-all waits for.
+        self.node_min_pair = self.pair.min(axis=(1, 2)) if self.g > 1 else np.full(self.n, np.inf)
+
+    def _apply(self, f: dict[str, Any]) -> None:
+        kind = f["kind"]
+        if kind == "net_path":
+            a, b = sorted(int(x[5:]) for x in f["nodes"])
+            self.path_fault[(a, b)] = self.path_fault.get((a, b), 1.0) * float(f.get("factor", 0.5))
+            return
+        node = int(f["node"][5:])
+        if kind == "nic":
+            self.nic[node] *= float(f.get("factor", 0.5))
+        elif kind in ("nvlink", "pcie_only"):
+            a, b = f["gpus"]
+            if kind == "pcie_only":
+                # The pair's rate becomes PCIe's, with this pair's own variation kept.
+                scale = self.hw.pcie_gbs / self.nvlink_gbs
+                self.pcie[node, a, b] = self.pcie[node, b, a] = True
+            else:
+                scale = float(f.get("factor", 0.5))
+            self.pair[node, a, b] *= scale
+            self.pair[node, b, a] = self.pair[node, a, b]
+        elif kind == "hang":
+            self.hung.add((node, int(f.get("gpu", 0))))
+        elif kind == "corrupt":
+            self.corrupt.add((node, int(f.get("gpu", 0))))
+
+    def path_mult(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Variation times fault factor of the paths a[i] <-> b[i] (symmetric)."""
+        lo, hi = np.minimum(a, b).astype(np.uint64), np.maximum(a, b).astype(np.uint64)
+        key = (np.uint64(self.seed & 0xFFFFFFFF) << np.uint64(40)) ^ (lo << np.uint64(20)) ^ hi
+        u = (_splitmix(key) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        mult = 1 - self.variation + 2 * self.variation * u
+        for (x, y), factor in self.path_fault.items():
+            mult[(lo == x) & (hi == y)] *= factor
+        return mult
+
+
+@dataclass
+class _Group:
+    """One group's ranks as arrays, and the rates its algorithms will see."""
+
+    nodes: np.ndarray  # node index per rank, in ring order
+    local: np.ndarray  # local GPU index per rank
+    uniq: np.ndarray  # distinct nodes of the group
+    counts: np.ndarray  # ranks of each distinct node in the group
+
+    @property
+    def n(self) -> int:
+        return int(self.nodes.size)
+
+
+class CostModel:
+    """Alpha-beta time of one collective on a group, from a Fabric's link rates."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.f = fabric
+
+    def ring_bw(self, grp: _Group) -> float:
+        """A ring runs at its slowest edge. Each node's NICs carry its share of channels:
+        one NIC per GPU (rails), so a node's cross edge has count/g of its NIC rate."""
+        f = self.f
+        a_n, a_l = grp.nodes, grp.local
+        b_n, b_l = np.roll(a_n, -1), np.roll(a_l, -1)
+        same = a_n == b_n
+        bw = np.empty(grp.n)
+        bw[same] = f.pair[a_n[same], a_l[same], b_l[same]]
+        cross = ~same
+        if cross.any():
+            share = dict(zip(grp.uniq.tolist(), (grp.counts / f.g).tolist(), strict=True))
+            x, y = a_n[cross], b_n[cross]
+            sx = np.array([share[i] for i in x.tolist()])
+            sy = np.array([share[i] for i in y.tolist()])
+            bw[cross] = np.minimum(f.nic[x] * sx, f.nic[y] * sy) * f.path_mult(x, y)
+        return float(bw.min())
+
+    def alltoall_time_per_byte(self, grp: _Group) -> float:
+        """Seconds per byte of per-rank buffer: the slowest flow decides.
+
+        NVLink: each rank sends 1/n of its buffer to each local peer over that pair.
+        Network: a node's NICs carry count * (n - count) / n of a buffer; a flow between
+        two nodes ends when the busier NIC of the two has drained, slowed by its path.
+        """
+        f, n = self.f, grp.n
+        worst = 0.0
+        for node, count in zip(grp.uniq.tolist(), grp.counts.tolist(), strict=True):
+            if count < 2:
+                continue
+            if count == f.g:
+                slowest = float(f.node_min_pair[node])
+            else:
+                loc = grp.local[grp.nodes == node]
+                slowest = float(f.pair[node][np.ix_(loc, loc)].min())
+            worst = max(worst, (count - 1) / n / (slowest * 1e9))
+        if grp.uniq.size > 1:
+            nic = f.nic[grp.uniq] * grp.counts / f.g
+            drain = grp.counts * (n - grp.counts) / n / (nic * 1e9)
+            i, j = np.triu_indices(grp.uniq.size, 1)
+            flows = np.maximum(drain[i], drain[j]) / f.path_mult(grp.uniq[i], grp.uniq[j])
+            worst = max(worst, float(flows.max()))
+        return worst
+
+    def latency(self, op: str, grp: _Group) -> float:
+        """Small-message cost: NCCL moves to trees at scale, so steps grow with log n."""
+        alpha = self.f.hw.alpha_net_s if grp.uniq.size > 1 else self.f.hw.alpha_nvlink_s
+        steps = math.ceil(math.log2(max(grp.n, 2)))
+        if op == "allreduce":
+            return 2 * steps * alpha
+        if op == "alltoall":
+            return steps * alpha + 2e-7 * (grp.n - 1)
+        return steps * alpha
+
+    def op_time(self, op: str, grp: _Group) -> tuple[float, float]:
+        """(latency seconds, seconds per byte of size_bytes) of one iteration."""
+        n = grp.n
+        if op == "alltoall":
+            return self.latency(op, grp), self.alltoall_time_per_byte(grp)
+        if op in RING_OPS or op == "sendrecv":
+            bytes_per_byte = 1.0 if op == "sendrecv" else _busbw_factor(op, n)
+            return self.latency(op, grp), bytes_per_byte / (self.ring_bw(grp) * 1e9)
+        raise ValueError(f"the sim has no model for op {op!r}")
+
+
+class SimBackend:
+    """ProbeBackend over a modeled fabric; every result is labelled backend "sim"."""
+
+    name = "sim"
+    # Large enough that bandwidth, not latency, dominates even 8192-rank groups.
+    preflight_sizes: tuple[int, ...] = (1 << 20, 1 << 28)
+    # Modeled groups finish well under a second; a hung one is given up after this.
+    preflight_deadline_s = 5.0
+
+    def __init__(self, scenario: Scenario | dict[str, Any]) -> None:
+        self.scenario = scenario if isinstance(scenario, Scenario) else Scenario.from_dict(scenario)
+        self.fabric = Fabric(self.scenario)
+        self.model = CostModel(self.fabric)
+        self._nominal = CostModel(_nominal_fabric(self.scenario))
+        self._noise_rng = np.random.default_rng([self.scenario.seed, 1])
+        self._index = {node_name(i): i for i in range(self.scenario.nodes)}
+        self._expected_cache: dict[tuple[Any, ...], float] = {}
+        self._ranks: list[RankInfo] | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SimBackend:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from exc
+        return cls(data)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SimBackend:
+        return cls(d)
+
+    def __enter__(self) -> SimBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def ranks(self) -> list[RankInfo]:
+        if self._ranks is None:
+            self._ranks = [self._rank(i, g) for i in range(self.fabric.n)
+                           for g in range(self.fabric.g)]
+        return self._ranks
+
+    def _rank(self, i: int, g: int) -> RankInfo:
+        f = self.fabric
+        p2p = {str(p): (PCIE_WORD if f.pcie[i, g, p] else f.hw.nvlink_word)
+               for p in range(f.g) if p != g}
+        return RankInfo(node=node_name(i), local_index=g, hostname=node_name(i),
+                        gpu_uuid=f"GPU-sim-{i:05d}-{g}", pci_bus_id=f"0000:{0x18 + g:02x}:00.0",
+                        numa_node=g * 2 // max(f.g, 1), gpu_name=f.hw.name,
+                        telemetry={"p2p": p2p, "sim": True})
+
+    def _group(self, members: tuple[str, ...] | list[str]) -> _Group:
+        nodes = np.empty(len(members), dtype=np.int64)
+        local = np.empty(len(members), dtype=np.int64)
+        for k, name in enumerate(members):
+            node, _, idx = name.partition("/")
+            nodes[k] = self._index[node]
+            local[k] = int(idx)
+        uniq, counts = np.unique(nodes, return_counts=True)
+        return _Group(nodes, local, uniq, counts)
+
+    def run_round(self, groups: list[GroupSpec]) -> RoundResult:
+        started = time.perf_counter()
+        out = RoundResult()
+        for spec in groups:
+            seconds = self._run_group(spec, out)
+            out.fabric_time_s = max(out.fabric_time_s, seconds)
+        out.wall_time_s = time.perf_counter() - started
+        return out
+
+    def _run_group(self, spec: GroupSpec, out: RoundResult) -> float:
+        grp = self._group(spec.members)
+        f = self.fabric
+        ranks = list(zip(grp.nodes.tolist(), grp.local.tolist(), strict=True))
+        hung = [r for r in ranks if r in f.hung]
+        if hung:
+            # The others wait at the collective until the group's deadline.
+            out.findings += [Finding(kind="hang", node=node_name(n), gpu=g,
+                                     detail={"scope": spec.scope, "world_size": grp.n})
+                             for n, g in hung]
+            return spec.deadline_s
+        corrupt = [r for r in ranks if r in f.corrupt]
+        out.findings += [Finding(kind="data_corruption", node=node_name(n), gpu=g,
+                                 detail={"scope": spec.scope}) for n, g in corrupt]
+        seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2))
+        for op in spec.ops:
+            lat, per_byte = self.model.op_time(op, grp)
+            for size in spec.sizes:
+                t = (lat + per_byte * size) * self._noise()
+                seconds += (spec.warmup + spec.iters) * t
+                out.measurements.append(self._measurement(spec, op, size, t, grp.n, bool(corrupt)))
+        return seconds
+
+    def _noise(self) -> float:
+        sigma = self.scenario.noise
+        if sigma == 0:
+            return 1.0
+        z = float(np.clip(self._noise_rng.standard_normal(), -NOISE_CLIP, NOISE_CLIP))
+        return math.exp(sigma * z)
+
+    def _measurement(self, spec: GroupSpec, op: str, size: int, t: float, n: int,
+                     corrupt: bool) -> Measurement:
+        algbw = size / t / 1e9
+        return Measurement(op=op, scope=spec.scope, members=list(spec.members), size_bytes=size,
+                           dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
+                           time_us=t * 1e6, algbw_gbs=algbw,
+                           busbw_gbs=algbw * _busbw_factor(op, n),
+                           wrong=max(1, size // 4096) if corrupt else 0)
+
+    def expected_busbw(self, m: Measurement) -> float | None:
+        """The hardware preset for this measurement: fault-free, variation-free links."""
+        key = (m.op, m.size_bytes, tuple(m.members))
+        if key not in self._expected_cache:
+            grp = self._group(m.members)
+            lat, per_byte = self._nominal.op_time(m.op, grp)
+            t = lat + per_byte * m.size_bytes
+            self._expected_cache[key] = m.size_bytes / t / 1e9 * _busbw_factor(m.op, grp.n)
+        return self._expected_cache[key]
+
+
+def _nominal_fabric(s: Scenario) -> Fabric:
+    """The same hardware with every link at its published rate: no variation, no faults."""
+    return Fabric(Scenario(nodes=s.nodes, gpus_per_node=s.gpus_per_node, gpu=s.gpu,
+                           nvlink_gbs=s.nvlink_gbs, net_gbs=s.net_gbs, noise=0.0,
+                           variation=0.0, seed=s.seed, faults=[]))

@@ -1,0 +1,1 @@
+"""Baselines, degradation, fault localization and health state, from measurements alone."""

@@ -1,0 +1,58 @@
+"""Health with hysteresis: k bad of the last n observations degrade a link, m good in a row
+recover it, so a link that flaps between good and bad does not flap its alerts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+OK = "ok"
+DEGRADED = "degraded"
+
+
+@dataclass(frozen=True)
+class Policy:
+    k_bad: int = 3
+    n_window: int = 5
+    m_good: int = 3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k_bad <= self.n_window:
+            raise ValueError(f"need 1 <= k_bad <= n_window, got {self.k_bad} and {self.n_window}")
+        if self.m_good < 1:
+            raise ValueError(f"m_good must be at least 1, got {self.m_good}")
+
+
+@dataclass(frozen=True)
+class LinkState:
+    status: str = OK
+    # The last n_window verdicts, oldest first: True for a bad one.
+    recent: tuple[bool, ...] = ()
+    good_streak: int = 0
+
+
+def step(state: LinkState, bad: bool, policy: Policy = Policy()) -> LinkState:
+    """Fold one verdict into the state."""
+    recent = (*state.recent, bad)[-policy.n_window:]
+    streak = 0 if bad else state.good_streak + 1
+    status = state.status
+    if status == OK and sum(recent) >= policy.k_bad:
+        status = DEGRADED
+    elif status == DEGRADED and streak >= policy.m_good:
+        status = OK
+    return LinkState(status, recent, streak)
+
+
+def statuses(verdicts: Iterable[bool], policy: Policy = Policy(),
+             start: LinkState = LinkState()) -> list[str]:
+    """The status after each verdict of a series."""
+    out = []
+    state = start
+    for bad in verdicts:
+        state = step(state, bad, policy)
+        out.append(state.status)
+    return out
+
+
+def changes(series: list[str]) -> int:
+    return sum(a != b for a, b in zip(series, series[1:], strict=False))

@@ -1,0 +1,251 @@
+"""Turn judged groups into findings that name a GPU pair, a node's NIC or a node-to-node path.
+
+Each conclusion is drawn from the narrowest evidence first (a GPU pair before its node,
+a node before the paths through it), and whatever a blamed node already explains is not
+blamed again. The reasoning is laid out in docs/analysis.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
+from services.analyzer.assess import Assessment
+
+# Best PCIe Gen5 x16 P2P copy rates sit near 55 GB/s; NVLink pairs do several times that.
+PCIE_CEILING_GBS = 64.0
+# A NIC is blamed when at least this share of its node-pair groups are slow.
+NIC_BAD_SHARE = 0.75
+# Two slow partners decide a NIC, unless every slow result is only this close to the
+# threshold: then noise could have made both, and a third partner decides.
+MARGINAL_RATIO = 0.75
+
+GroupKey = tuple[str, tuple[str, ...]]
+
+
+@dataclass
+class GroupVerdict:
+    """Every judged measurement of one group of ranks (possibly over several rounds)."""
+
+    scope: str
+    members: tuple[str, ...]
+    nodes: tuple[str, ...]
+    by_op: dict[str, list[Assessment]] = field(default_factory=dict)
+
+    @property
+    def bad(self) -> bool:
+        """Slow when, for some op, every judged measurement was slow: a single noisy
+        measurement is overruled by a clean re-test of the same group."""
+        return any(all(a.bad for a in items) for items in self.by_op.values() if items)
+
+    @property
+    def worst(self) -> Assessment | None:
+        rated = [a for items in self.by_op.values() for a in items if a.ratio is not None]
+        return min(rated, key=lambda a: a.ratio or 0.0) if rated else None
+
+
+@lru_cache(maxsize=1 << 16)
+def _nodes_of(members: tuple[str, ...]) -> tuple[str, ...]:
+    # Cached: preflight re-judges the same (large) groups after every round.
+    return tuple(sorted({split_member(x)[0] for x in members}))
+
+
+def group_verdicts(assessments: Iterable[Assessment]) -> dict[GroupKey, GroupVerdict]:
+    """Judged assessments folded per group (scope and member set)."""
+    out: dict[GroupKey, GroupVerdict] = {}
+    for a in assessments:
+        m = a.measurement
+        if not a.judged or a.ratio is None:
+            continue
+        members = tuple(sorted(m.members))
+        key = (m.scope, members)
+        if key not in out:
+            out[key] = GroupVerdict(m.scope, members, _nodes_of(members))
+        out[key].by_op.setdefault(m.op, []).append(a)
+    return out
+
+
+def p2p_link_types(ranks: Iterable[RankInfo] | None,
+                   only: set[str] | None = None) -> dict[tuple[str, int, int], str]:
+    """(node, gpu, peer) -> nvidia-smi topo word ("NV18", "PHB", ...) from rank telemetry,
+    for the nodes in ``only`` (all when None).
+
+    Telemetry's ``p2p`` row maps a peer index to either a word or ``{"nvlink": bool, ...}``.
+    """
+    out: dict[tuple[str, int, int], str] = {}
+    for r in ranks or []:
+        if only is not None and r.node not in only:
+            continue
+        for peer, value in (r.telemetry.get("p2p") or {}).items():
+            if isinstance(value, dict):
+                word = value.get("link") or ("NV" if value.get("nvlink") else "PCIe")
+            else:
+                word = str(value)
+            out[(r.node, r.local_index, int(peer))] = word
+    return out
+
+
+def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], **where: object) -> Finding:
+    """A degradation finding with measured/expected figures from the worst evidence."""
+    verdicts = v if isinstance(v, list) else [v]
+    worst = [w for w in (x.worst for x in verdicts) if w is not None]
+    measured = statistics.median(a.measurement.busbw_gbs for a in worst) if worst else None
+    expected = [a.expected_gbs for a in worst if a.expected_gbs is not None]
+    severity = "critical" if any(a.severity == "critical" for a in worst) else "warning"
+    return Finding(kind=kind, severity=severity, measured_gbs=measured,
+                   expected_gbs=statistics.median(expected) if expected else None,
+                   **where)  # type: ignore[arg-type]
+
+
+def _gpus(v: GroupVerdict) -> list[int]:
+    return sorted(split_member(x)[1] for x in v.members)
+
+
+def _is_pcie(node: str, gpus: list[int], v: GroupVerdict,
+             links: dict[tuple[str, int, int], str]) -> bool:
+    """Expected NVLink, got PCIe: telemetry says so, or (without it) the rate can't be NVLink."""
+    a, b = gpus
+    words = [links.get((node, a, b)), links.get((node, b, a))]
+    if any(w is not None for w in words):
+        return any(w is not None and not w.startswith("NV") for w in words)
+    w = v.worst
+    return (w is not None and w.expected_gbs is not None
+            and w.measurement.busbw_gbs <= PCIE_CEILING_GBS < w.expected_gbs / 2)
+
+
+def _faulty_gpus(bad_pairs: list[list[int]], tested: list[list[int]]) -> set[int]:
+    """GPUs slow with most of their partners: the GPU, not one link, is at fault."""
+    bad_count: dict[int, int] = defaultdict(int)
+    tested_count: dict[int, int] = defaultdict(int)
+    for pair in bad_pairs:
+        for g in pair:
+            bad_count[g] += 1
+    for pair in tested:
+        for g in pair:
+            tested_count[g] += 1
+    return {g for g, n in bad_count.items() if n >= 2 and 2 * n >= tested_count[g]}
+
+
+def _pcie_pairs_of(node: str, links: dict[tuple[str, int, int], str]) -> list[list[int]]:
+    return sorted({tuple(sorted((a, b))) for (n, a, b), w in links.items()  # type: ignore[misc]
+                   if n == node and not w.startswith("NV")})
+
+
+def _node_findings(node: str, intra: list[GroupVerdict], pairs: list[GroupVerdict],
+                   links: dict[tuple[str, int, int], str]) -> list[Finding]:
+    """NVLink and topology findings of one node from its intra-node and GPU-pair groups."""
+    bad_pairs = [v for v in pairs if v.bad]
+    if bad_pairs:
+        return _pair_findings(node, bad_pairs, pairs, links)
+    bad_intra = [v for v in intra if v.bad]
+    if not bad_intra or pairs:
+        # Pairs tested and all fine: the slow intra-node result was not confirmed.
+        return []
+    pcie = _pcie_pairs_of(node, links)
+    if pcie:
+        return [_finding("topology_mismatch", bad_intra, node=node, gpus=list(p)) for p in pcie]
+    gpus = _gpus(bad_intra[0]) if len(bad_intra[0].members) == 2 else None
+    return [_finding("nvlink_degraded", bad_intra, node=node, gpus=gpus)]
+
+
+def _pair_findings(node: str, bad_pairs: list[GroupVerdict], pairs: list[GroupVerdict],
+                   links: dict[tuple[str, int, int], str]) -> list[Finding]:
+    out: list[Finding] = []
+    rest = []
+    for v in bad_pairs:
+        gpus = _gpus(v)
+        if _is_pcie(node, gpus, v, links):
+            out.append(_finding("topology_mismatch", v, node=node, gpus=gpus))
+        else:
+            rest.append(v)
+    faulty = _faulty_gpus([_gpus(v) for v in rest], [_gpus(v) for v in pairs])
+    for g in sorted(faulty):
+        mine = [v for v in rest if g in _gpus(v)]
+        out.append(_finding("nvlink_degraded", mine, node=node, gpu=g, gpus=[g]))
+    out += [_finding("nvlink_degraded", v, node=node, gpus=_gpus(v))
+            for v in rest if not faulty.intersection(_gpus(v))]
+    return out
+
+
+def _two_node(verdicts: dict[GroupKey, GroupVerdict], blamed: set[str]) -> list[GroupVerdict]:
+    return [v for (scope, _), v in verdicts.items()
+            if scope == "inter_node" and len(v.nodes) == 2 and not blamed.intersection(v.nodes)]
+
+
+def nic_needs_more_partners(groups: list[GroupVerdict]) -> bool:
+    """True while a node's node-pair results can't yet decide its NIC either way."""
+    bad = [v for v in groups if v.bad]
+    if len(groups) < 2:
+        return True
+    marginal = all((v.worst.ratio if v.worst and v.worst.ratio else 0.0) >= MARGINAL_RATIO
+                   for v in bad)
+    return len(bad) == len(groups) and len(groups) < 3 and marginal
+
+
+def _nic_findings(pairs: list[GroupVerdict]) -> list[Finding]:
+    """A node slow with (nearly) every partner, while a partner is fine elsewhere: its NIC."""
+    of_node: dict[str, list[GroupVerdict]] = defaultdict(list)
+    for v in pairs:
+        for n in v.nodes:
+            of_node[n].append(v)
+    fine = {n for n, vs in of_node.items() if any(not v.bad for v in vs)}
+    out = []
+    for node, vs in sorted(of_node.items()):
+        bad = [v for v in vs if v.bad]
+        partners = {n for v in bad for n in v.nodes} - {node}
+        if (len(bad) >= NIC_BAD_SHARE * len(vs) and partners & fine
+                and not nic_needs_more_partners(vs)):
+            out.append(_finding("nic_degraded", bad, node=node))
+    return out
+
+
+def dedupe(findings: Iterable[Finding]) -> list[Finding]:
+    seen: set[tuple[object, ...]] = set()
+    out = []
+    for f in findings:
+        key = (f.kind, f.node, f.gpu, tuple(f.gpus or ()), tuple(f.nodes or ()))
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
+
+
+def localize(
+    assessments: Iterable[Assessment],
+    probe_findings: Iterable[Finding],
+    nodes: list[str],
+    ranks: Iterable[RankInfo] | None = None,
+) -> list[Finding]:
+    """Findings of DESIGN.md's kinds for these nodes (all nodes seen when ``nodes`` is empty).
+
+    ``ranks`` (optional) carries telemetry: a P2P row tells a PCIe pair from a slow NVLink.
+    """
+    verdicts = group_verdicts(assessments)
+    slow_local = {v.nodes[0] for v in verdicts.values() if len(v.nodes) == 1 and v.bad}
+    links = p2p_link_types(ranks, slow_local)
+    findings = dedupe(probe_findings)
+    blamed = {f.node for f in findings if f.kind in EXCLUDING_KINDS and f.node}
+    local: dict[str, dict[str, list[GroupVerdict]]] = defaultdict(lambda: defaultdict(list))
+    for v in verdicts.values():
+        if len(v.nodes) == 1:
+            local[v.nodes[0]][v.scope].append(v)
+    for node in sorted(set(local) - blamed):
+        findings += _node_findings(node, local[node]["intra_node"], local[node]["gpu_pair"], links)
+    blamed |= {f.node for f in findings if f.kind in EXCLUDING_KINDS and f.node}
+    nic = _nic_findings(_two_node(verdicts, blamed))
+    findings += nic
+    blamed |= {f.node for f in nic if f.node}
+    findings += [_finding("net_path_degraded", v, nodes=list(v.nodes))
+                 for v in _two_node(verdicts, blamed) if v.bad]
+    return _only(dedupe(findings), set(nodes))
+
+
+def _only(findings: list[Finding], wanted: set[str]) -> list[Finding]:
+    if not wanted:
+        return findings
+    return [f for f in findings
+            if (f.node is None or f.node in wanted) and set(f.nodes or ()) <= wanted]

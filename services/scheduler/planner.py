@@ -1,0 +1,473 @@
+"""Plan probe rounds: which ranks form which groups, so that every round's groups are disjoint.
+
+Intra-node groups of every node run at once; node pairs follow perfect matchings from the
+circle method; a world group closes the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from agents.spec import GroupSpec, member
+from services.analyzer.localize import GroupVerdict, nic_needs_more_partners
+
+T = TypeVar("T")
+Nodes = dict[str, list[int]]
+Verdicts = Mapping[tuple[str, tuple[str, ...]], GroupVerdict]
+
+DEFAULT_OPS: tuple[str, ...] = ("allreduce", "alltoall")
+DEFAULT_SIZES: tuple[int, ...] = (1 << 16, 1 << 22)
+# Up to this many nodes the static plan tests every node pair (n - 1 matchings).
+ALL_PAIRS_MAX = 8
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    """What every group of a plan runs: ops, sizes and iteration counts."""
+
+    ops: tuple[str, ...] = DEFAULT_OPS
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    dtype: str = "float32"
+    warmup: int = 5
+    iters: int = 20
+    deadline_s: float = 60.0
+
+    def group(self, scope: str, members: Sequence[str],
+              ops: tuple[str, ...] | None = None) -> GroupSpec:
+        return GroupSpec(scope=scope, members=tuple(members), ops=ops or self.ops,
+                         sizes=self.sizes, dtype=self.dtype, warmup=self.warmup,
+                         iters=self.iters, deadline_s=self.deadline_s)
+
+
+def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[tuple[T, T]]]:
+    """Round-robin tournament (circle method): n - 1 perfect matchings for even n, n for odd
+    n (one item sits out each round); every pair meets exactly once. ``limit``: only the
+    first matchings."""
+    pool: list[T | None] = list(items)
+    if len(pool) < 2:
+        return []
+    if len(pool) % 2:
+        pool.append(None)
+    n = len(pool)
+    rounds = []
+    for _ in range(n - 1 if limit is None else min(limit, n - 1)):
+        pairs = [(pool[i], pool[n - 1 - i]) for i in range(n // 2)]
+        rounds.append([(a, b) for a, b in pairs if a is not None and b is not None])
+        # Keep the first item fixed and rotate the others by one.
+        pool = [pool[0], pool[-1], *pool[1:-1]]
+    return rounds  # type: ignore[return-value]
+
+
+def node_members(nodes: Nodes, names: Sequence[str]) -> list[str]:
+    """All ranks of these nodes, node by node: a ring then crosses each node boundary once."""
+    return [member(n, i) for n in names for i in nodes[n]]
+
+
+def intra_round(nodes: Nodes, shape: ProbeShape) -> list[GroupSpec]:
+    """Every node's own ranks at once; a node with a single rank has no intra-node link."""
+    return [shape.group("intra_node", node_members(nodes, [n]))
+            for n in sorted(nodes) if len(nodes[n]) >= 2]
+
+
+def pair_group(nodes: Nodes, a: str, b: str, shape: ProbeShape,
+               ops: tuple[str, ...] | None = None) -> GroupSpec:
+    first, second = sorted((a, b))
+    return shape.group("inter_node", node_members(nodes, [first, second]), ops)
+
+
+def world_group(nodes: Nodes, names: Sequence[str], shape: ProbeShape) -> GroupSpec:
+    return shape.group("world", node_members(nodes, sorted(names)))
+
+
+def node_pair_rounds(nodes: Nodes, shape: ProbeShape, *, matchings: int | None = None,
+                     rotation: int = 0) -> list[list[GroupSpec]]:
+    """Node pairs in perfect matchings: all of them for a small fleet, else ``matchings``
+    of them starting at ``rotation`` (so successive cycles cover every pair in turn)."""
+    names = sorted(nodes)
+    rounds = circle_matchings(names)
+    if not rounds:
+        return []
+    count = len(rounds) if matchings is None and len(names) <= ALL_PAIRS_MAX else (matchings or 1)
+    picked = [rounds[(rotation + k) % len(rounds)] for k in range(min(count, len(rounds)))]
+    return [[pair_group(nodes, a, b, shape) for a, b in pairs] for pairs in picked]
+
+
+def plan_rounds(
+    nodes: Nodes,
+    ops: Sequence[str] = DEFAULT_OPS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    *,
+    dtype: str = "float32",
+    warmup: int = 5,
+    iters: int = 20,
+    deadline_s: float = 60.0,
+    matchings: int | None = None,
+    rotation: int = 0,
+) -> list[list[GroupSpec]]:
+    """The static plan: intra-node round, node-pair matchings, then one world group.
+
+    ``nodes`` maps a node to its local rank indices. With more than ``ALL_PAIRS_MAX``
+    nodes only ``matchings`` matchings run (default 1); ``rotation`` picks which.
+    """
+    shape = ProbeShape(tuple(ops), tuple(sizes), dtype, warmup, iters, deadline_s)
+    plan: list[list[GroupSpec]] = []
+    intra = intra_round(nodes, shape)
+    if intra:
+        plan.append(intra)
+    plan += node_pair_rounds(nodes, shape, matchings=matchings, rotation=rotation)
+    # With two nodes the world is the one node pair already run; with one, the intra group.
+    if len(nodes) >= 3:
+        plan.append([world_group(nodes, list(nodes), shape)])
+    return plan
+
+
+# --- the adaptive preflight plan -------------------------------------------------------
+
+# A region of node pairs the path search still suspects: every pair inside ``a``
+# ("within"), or every pair with one node in ``a`` and one in ``b`` ("across").
+Region = tuple[str, tuple[str, ...], tuple[str, ...]]
+MAX_REPAIR_ROUNDS = 4
+
+
+def split(items: Sequence[T], parts: int) -> list[list[T]]:
+    """Near-equal consecutive parts (no empty ones)."""
+    k = min(parts, len(items))
+    size, extra = divmod(len(items), k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + size + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+@dataclass
+class SearchStep:
+    """Unions of node sets to test, and which unions cover each smaller region.
+
+    A region can hold a slow pair only if every union covering it came out slow; those
+    regions are the next steps. Two-node unions end the search at a node pair.
+    """
+
+    unions: list[tuple[str, ...]]
+    covers: list[tuple[Region, list[int]]]
+
+
+def separated_split(items: Sequence[str], parts: int,
+                    known: set[frozenset[str]]) -> list[tuple[str, ...]]:
+    """``split``, then swap nodes so that no known slow pair sits inside one part: a union
+    holding both ends of a known pair would be slow for a reason already known."""
+    out = split(list(items), parts)
+    ends = {n for pair in known for n in pair}
+    for pair in known:
+        x, y = sorted(pair)
+        home = next((p for p in out if x in p and y in p), None)
+        if home is None:
+            continue
+        for other in out:
+            if other is home or any(frozenset((y, z)) in known for z in other):
+                continue
+            spare = next((z for z in other if z not in ends), None)
+            if spare is not None:
+                home[home.index(y)], other[other.index(spare)] = spare, y
+                break
+    return [tuple(p) for p in out]
+
+
+def search_step(region: Region, known: set[frozenset[str]] | None = None) -> SearchStep:
+    """Split a region: within C into four parts and the six unions of two of them (every
+    pair of C lies in one union); across C x D into halves and the four cross unions.
+    ``known`` slow pairs are kept apart by the split where possible."""
+    known = known or set()
+    kind, a, b = region
+    if kind == "within":
+        if len(a) <= 3:
+            pairs = [(x, y) for i, x in enumerate(a) for y in a[i + 1:]]
+            return SearchStep([tuple(sorted(p)) for p in pairs], [])
+        parts = separated_split(a, 4, known)
+        unions: list[tuple[str, ...]] = []
+        covers: list[tuple[Region, list[int]]] = []
+        index: dict[tuple[int, int], int] = {}
+        # Order unions so consecutive ones are disjoint and pack two to a round.
+        for i, j in ((0, 1), (2, 3), (0, 2), (1, 3), (0, 3), (1, 2)):
+            index[(i, j)] = len(unions)
+            unions.append(tuple(sorted(parts[i] + parts[j])))
+        for i, p in enumerate(parts):
+            if len(p) >= 2:
+                covers.append((("within", p, ()), [u for (x, y), u in index.items() if i in (x, y)]))
+        for (i, j), u in index.items():
+            covers.append((("across", parts[i], parts[j]), [u]))
+        return SearchStep(unions, covers)
+    if len(a) == 1 and len(b) == 1:
+        return SearchStep([tuple(sorted(a + b))], [])
+    ca = separated_split(a, 2, known)
+    cb = separated_split(b, 2, known)
+    cells = [(i, j) for i in range(len(ca)) for j in range(len(cb))]
+    # (0,0) with (1,1), then (0,1) with (1,0): disjoint unions share a round.
+    cells.sort(key=lambda c: (c[0] != c[1], c))
+    cross = [tuple(sorted(ca[i] + cb[j])) for i, j in cells]
+    return SearchStep(cross, [(("across", ca[i], cb[j]), [k]) for k, (i, j) in enumerate(cells)])
+
+
+def pack(groups: Sequence[GroupSpec]) -> tuple[list[GroupSpec], list[GroupSpec]]:
+    """Greedy first fit: the groups that can share one round (no rank twice), and the rest."""
+    used: set[str] = set()
+    now, later = [], []
+    for g in groups:
+        if used.isdisjoint(g.members):
+            used.update(g.members)
+            now.append(g)
+        else:
+            later.append(g)
+    return now, later
+
+
+def gpu_pair_rounds(nodes: Nodes, suspects: Sequence[str], shape: ProbeShape) -> list[list[GroupSpec]]:
+    """Perfect matchings of each suspect node's GPUs, all suspect nodes side by side:
+    g - 1 rounds (g even) test every GPU pair of every suspect node."""
+    per_node = {n: circle_matchings(nodes[n]) for n in suspects if len(nodes[n]) >= 3}
+    depth = max((len(r) for r in per_node.values()), default=0)
+    rounds = []
+    for k in range(depth):
+        rounds.append([shape.group("gpu_pair", [member(n, a), member(n, b)])
+                       for n, r in sorted(per_node.items()) if k < len(r) for a, b in r[k]])
+    return rounds
+
+
+@dataclass
+class _Issued:
+    """A suspect region; its step is split only once nothing it depends on is pending."""
+
+    region: Region
+    step: SearchStep | None = None
+    issued: set[int] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        return self.step is not None and len(self.issued) == len(self.step.unions)
+
+
+class AdaptivePlanner:
+    """Preflight's plan, one round at a time, from the group verdicts so far.
+
+    intra-node round -> GPU-pair matchings on suspect nodes (with one node-pair matching
+    of the other nodes) -> re-pair rounds: suspects with proven-good nodes, slow pairs of
+    two good nodes re-tested -> one world group -> if that is slow, the path search
+    (``search_step``) -> re-tests of what the search found. docs/analysis.md gives the
+    round count: O(g) + O(1) + O(log N) per slow path.
+    """
+
+    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = 96) -> None:
+        self.nodes = nodes
+        self.shape = shape
+        largest = (max(shape.sizes),)
+        self.pair_shape = ProbeShape(("allreduce",), largest, shape.dtype, shape.warmup,
+                                     shape.iters, shape.deadline_s)
+        self.union_shape = ProbeShape(("alltoall",), largest, shape.dtype, shape.warmup,
+                                      shape.iters, shape.deadline_s)
+        self.max_rounds = max_rounds
+        self.rounds = 0
+        self.phase = "intra"
+        self.pair_rounds: list[list[GroupSpec]] = []
+        self.awaiting_pairs: set[str] = set()
+        self.pairs_retested = False
+        self.matching_rounds: list[list[GroupSpec]] = []
+        self.repairs = 0
+        self.world: GroupSpec | None = None
+        self.active: list[_Issued] = []
+        self.search_started = False
+
+    def next_round(self, verdicts: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        """The next round's groups; empty when preflight is done."""
+        if self.rounds >= self.max_rounds:
+            return []
+        groups = self._plan(verdicts, blamed)
+        if groups:
+            self.rounds += 1
+        return groups
+
+    def _plan(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        if self.phase == "intra":
+            self.phase = "pairs"
+            groups = intra_round(self.nodes, self.shape)
+            if groups:
+                return groups
+        if self.phase == "pairs":
+            self.phase = "repair"
+            groups = self._first_pairs(v, blamed)
+            if groups:
+                return groups
+        if self.phase == "repair":
+            groups = self._gpu_pairs_and_repairs(v, blamed)
+            if groups:
+                return groups
+            self.phase = "world"
+        if self.phase == "world":
+            self.phase = "search"
+            live = [n for n in sorted(self.nodes) if n not in blamed]
+            if len(live) >= 3:
+                self.world = world_group(self.nodes, live, self.shape)
+                return [self.world]
+        if self.phase == "search":
+            groups = self._search(v)
+            if groups:
+                return groups
+            self.phase, self.repairs = "confirm", 0
+        if self.phase == "confirm":
+            groups = self._repair(v, blamed) if self.repairs < MAX_REPAIR_ROUNDS else []
+            self.repairs += 1
+            if groups:
+                return groups
+            self.phase = "done"
+        return []
+
+    def _first_pairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        """GPU-pair round 1 on suspect nodes, beside one node-pair matching of the rest."""
+        # Blamed or not, a slow intra-node group gets its GPU pairs tested: that is
+        # what names the pair (or shows the intra-node result was noise).
+        suspects = [n for n in sorted(self.nodes)
+                    if _bad(v, "intra_node", node_members(self.nodes, [n]))]
+        self.pair_rounds = gpu_pair_rounds(self.nodes, suspects, self.pair_shape)
+        self.awaiting_pairs = {n for n in suspects if len(self.nodes[n]) >= 3}
+        # A two-GPU node has no smaller test than its intra group: run it again, so one
+        # noisy result does not blame the node.
+        retests = [shape_group for n in suspects if len(self.nodes[n]) == 2
+                   for shape_group in intra_round({n: self.nodes[n]}, self.shape)]
+        others = [n for n in sorted(self.nodes) if n not in blamed and n not in suspects]
+        # A small fleet meets every pair (at most 7 rounds): one matching alone would leave
+        # a lone node-pair group with no peers to be judged against.
+        matchings = circle_matchings(others, limit=None if len(others) <= ALL_PAIRS_MAX else 1)
+        self.matching_rounds = [[pair_group(self.nodes, a, b, self.shape) for a, b in pairs]
+                                for pairs in matchings]
+        first = self.matching_rounds.pop(0) if self.matching_rounds else []
+        return (self.pair_rounds.pop(0) if self.pair_rounds else []) + retests + first
+
+    def _gpu_pairs_and_repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        if not self.pair_rounds and self.awaiting_pairs and not self.pairs_retested:
+            self.pairs_retested = True
+            self.pair_rounds = self._pair_retests(v)
+        groups = self.pair_rounds.pop(0) if self.pair_rounds else []
+        if not groups:
+            self.awaiting_pairs = set()
+        if self.matching_rounds:
+            return groups + self.matching_rounds.pop(0)
+        repairs = self._repair(v, blamed | self.awaiting_pairs) if self.repairs < MAX_REPAIR_ROUNDS else []
+        if repairs:
+            self.repairs += 1
+        return groups + repairs
+
+    def _pair_retests(self, v: Verdicts) -> list[list[GroupSpec]]:
+        """Each slow GPU pair once more: a pair is blamed on two slow results, not one."""
+        pending = [self.pair_shape.group("gpu_pair", x.members) for (scope, _), x in sorted(v.items())
+                   if scope == "gpu_pair" and x.bad and _instances(x) < 2
+                   and x.nodes[0] in self.awaiting_pairs]
+        rounds = []
+        while pending:
+            now, pending = pack(pending)
+            rounds.append(now)
+        return rounds
+
+    def _repair(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        """Re-pair nodes that have no good node-pair result with nodes proven good, and
+        re-test slow pairs of two good nodes: a NIC is slow with every partner, a path
+        only between its two ends."""
+        live = set(self.nodes) - blamed
+        two = {frozenset(x.nodes): x for (scope, _), x in v.items()
+               if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
+        results: dict[str, list[GroupVerdict]] = {n: [] for n in live}
+        for pair, x in two.items():
+            for n in pair:
+                results[n].append(x)
+        good = sorted(n for n, xs in results.items() if any(not x.bad for x in xs))
+        used: set[str] = set()
+        groups = []
+        for pair, x in sorted(two.items(), key=lambda kv: sorted(kv[0])):
+            if x.bad and pair <= set(good) and _instances(x) < 2 and used.isdisjoint(pair):
+                used |= pair
+                a, b = sorted(pair)
+                groups.append(pair_group(self.nodes, a, b, self.shape))
+        free = [p for p in good if p not in used]
+        for n in sorted(live):
+            if n in good or n in used or not nic_needs_more_partners(results[n]):
+                continue
+            partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
+            if partner is not None:
+                free.remove(partner)
+                used |= {n, partner}
+                groups.append(pair_group(self.nodes, n, partner, self.shape))
+        return groups
+
+    def _search(self, v: Verdicts) -> list[GroupSpec]:
+        if self.world is None:
+            return []
+        if not self.search_started:
+            self.search_started = True
+            if not _bad(v, "world", self.world.members):
+                return []
+            live = tuple(sorted(nodes_of_members(self.world.members)))
+            self.active = [_Issued(("within", live, ()))]
+        self.active = [a for item in self.active for a in self._advance(item, v)]
+        known = _slow_pairs(v)
+        for item in self.active:
+            if item.step is None and not self._waits(item):
+                item.step = search_step(item.region, known)
+        return self._issue()
+
+    def _waits(self, item: _Issued) -> bool:
+        """An across region waits for pending within regions on its nodes: a slow pair
+        inside one side makes every union with that side slow until it is known."""
+        kind, a, b = item.region
+        if kind != "across":
+            return False
+        mine = set(a) | set(b)
+        return any(o.region[0] == "within" and not mine.isdisjoint(o.region[1])
+                   for o in self.active if o is not item)
+
+    def _advance(self, item: _Issued, v: Verdicts) -> list[_Issued]:
+        """A step whose unions have all run becomes its still-suspect regions."""
+        if not item.done or item.step is None:
+            return [item]
+        slow = [self._union_bad(v, u) for u in item.step.unions]
+        return [_Issued(region) for region, idx in item.step.covers if all(slow[i] for i in idx)]
+
+    def _issue(self) -> list[GroupSpec]:
+        used: set[str] = set()
+        groups = []
+        for item in self.active:
+            if item.step is None:
+                continue
+            for k, union in enumerate(item.step.unions):
+                if k in item.issued or not used.isdisjoint(union):
+                    continue
+                used.update(union)
+                item.issued.add(k)
+                groups.append(self._union_group(union))
+        return groups
+
+    def _union_group(self, union: tuple[str, ...]) -> GroupSpec:
+        if len(union) == 2:
+            return pair_group(self.nodes, union[0], union[1], self.shape)
+        return self.union_shape.group("inter_node", node_members(self.nodes, union))
+
+    def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
+        return _bad(v, "inter_node", node_members(self.nodes, union))
+
+
+def nodes_of_members(members: Sequence[str]) -> set[str]:
+    return {m.rpartition("/")[0] for m in members}
+
+
+def _bad(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
+    x = v.get((scope, tuple(sorted(members))))
+    return x is not None and x.bad
+
+
+def _slow_pairs(v: Verdicts) -> set[frozenset[str]]:
+    return {frozenset(x.nodes) for (scope, _), x in v.items()
+            if scope == "inter_node" and len(x.nodes) == 2 and x.bad}
+
+
+def _instances(x: GroupVerdict) -> int:
+    return max((len(items) for items in x.by_op.values()), default=0)

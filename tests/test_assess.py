@@ -1,0 +1,105 @@
+"""assess: peer, history and preset expectations; which sizes are judged."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agents.spec import Measurement
+from services.analyzer.assess import (
+    Thresholds,
+    assess,
+    history_baseline,
+    history_expected,
+    leave_one_out_quantile,
+    link_key,
+)
+
+
+def meas(members, busbw, *, op="allreduce", scope="inter_node", size=1 << 22) -> Measurement:
+    return Measurement(op=op, scope=scope, members=list(members), size_bytes=size,
+                       dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=busbw,
+                       busbw_gbs=busbw, wrong=0)
+
+
+def pair(a: int, b: int) -> list[str]:
+    return [f"node-{a:03d}/0", f"node-{b:03d}/0"]
+
+
+def test_slow_one_of_three_nodes_is_bad_even_though_the_median_pair_is_slow():
+    # node-002 slow: two of the three node pairs are slow, the median pair is slow too.
+    ms = [meas(pair(0, 1), 10.0), meas(pair(0, 2), 5.0), meas(pair(1, 2), 5.1)]
+    out = assess(ms)
+    assert [a.bad for a in out] == [False, True, True]
+    assert out[1].source == "peers"
+    assert out[1].expected_gbs is not None and out[1].expected_gbs > 7.0
+    assert out[1].severity == "warning" or out[1].ratio < 0.5
+
+
+def test_severity_follows_critical_ratio():
+    ms = [meas(pair(i, i + 1), 10.0) for i in range(0, 8, 2)] + [meas(pair(8, 9), 4.0)]
+    out = assess(ms)
+    assert out[-1].bad and out[-1].severity == "critical"
+    ms[-1] = meas(pair(8, 9), 6.0)
+    out = assess(ms)
+    assert out[-1].bad and out[-1].severity == "warning"
+
+
+def test_peers_must_match_op_scope_size_and_world_size():
+    ms = [meas(pair(0, 1), 10.0), meas(pair(2, 3), 1.0, op="alltoall"),
+          meas(["node-004/0", "node-004/1"], 1.0, scope="intra_node"),
+          meas(pair(5, 6) + ["node-007/0"], 1.0)]
+    out = assess(ms)
+    assert all(a.source == "none" and not a.bad for a in out)
+
+
+def test_only_largest_size_is_judged():
+    small = [meas(pair(i, i + 1), 1.0 if i == 0 else 10.0, size=1 << 10) for i in (0, 2, 4)]
+    large = [meas(pair(i, i + 1), 10.0, size=1 << 24) for i in (0, 2, 4)]
+    out = assess(small + large)
+    assert not any(a.bad for a in out)
+    assert out[0].ratio is not None and out[0].ratio < 0.2 and not out[0].judged
+    assert all(a.judged for a in out[3:])
+
+
+def test_preset_is_used_without_peers_and_floors_them():
+    lone = meas(pair(0, 1) + ["node-002/0"], 30.0)
+    out = assess([lone], Thresholds(), expected=lambda m: 100.0)
+    assert out[0].source == "preset" and out[0].bad and out[0].expected_gbs == 100.0
+    peers = [meas(pair(i, i + 1), 95.0) for i in (0, 2, 4)]
+    out = assess(peers, Thresholds(), expected=lambda m: 100.0)
+    assert all(a.source == "peers" and not a.bad and a.expected_gbs == 95.0 for a in out)
+    # Peers that are all slow together can't vouch for each other.
+    slow = [meas(pair(i, i + 1), 30.0) for i in (0, 2, 4)]
+    out = assess(slow, Thresholds(), expected=lambda m: 100.0)
+    assert all(a.source == "preset" and a.bad and a.expected_gbs == 90.0 for a in out)
+
+
+def test_history_expectation_from_median_and_mad():
+    past = [100.0, 101.0, 99.0, 100.5, 99.5, 100.0]
+    b = history_baseline(past)
+    assert b is not None and b.median == 100.0 and b.count == 6
+    assert history_expected(past[:3]) is None  # too little history
+    lone = meas(pair(0, 1), 60.0)
+    out = assess([lone], history={link_key(lone): past})
+    assert out[0].source == "history" and out[0].bad
+    out = assess([meas(pair(0, 1), 98.0)], history={link_key(lone): past})
+    assert not out[0].bad
+
+
+def test_noisy_history_widens_the_expectation():
+    noisy = [100.0, 60.0, 140.0, 80.0, 120.0, 100.0]
+    quiet = [100.0] * 6
+    e_noisy = history_expected(noisy)
+    e_quiet = history_expected(quiet)
+    assert e_noisy is not None and e_quiet is not None and e_noisy < e_quiet
+
+
+@given(st.lists(st.floats(0.1, 1000.0), min_size=2, max_size=30), st.floats(0.0, 1.0))
+def test_leave_one_out_quantile_matches_numpy(values, q):
+    v = np.array(values)
+    got = leave_one_out_quantile(v, q)
+    for i in range(v.size):
+        want = np.quantile(np.delete(v, i), q)
+        assert abs(got[i] - want) <= 1e-9 * max(1.0, abs(want))

@@ -1,0 +1,129 @@
+"""localize: from judged groups to GPU pair, NIC, path, hang and corruption findings."""
+
+from __future__ import annotations
+
+from agents.spec import Finding, Measurement, RankInfo
+from services.analyzer.assess import assess
+from services.analyzer.localize import localize
+from services.analyzer.verdict import build_verdict
+
+G = 4  # ranks per node in these hand-made fleets
+
+
+def meas(members, busbw, *, op="allreduce", scope="inter_node") -> Measurement:
+    return Measurement(op=op, scope=scope, members=list(members), size_bytes=1 << 22,
+                       dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=busbw,
+                       busbw_gbs=busbw, wrong=0)
+
+
+def node(i: int) -> str:
+    return f"node-{i:03d}"
+
+
+def ranks_of(*nodes: int) -> list[str]:
+    return [f"{node(n)}/{g}" for n in nodes for g in range(G)]
+
+
+def intra(n: int, busbw: float) -> Measurement:
+    return meas(ranks_of(n), busbw, scope="intra_node")
+
+
+def gpu_pair(n: int, a: int, b: int, busbw: float) -> Measurement:
+    return meas([f"{node(n)}/{a}", f"{node(n)}/{b}"], busbw, scope="gpu_pair")
+
+
+def inter(a: int, b: int, busbw: float) -> Measurement:
+    return meas(ranks_of(a, b), busbw)
+
+
+def all_pairs(n: int, fn) -> list[Measurement]:
+    return [gpu_pair(n, a, b, fn(a, b)) for a in range(G) for b in range(a + 1, G)]
+
+
+def run(ms, probe=(), nodes=(), ranks=None):
+    return localize(assess(ms), list(probe), list(nodes), ranks)
+
+
+def kinds(findings):
+    return sorted((f.kind, f.node or ",".join(f.nodes or [])) for f in findings)
+
+
+def test_slow_nvlink_pair_is_named():
+    ms = [intra(n, 100.0) for n in range(3)] + [intra(3, 60.0)]
+    ms += all_pairs(3, lambda a, b: 50.0 if (a, b) == (1, 2) else 100.0)
+    found = run(ms)
+    assert kinds(found) == [("nvlink_degraded", "node-003")]
+    f = found[0]
+    assert f.gpus == [1, 2] and f.measured_gbs == 50.0 and f.expected_gbs == 100.0
+    assert f.severity == "warning"
+
+
+def test_gpu_slow_with_every_partner_is_named_as_the_gpu():
+    ms = [intra(n, 100.0) for n in range(3)] + [intra(3, 40.0)]
+    ms += all_pairs(3, lambda a, b: 40.0 if 2 in (a, b) else 100.0)
+    found = run(ms)
+    assert len(found) == 1 and found[0].gpu == 2 and found[0].severity == "critical"
+
+
+def test_unconfirmed_intra_result_is_dropped():
+    ms = [intra(n, 100.0) for n in range(3)] + [intra(3, 60.0)]
+    ms += all_pairs(3, lambda a, b: 100.0)
+    assert run(ms) == []
+
+
+def test_pcie_pair_from_telemetry_is_a_topology_mismatch():
+    ms = [intra(n, 100.0) for n in range(3)] + [intra(3, 20.0)]
+    ms += all_pairs(3, lambda a, b: 20.0 if (a, b) == (0, 1) else 100.0)
+    ranks = [RankInfo(node(3), g, node(3), telemetry={"p2p": {
+        str(p): ("PHB" if {g, p} == {0, 1} else "NV18") for p in range(G) if p != g}})
+        for g in range(G)]
+    found = run(ms, ranks=ranks)
+    assert [(f.kind, f.gpus) for f in found] == [("topology_mismatch", [0, 1])]
+
+
+def test_pcie_rate_without_telemetry_is_a_topology_mismatch():
+    ms = [intra(n, 400.0) for n in range(3)] + [intra(3, 30.0)]
+    ms += all_pairs(3, lambda a, b: 30.0 if (a, b) == (0, 3) else 400.0)
+    found = run(ms)
+    assert [(f.kind, f.gpus) for f in found] == [("topology_mismatch", [0, 3])]
+
+
+def test_slow_nic_explains_its_pairs():
+    # node-002 is slow with both partners; node-000 and node-001 are fine together.
+    ms = [inter(0, 1, 100.0), inter(0, 2, 50.0), inter(1, 2, 52.0)]
+    found = run(ms)
+    assert kinds(found) == [("nic_degraded", "node-002")]
+    assert build_verdict(backend="sim", nodes=[node(i) for i in range(3)], findings=found,
+                         rounds=3, duration_s=1.0)["exclude"] == ["node-002"]
+
+
+def test_slow_path_between_two_good_nodes():
+    ms = [inter(0, 1, 50.0), inter(2, 3, 100.0), inter(0, 2, 100.0), inter(1, 3, 100.0),
+          inter(4, 5, 100.0)]
+    found = run(ms)
+    assert kinds(found) == [("net_path_degraded", "node-000,node-001")]
+    assert found[0].blamed_nodes == []
+
+
+def test_slow_rank_on_gloo_blames_its_node_only():
+    # A slow rank slows its node's intra group and every node pair through that node.
+    ms = [intra(0, 10.0), intra(1, 5.0), intra(2, 10.0)]
+    ms += [inter(0, 1, 4.0), inter(0, 2, 8.0), inter(1, 2, 4.1)]
+    found = run(ms)
+    assert kinds(found) == [("nvlink_degraded", "node-001")]
+    v = build_verdict(backend="gloo", nodes=[node(i) for i in range(3)], findings=found,
+                      rounds=3, duration_s=1.0)
+    assert v["exclude"] == ["node-001"] and not v["healthy"]
+
+
+def test_probe_findings_pass_through_once_and_explain_their_node():
+    hang = Finding(kind="hang", node=node(1), gpu=1)
+    ms = [inter(0, 1, 30.0), inter(0, 2, 100.0), inter(2, 3, 100.0), inter(1, 3, 30.0)]
+    found = run(ms, probe=[hang, Finding(kind="hang", node=node(1), gpu=1)])
+    assert kinds(found) == [("hang", "node-001")]
+
+
+def test_findings_limited_to_requested_nodes():
+    ms = [inter(0, 1, 100.0), inter(0, 2, 50.0), inter(1, 2, 52.0)]
+    assert run(ms, nodes=[node(0), node(1)]) == []
+    assert len(run(ms, nodes=[node(0), node(1), node(2)])) == 1

@@ -1,0 +1,198 @@
+"""Planner: matchings cover every pair, and no rank is in two groups of one round."""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents.spec import nodes_of
+from services.scheduler.planner import ALL_PAIRS_MAX, circle_matchings, plan_rounds
+
+
+def layout(n_nodes: int, gpus: int) -> dict[str, list[int]]:
+    return {f"node-{i:03d}": list(range(gpus)) for i in range(n_nodes)}
+
+
+def assert_disjoint(rounds):
+    for groups in rounds:
+        seen: set[str] = set()
+        for g in groups:
+            assert not seen.intersection(g.members)
+            seen.update(g.members)
+
+
+@given(st.integers(0, 40))
+def test_circle_matchings_cover_every_pair_once(n):
+    rounds = circle_matchings(list(range(n)))
+    assert len(rounds) == (0 if n < 2 else n - 1 if n % 2 == 0 else n)
+    met = [frozenset(p) for r in rounds for p in r]
+    assert len(met) == len(set(met)) == n * (n - 1) // 2
+    for r in rounds:
+        flat = [x for p in r for x in p]
+        assert len(flat) == len(set(flat))
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 30), st.integers(1, 4))
+def test_static_plan_is_disjoint_and_scoped(n_nodes, gpus):
+    rounds = plan_rounds(layout(n_nodes, gpus), sizes=(1 << 20,))
+    assert_disjoint(rounds)
+    intra = [g for r in rounds for g in r if g.scope == "intra_node"]
+    assert len(intra) == (n_nodes if gpus >= 2 else 0)
+    for g in (g for r in rounds for g in r if g.scope == "inter_node"):
+        assert len(nodes_of(g.members)) == 2 and g.world_size == 2 * gpus
+    worlds = [g for r in rounds for g in r if g.scope == "world"]
+    assert len(worlds) == (1 if n_nodes >= 3 else 0)
+
+
+@settings(max_examples=30)
+@given(st.integers(2, ALL_PAIRS_MAX))
+def test_small_fleet_static_plan_tests_every_node_pair(n_nodes):
+    rounds = plan_rounds(layout(n_nodes, 2))
+    tested = {frozenset(nodes_of(g.members)) for r in rounds for g in r if g.scope == "inter_node"}
+    assert tested == {frozenset(p) for p in combinations(layout(n_nodes, 2), 2)}
+    assert len(rounds) <= 1 + n_nodes + 1
+
+
+def test_large_fleet_static_plan_runs_one_matching_per_rotation():
+    nodes = layout(20, 2)
+    a = plan_rounds(nodes, rotation=0)
+    b = plan_rounds(nodes, rotation=1)
+    assert len(a) == 3
+    pairs = lambda rounds: {frozenset(nodes_of(g.members)) for g in rounds[1]}  # noqa: E731
+    assert len(pairs(a)) == 10 and not pairs(a) & pairs(b)
+
+
+def test_plan_passes_probe_settings_through():
+    g = plan_rounds(layout(3, 2), ops=("alltoall",), sizes=(8,), dtype="bfloat16", warmup=1,
+                    iters=2)[0][0]
+    assert (g.ops, g.sizes, g.dtype, g.warmup, g.iters) == (("alltoall",), (8,), "bfloat16", 1, 2)
+
+
+# --- the adaptive preflight plan ----------------------------------------------------------
+
+import math  # noqa: E402
+
+from agents.spec import Measurement  # noqa: E402
+from services.analyzer.assess import Assessment  # noqa: E402
+from services.analyzer.localize import GroupVerdict  # noqa: E402
+from services.scheduler.planner import (  # noqa: E402
+    AdaptivePlanner,
+    ProbeShape,
+    gpu_pair_rounds,
+    pack,
+    search_step,
+    split,
+)
+
+
+@given(st.integers(1, 200), st.integers(1, 6))
+def test_split_is_near_equal_and_complete(n, parts):
+    out = split(list(range(n)), parts)
+    assert [x for p in out for x in p] == list(range(n))
+    assert max(map(len, out)) - min(map(len, out)) <= 1 and all(out)
+
+
+def _pairs_in(unions):
+    return {frozenset(p) for u in unions for p in combinations(u, 2)}
+
+
+@given(st.integers(2, 80), st.integers(0, 79))
+def test_within_step_unions_cover_every_pair(n, cut):
+    names = tuple(f"node-{i:03d}" for i in range(n))
+    step = search_step(("within", names, ()))
+    assert _pairs_in(step.unions) >= {frozenset(p) for p in combinations(names, 2)}
+    # A pair lies in a region whose covering unions all contain it.
+    for region, idx in step.covers:
+        kind, a, b = region
+        inside = combinations(a, 2) if kind == "within" else ((x, y) for x in a for y in b)
+        for p in inside:
+            assert all(set(p) <= set(step.unions[i]) for i in idx)
+
+
+@given(st.integers(1, 40), st.integers(1, 40))
+def test_across_step_halves_both_sides(na, nb):
+    a = tuple(f"a{i}" for i in range(na))
+    b = tuple(f"b{i}" for i in range(nb))
+    step = search_step(("across", a, b))
+    assert _pairs_in(step.unions) >= {frozenset((x, y)) for x in a for y in b}
+    for (_, ca, cb), _ in step.covers:
+        assert len(ca) <= math.ceil(na / 2) and len(cb) <= math.ceil(nb / 2)
+
+
+@given(st.integers(1, 6), st.integers(2, 9))
+def test_gpu_pair_rounds_cover_every_pair_of_every_suspect(n_nodes, gpus):
+    nodes = layout(n_nodes, gpus)
+    rounds = gpu_pair_rounds(nodes, sorted(nodes), ProbeShape())
+    assert_disjoint(rounds)
+    if gpus < 3:
+        assert rounds == []
+        return
+    assert len(rounds) == (gpus - 1 if gpus % 2 == 0 else gpus)
+    tested = {frozenset(g.members) for r in rounds for g in r}
+    assert len(tested) == n_nodes * gpus * (gpus - 1) // 2
+
+
+def _verdict(scope, members, bad, old=None):
+    m = Measurement(op="alltoall", scope=scope, members=list(members), size_bytes=1,
+                    dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=1.0,
+                    busbw_gbs=1.0, wrong=0)
+    v = old or GroupVerdict(scope, tuple(sorted(members)), tuple(sorted(nodes_of(members))))
+    v.by_op.setdefault("alltoall", []).append(
+        Assessment(m, 1.0, 0.5 if bad else 1.0, bad, "peers"))
+    return v
+
+
+def drive(nodes, slow_paths):
+    """Run the planner against an oracle fabric: a group is slow when it holds both ends of
+    a slow path. Returns the rounds it planned."""
+    planner = AdaptivePlanner(nodes, ProbeShape(sizes=(1,)))
+    verdicts: dict = {}
+    rounds = []
+    while groups := planner.next_round(verdicts, set()):
+        rounds.append(groups)
+        for g in groups:
+            inside = set(nodes_of(g.members))
+            bad = any(p <= inside for p in slow_paths)
+            key = (g.scope, tuple(sorted(g.members)))
+            verdicts[key] = _verdict(g.scope, g.members, bad, verdicts.get(key))
+    return rounds
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(3, 64), st.data())
+def test_adaptive_plan_finds_every_slow_path_within_its_bound(n, data):
+    nodes = layout(n, 1)
+    names = sorted(nodes)
+    k = data.draw(st.integers(0, 3))
+    slow = {frozenset(data.draw(st.sampled_from(list(combinations(names, 2))))) for _ in range(k)}
+    rounds = drive(nodes, slow)
+    assert_disjoint(rounds)
+    tested = {frozenset(nodes_of(g.members)) for r in rounds for g in r
+              if g.scope == "inter_node" and len(nodes_of(g.members)) == 2}
+    assert slow <= tested
+    # Matching, re-pairs and world are O(1) (a small fleet meets every pair: at most 7 more);
+    # each slow path costs O(log n) search rounds.
+    small = n if n <= ALL_PAIRS_MAX else 0
+    assert len(rounds) <= 8 + small + len(slow) * (3 * math.ceil(math.log2(n)) + 6)
+
+
+@given(st.integers(1, 300))
+def test_fault_free_plan_is_a_constant_number_of_rounds(n):
+    rounds = drive(layout(n, 2), set())
+    assert_disjoint(rounds)
+    assert len(rounds) <= 4 + (n - 1 if n <= ALL_PAIRS_MAX else 0)
+    if 2 <= n <= ALL_PAIRS_MAX:
+        tested = {frozenset(nodes_of(g.members)) for r in rounds for g in r
+                  if g.scope == "inter_node"}
+        assert len(tested) == n * (n - 1) // 2
+
+
+def test_pack_keeps_rounds_disjoint():
+    nodes = layout(4, 1)
+    groups = plan_rounds(nodes)[0] + plan_rounds(nodes)[1] + plan_rounds(nodes)[-1]
+    now, later = pack(groups)
+    assert_disjoint([now]) is None and len(now) + len(later) == len(groups)
+    assert later

@@ -1,0 +1,150 @@
+"""The sim backend: scenario validation, link model, and what each fault does to a group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agents.sim import SimBackend
+from agents.spec import GroupSpec, member
+
+SIZE = 1 << 28
+
+
+def sim(nodes=4, gpus=8, faults=(), noise=0.0, **kw) -> SimBackend:
+    return SimBackend({"nodes": nodes, "gpus_per_node": gpus, "noise": noise, "seed": 1,
+                       "faults": list(faults), **kw})
+
+
+def intra(node: int, gpus: int = 8, ops=("allreduce", "alltoall")) -> GroupSpec:
+    return GroupSpec("intra_node", tuple(member(f"node-{node:03d}", g) for g in range(gpus)),
+                     ops=ops, sizes=(SIZE,))
+
+
+def pair(node: int, a: int, b: int) -> GroupSpec:
+    return GroupSpec("gpu_pair", (member(f"node-{node:03d}", a), member(f"node-{node:03d}", b)),
+                     ops=("allreduce",), sizes=(SIZE,))
+
+
+def nodes(*ix: int, gpus: int = 8, ops=("allreduce", "alltoall")) -> GroupSpec:
+    return GroupSpec("inter_node", tuple(member(f"node-{i:03d}", g) for i in ix
+                                         for g in range(gpus)), ops=ops, sizes=(SIZE,))
+
+
+def busbw(b: SimBackend, group: GroupSpec, op: str = "allreduce") -> float:
+    (m,) = [m for m in b.run_round([group]).measurements if m.op == op]
+    return m.busbw_gbs
+
+
+@pytest.mark.parametrize(("scenario", "message"), [
+    ({}, "needs 'nodes'"),
+    ({"nodes": 0}, "at least 1"),
+    ({"nodes": 2, "gpu": "Z80"}, "gpu must be one of"),
+    ({"nodes": 2, "noise": 2}, "noise"),
+    ({"nodes": 2, "color": "red"}, "unknown scenario field"),
+    ({"nodes": 2, "faults": [{"kind": "melt", "node": "node-000"}]}, "kind must be one of"),
+    ({"nodes": 2, "faults": [{"kind": "nic", "node": "node-002"}]}, "no node 'node-002'"),
+    ({"nodes": 2, "faults": [{"kind": "nic", "node": "gpu-1"}]}, "named node-000"),
+    ({"nodes": 2, "faults": [{"kind": "nic", "node": "node-001", "factor": 1.5}]}, "(0, 1]"),
+    ({"nodes": 2, "faults": [{"kind": "nic", "node": "node-001", "factor": 0}]}, "(0, 1]"),
+    ({"nodes": 2, "faults": [{"kind": "nvlink", "node": "node-001", "gpus": [0, 8]}]}, "gpu must"),
+    ({"nodes": 2, "faults": [{"kind": "pcie_only", "node": "node-001", "gpus": [3, 3]}]},
+     "two different gpus"),
+    ({"nodes": 2, "faults": [{"kind": "hang", "node": "node-001", "gpu": -1}]}, "gpu must"),
+    ({"nodes": 2, "faults": [{"kind": "net_path", "nodes": ["node-001", "node-001"]}]},
+     "two different nodes"),
+])
+def test_bad_scenarios_are_refused_with_a_reason(scenario, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        SimBackend(scenario)
+
+
+def test_from_file_and_context_manager(tmp_path):
+    path = tmp_path / "fabric.json"
+    path.write_text(json.dumps({"nodes": 3, "gpus_per_node": 2}))
+    with SimBackend.from_file(path) as b:
+        assert b.name == "sim" and len(b.ranks()) == 6
+    path.write_text("{nodes")
+    with pytest.raises(ValueError, match="not JSON"):
+        SimBackend.from_file(path)
+
+
+def test_healthy_links_run_near_their_published_rates():
+    b = sim()
+    assert 425 < busbw(b, intra(0)) < 460  # NVLink 4: 450 GB/s a direction, less latency
+    assert 370 < busbw(b, nodes(0, 1)) < 410  # 8 NICs x 50 GB/s, one per GPU
+    a100 = sim(gpu="A100")
+    assert 280 < busbw(a100, intra(0)) < 310
+
+
+def test_noise_and_variation_are_seeded():
+    a = sim(noise=0.05).run_round([intra(0), nodes(1, 2)]).measurements
+    b = sim(noise=0.05).run_round([intra(0), nodes(1, 2)]).measurements
+    assert [m.time_us for m in a] == [m.time_us for m in b]
+    assert len({round(m.busbw_gbs, 6) for m in a}) == len(a)
+
+
+def test_nvlink_fault_slows_its_pair_and_the_intra_alltoall_only():
+    b = sim(faults=[{"kind": "nvlink", "node": "node-001", "gpus": [2, 5], "factor": 0.5}])
+    assert busbw(b, pair(1, 2, 5)) < 0.55 * busbw(b, pair(1, 2, 3))
+    assert busbw(b, intra(1), "alltoall") < 0.55 * busbw(b, intra(0), "alltoall")
+    # The ring 0-1-...-7 never uses the 2-5 link.
+    assert busbw(b, intra(1)) > 0.95 * busbw(b, intra(0))
+
+
+def test_nic_fault_slows_every_pair_through_its_node():
+    b = sim(faults=[{"kind": "nic", "node": "node-002", "factor": 0.5}])
+    good = busbw(b, nodes(0, 1))
+    assert busbw(b, nodes(0, 2)) < 0.55 * good and busbw(b, nodes(1, 2)) < 0.55 * good
+    assert busbw(b, intra(2)) > 425
+
+
+def test_net_path_fault_slows_only_that_pair():
+    b = sim(faults=[{"kind": "net_path", "nodes": ["node-003", "node-001"], "factor": 0.4}])
+    assert busbw(b, nodes(1, 3)) < 0.45 * busbw(b, nodes(0, 1))
+    assert busbw(b, nodes(0, 3)) > 0.95 * busbw(b, nodes(0, 1))
+    # An all-to-all over all four nodes waits for the slow flow.
+    assert busbw(b, nodes(0, 1, 2, 3), "alltoall") < 0.45 * b.expected_busbw(
+        b.run_round([nodes(0, 1, 2, 3)]).measurements[1])
+
+
+def test_hang_gives_a_finding_no_measurement_and_costs_the_deadline():
+    b = sim(faults=[{"kind": "hang", "node": "node-001", "gpu": 3}])
+    r = b.run_round([intra(0), GroupSpec("intra_node", intra(1).members, deadline_s=7.0)])
+    assert {tuple(m.members) for m in r.measurements} == {intra(0).members}
+    assert [(f.kind, f.node, f.gpu) for f in r.findings] == [("hang", "node-001", 3)]
+    assert r.fabric_time_s == 7.0
+
+
+def test_corrupt_rank_reports_wrong_data():
+    b = sim(faults=[{"kind": "corrupt", "node": "node-000", "gpu": 6}])
+    r = b.run_round([intra(0), intra(1)])
+    assert all((m.wrong > 0) == m.members[0].startswith("node-000") for m in r.measurements)
+    assert [(f.kind, f.node, f.gpu) for f in r.findings] == [("data_corruption", "node-000", 6)]
+
+
+def test_pcie_only_pair_runs_at_pcie_rate_and_says_so_in_telemetry():
+    b = sim(faults=[{"kind": "pcie_only", "node": "node-002", "gpus": [0, 1]}])
+    assert 40 < busbw(b, pair(2, 0, 1)) < 60
+    ranks = {r.member: r for r in b.ranks()}
+    assert ranks["node-002/0"].telemetry["p2p"]["1"] == "PHB"
+    assert ranks["node-002/0"].telemetry["p2p"]["2"] == "NV18"
+    assert ranks["node-001/0"].telemetry["p2p"]["1"] == "NV18"
+
+
+def test_expected_busbw_is_the_fault_free_figure():
+    b = sim(faults=[{"kind": "nic", "node": "node-001", "factor": 0.5}])
+    m = b.run_round([nodes(0, 1)]).measurements[0]
+    assert m.busbw_gbs < 0.55 * b.expected_busbw(m)
+    assert 380 < b.expected_busbw(m) < 400
+
+
+def test_a_thousand_nodes_run_in_process():
+    b = sim(nodes=1024, noise=0.03)
+    assert len(b.ranks()) == 8192
+    world = GroupSpec("world", tuple(r.member for r in b.ranks()), sizes=(SIZE,))
+    r = b.run_round([world])
+    assert {m.op for m in r.measurements} == {"allreduce", "alltoall"}
+    assert 0 < r.fabric_time_s < 5
