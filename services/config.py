@@ -32,7 +32,16 @@ class Settings(BaseSettings):
     notifier_poll_s: float = Field(default=1.0, gt=0)
     # Analyzer: busbw below this fraction of the peers' expected value is degraded.
     degraded_ratio: float = Field(default=0.7, gt=0, lt=1)
+    # Hysteresis of scheduled health: k bad of the last n cycles degrade, m good recover.
+    hysteresis_k_bad: int = Field(default=2, ge=1)
+    hysteresis_n_window: int = Field(default=3, ge=1)
+    hysteresis_m_good: int = Field(default=2, ge=1)
     demo: bool = False
+
+    def hysteresis(self):  # -> services.analyzer.hysteresis.Policy
+        from services.analyzer.hysteresis import Policy
+
+        return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)
 
     @property
     def spool_dir(self) -> Path:

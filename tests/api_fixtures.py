@@ -37,3 +37,7 @@ def fleet_batch(slow_node: str | None = None, factor: float = 0.4, nodes: int = 
         ms.append(measurement([f"{a}/0", f"{a}/1"], 20.0 * (factor if a == slow_node else 1.0),
                               scope="intra_node"))
     return {"batch_id": batch_id or str(uuid.uuid4()), "backend": "gloo", "measurements": ms}
+
+
+# Settings under which one bad cycle degrades a link and one good one recovers it.
+REACT_AT_ONCE = {"hysteresis_k_bad": 1, "hysteresis_n_window": 1, "hysteresis_m_good": 1}

@@ -10,14 +10,14 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from services.config import Settings
 from services.store import db, tokens
-from tests.api_fixtures import fleet_batch, measurement
+from tests.api_fixtures import REACT_AT_ONCE, fleet_batch, measurement
 
 
 @pytest.fixture
 def api(clean_db):
     with db.transaction(clean_db) as s:
         toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
-    app = create_app(Settings(database_url="unused", api_url="http://rw.test"), clean_db)
+    app = create_app(Settings(database_url="unused", api_url="http://rw.test", **REACT_AT_ONCE), clean_db)
     with TestClient(app) as client:
         client.tokens = toks  # type: ignore[attr-defined]
         yield client
@@ -180,3 +180,25 @@ def test_repeated_hang_is_one_incident_resolved_by_a_clean_probe(api) -> None:
     r = api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).json()
     assert [x["kind"] for x in r["recovered"]] == ["hang"]
     assert api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json() == []
+
+
+def test_default_hysteresis_keeps_a_flapping_link_quiet(clean_db) -> None:
+    """Production settings: 2 bad of the last 3 cycles degrade, 2 good in a row recover."""
+    with db.transaction(clean_db) as s:
+        agent = tokens.create_token(s, "agent")
+    app = create_app(Settings(database_url="unused"), clean_db)
+    h = {"Authorization": f"Bearer {agent}"}
+    with TestClient(app) as client:
+        def cycle(slow: bool) -> dict:
+            batch = fleet_batch(slow_node="node-001" if slow else None)
+            return client.post("/v1/measurements", json=batch, headers=h).json()
+
+        # bad, good, good, bad, good: never 2 bad within 3, so nothing degrades.
+        assert all(not cycle(slow)["degraded"] for slow in (True, False, False, True, False))
+        assert cycle(False)["degraded"] == []
+        # Two bad in a row: degraded on the second.
+        assert cycle(True)["degraded"] == []
+        assert cycle(True)["degraded"]
+        # One good is not enough to recover; the second is.
+        assert cycle(False)["recovered"] == []
+        assert cycle(False)["recovered"]

@@ -13,7 +13,7 @@ from services.notifier.channels import sign, verify
 from services.notifier.loop import Notifier, RetryPolicy
 from services.notifier.receiver import WebhookReceiver
 from services.store import db, tokens
-from tests.api_fixtures import fleet_batch
+from tests.api_fixtures import REACT_AT_ONCE, fleet_batch
 
 SECRET = "s3cret-for-tests"
 # Retries come due at once, so tests need no sleeping.
@@ -24,7 +24,7 @@ NO_WAIT = RetryPolicy(base_s=0.0, cap_s=0.0)
 def api(clean_db):
     with db.transaction(clean_db) as s:
         client_tokens = {r: tokens.create_token(s, r) for r in ("agent", "admin")}
-    app = create_app(Settings(database_url="unused", api_url="http://rw.test"), clean_db)
+    app = create_app(Settings(database_url="unused", api_url="http://rw.test", **REACT_AT_ONCE), clean_db)
     with TestClient(app) as client:
         client.tokens = client_tokens  # type: ignore[attr-defined]
         yield client

@@ -23,6 +23,7 @@ def post_measurements(batch: MeasurementBatch, session: SessionDep, settings: Se
         ranks=[r.model_dump() for r in batch.ranks],
         findings=[f.model_dump(exclude_none=True) for f in batch.findings],
         thresholds=Thresholds(degraded_ratio=settings.degraded_ratio),
+        hysteresis=settings.hysteresis(),
         api_url=settings.api_url,
     )
     return result.to_dict()

@@ -1,4 +1,4 @@
-"""durable preflight requests
+"""durable preflight requests; the hysteresis window of link health
 
 Revision ID: 0002
 Revises: 0001
@@ -15,6 +15,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    op.add_column("link_health", sa.Column("recent", sa.String(length=64), server_default="",
+                                           nullable=False))
     op.create_table(
         "preflight_requests",
         sa.Column("id", sa.String(length=36), nullable=False),
@@ -37,3 +39,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_preflight_requests_status_created", table_name="preflight_requests")
     op.drop_table("preflight_requests")
+    op.drop_column("link_health", "recent")

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from agents.spec import Measurement as ProbeMeasurement
 from services.analyzer.assess import Assessment, Thresholds, assess
+from services.analyzer.hysteresis import LinkState, Policy, step
 from services.store import health as store
 from services.store.models import Measurement as MeasurementRow
 
@@ -24,14 +25,6 @@ KIND_BY_SCOPE = {
     "gpu_pair": "nvlink_degraded",
     "inter_node": "net_path_degraded",
 }
-
-
-@dataclass(frozen=True)
-class Hysteresis:
-    """k consecutive bad rounds before degraded, m good ones before recovered."""
-
-    bad_to_degrade: int = 1
-    good_to_recover: int = 1
 
 
 @dataclass
@@ -87,11 +80,11 @@ def apply_round(
     *,
     at: datetime,
     thresholds: Thresholds | None = None,
-    hysteresis: Hysteresis | None = None,
+    hysteresis: Policy | None = None,
     api_url: str = "",
 ) -> HealthChanges:
     t = thresholds or Thresholds()
-    h = hysteresis or Hysteresis()
+    h = hysteresis or Policy()
     changes = HealthChanges()
     latest = _largest_size(assess([to_probe_measurement(r) for r in rows], thresholds=t))
     links = store.get_links(session, list(latest))
@@ -154,24 +147,23 @@ def _new_link(session: Session, key: tuple[str, str], a: Assessment):
     return store.add_link(
         session, group_key=key[0], op=key[1], scope=m.scope, members=sorted(m.members),
         nodes=sorted({x.split("/")[0] for x in m.members}), status="ok", size_bytes=m.size_bytes,
-        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0,
+        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0, recent="",
     )
 
 
-def _update_link(link, a: Assessment, at: datetime, h: Hysteresis) -> str:
-    """Fold one assessment into the link; return its status before."""
+def _update_link(link, a: Assessment, at: datetime, policy: Policy) -> str:
+    """Fold one assessment into the link through the hysteresis policy; return its status before."""
     link.size_bytes = a.measurement.size_bytes
     link.busbw_gbs = a.measurement.busbw_gbs
     link.expected_gbs = a.expected_gbs
     link.ratio = a.ratio
     link.updated_at = at
     link.bad_streak = (link.bad_streak or 0) + 1 if a.bad else 0
-    link.good_streak = 0 if a.bad else (link.good_streak or 0) + 1
     previous = link.status
-    if link.status != "degraded" and link.bad_streak >= h.bad_to_degrade:
-        link.status = "degraded"
-    elif link.status == "degraded" and link.good_streak >= h.good_to_recover:
-        link.status = "ok"
+    state = step(LinkState(previous, tuple(c == "1" for c in link.recent or ""), link.good_streak or 0),
+                 a.bad, policy)
+    link.status, link.good_streak = state.status, state.good_streak
+    link.recent = "".join("1" if bad else "0" for bad in state.recent)
     if link.status != previous:
         link.changed_at = at
     return previous

@@ -9,7 +9,8 @@ from sqlalchemy.orm import Session
 
 from agents.spec import nodes_of, utcnow
 from services.analyzer.assess import Thresholds
-from services.analyzer.health import HealthChanges, Hysteresis, apply_round
+from services.analyzer.health import HealthChanges, apply_round
+from services.analyzer.hysteresis import Policy
 from services.store import measurements as store
 
 
@@ -38,7 +39,7 @@ def ingest_batch(
     ranks: list[dict[str, Any]] | None = None,
     findings: list[dict[str, Any]] | None = None,
     thresholds: Thresholds | None = None,
-    hysteresis: Hysteresis | None = None,
+    hysteresis: Policy | None = None,
     api_url: str = "",
 ) -> IngestResult:
     """Store a batch exactly once (by ``batch_id``) and apply it to link health."""

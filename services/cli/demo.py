@@ -126,7 +126,10 @@ def _auth(token: str) -> dict[str, str]:
 def _start_api(url: str, port: int, stack: ExitStack) -> str:
     api_url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RINGWATCH_DATABASE_URL": url, "RINGWATCH_API_URL": api_url,
-           "RINGWATCH_NOTIFIER_POLL_S": "0.5", "RINGWATCH_DEMO": "1"}
+           "RINGWATCH_NOTIFIER_POLL_S": "0.5", "RINGWATCH_DEMO": "1",
+           # One faulty cycle is the whole story here; production waits for 2 bad of 3.
+           "RINGWATCH_HYSTERESIS_K_BAD": "1", "RINGWATCH_HYSTERESIS_N_WINDOW": "1",
+           "RINGWATCH_HYSTERESIS_M_GOOD": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)],
                             env=env)
     stack.callback(_stop, proc)

@@ -128,6 +128,8 @@ class LinkHealth(Base):
     ratio: Mapped[float | None] = mapped_column(Float)
     bad_streak: Mapped[int] = mapped_column(Integer, default=0)
     good_streak: Mapped[int] = mapped_column(Integer, default=0)
+    # The last verdicts, oldest first, "1" bad and "0" good: the hysteresis window.
+    recent: Mapped[str] = mapped_column(String(64), default="", server_default="")
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     changed_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
