@@ -1,0 +1,64 @@
+"""`ringwatch preflight --fabric` end to end through the CLI process: the verdict contract."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tests.procs import cli
+
+DESIGN_SCENARIO = {
+    "nodes": 16, "gpus_per_node": 8, "gpu": "H100-SXM", "nvlink_gbs": 450, "net_gbs": 50,
+    "noise": 0.03, "seed": 7,
+    "faults": [
+        {"kind": "nvlink", "node": "node-003", "gpus": [2, 5], "factor": 0.5},
+        {"kind": "nic", "node": "node-011", "factor": 0.4},
+        {"kind": "net_path", "nodes": ["node-001", "node-007"], "factor": 0.3},
+        {"kind": "hang", "node": "node-004", "gpu": 1},
+        {"kind": "corrupt", "node": "node-009", "gpu": 6},
+        {"kind": "pcie_only", "node": "node-002", "gpus": [0, 1]},
+    ],
+}
+
+
+def scenario(tmp_path: Path, body: dict) -> str:
+    path = tmp_path / "fabric.json"
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def test_design_scenario_verdict(tmp_path: Path) -> None:
+    r = cli("preflight", "--backend", "sim", "--fabric", scenario(tmp_path, DESIGN_SCENARIO), "--json",
+            env=dict(os.environ))
+    assert r.returncode == 1, r.stderr
+    v = json.loads(r.stdout)
+    assert v["backend"] == "sim" and v["nodes_checked"] == 16 and v["healthy"] is False
+    assert v["exclude"] == ["node-002", "node-003", "node-004", "node-009", "node-011"]
+    where = {(f["kind"], f.get("node") or tuple(f.get("nodes", []))) for f in v["findings"]}
+    assert where == {("nvlink_degraded", "node-003"), ("nic_degraded", "node-011"),
+                     ("net_path_degraded", ("node-001", "node-007")), ("hang", "node-004"),
+                     ("data_corruption", "node-009"), ("topology_mismatch", "node-002")}
+    assert v["rounds"] >= 1 and v["duration_s"] > 0 and "wall_s" in v
+
+
+def test_healthy_fabric_exits_0_and_nodes_limit_the_check(tmp_path: Path) -> None:
+    path = scenario(tmp_path, {"nodes": 8, "gpus_per_node": 4, "seed": 3})
+    r = cli("preflight", "--fabric", path, "--json", env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["exclude"] == []
+    r = cli("preflight", "--fabric", path, "--nodes", "node-001,node-002", "--json", env=dict(os.environ))
+    assert r.returncode == 0 and json.loads(r.stdout)["nodes_checked"] == 2
+
+
+def test_bad_scenarios_exit_2_with_one_line(tmp_path: Path) -> None:
+    for body in ({"nodes": 0}, {"nodes": 4, "faults": [{"kind": "gremlin", "node": "node-001"}]},
+                 {"nodes": 4, "faults": [{"kind": "nic", "node": "node-009", "factor": 0.5}]}):
+        r = cli("preflight", "--fabric", scenario(tmp_path, body), env=dict(os.environ))
+        assert r.returncode == 2, (body, r.stdout)
+        assert len(r.stderr.strip().splitlines()) == 1
+    r = cli("preflight", "--fabric", str(tmp_path / "missing.json"), env=dict(os.environ))
+    assert r.returncode == 2
+    r = cli("preflight", "--fabric", scenario(tmp_path, {"nodes": 4}), "--nodes", "node-042",
+            env=dict(os.environ))
+    assert r.returncode == 2 and "node-042" in r.stderr
