@@ -78,6 +78,10 @@ class MeasurementBatch(Strict):
     findings: list[FindingIn] = Field(default_factory=list)
     # Accepted for symmetry with `ringwatch probe --json`; not stored.
     injected: list[dict[str, Any]] = Field(default_factory=list)
+    # Nodes the scheduler left out (other work held them), with the reason.
+    skipped: dict[NodeName, str] = Field(default_factory=dict)
+    # Fraction of each node's GPU time spent probing.
+    duty_cycle: dict[NodeName, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
 
 
 class IngestOut(BaseModel):
@@ -102,6 +106,8 @@ class NodeOut(BaseModel):
     name: str
     hostname: str | None
     backend: str | None
+    duty_cycle: float | None
+    skipped_reason: str | None
     last_seen_at: datetime
     gpus: list[GpuOut]
 

@@ -4,12 +4,14 @@ results shipped to the real API server process, stored in Postgres, read back ov
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 
 import httpx
 import pytest
 
-from services.scheduler.cycle import ProbeOptions, run_cycle
+from services.scheduler.cycle import ProbeOptions, run_cycle, run_scheduler
 from services.scheduler.ray_backend import RayBackend
 from services.scheduler.shipper import Shipper
 from tests.procs import free_port, start_server, stop_server
@@ -62,3 +64,60 @@ def test_probe_cycle_reaches_postgres_and_reads_back(backend, api, tmp_path) -> 
     assert point["busbw_gbs"] == pytest.approx(world.busbw_gbs)
     # nccl-tests: allreduce busbw = algbw * 2(n-1)/n, with n = 4 ranks here.
     assert point["busbw_gbs"] == pytest.approx(point["algbw_gbs"] * 2 * 3 / 4)
+
+
+def test_busy_node_is_skipped_and_said_to_be(backend, api, tmp_path) -> None:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=1)
+    class OtherWork:
+        def ready(self) -> bool:
+            return True
+
+    node_id = backend.placement()["node-001/0"]["ray_node_id"]
+    other = OtherWork.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)).remote()
+    ray.get(other.ready.remote())
+    try:
+        busy = backend.busy_nodes()
+        assert list(busy) == ["node-001"] and "other Ray work" in busy["node-001"]
+        said: list[str] = []
+        cycle = run_cycle(backend, ProbeOptions(sizes=(1 << 16,), warmup=1, iters=2),
+                          progress=said.append, skip_busy=True)
+        assert cycle.skipped == busy
+        assert any("skipping node-001" in s for s in said)
+        assert all(m.startswith("node-000/") for x in cycle.measurements for m in x.members)
+
+        shipper = Shipper(api, TOKEN, tmp_path / "spool")
+        assert shipper.ship(cycle.to_batch()) == 0
+        nodes = {n["name"]: n for n in httpx.get(f"{api}/v1/nodes",
+                                                  headers={"Authorization": f"Bearer {TOKEN}"}).json()}
+        assert "other Ray work" in nodes["node-001"]["skipped_reason"]
+        assert nodes["node-000"]["skipped_reason"] is None
+    finally:
+        ray.kill(other)
+    deadline = time.monotonic() + 30
+    while backend.busy_nodes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert backend.busy_nodes() == {}
+
+
+def test_scheduler_measures_its_duty_cycle(backend, api, tmp_path) -> None:
+    stop = threading.Event()
+    lines: list[str] = []
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if line.startswith("cycle 3:"):
+            stop.set()
+
+    shipper = Shipper(api, TOKEN, tmp_path / "spool")
+    cycles = run_scheduler(backend, shipper, ProbeOptions(sizes=(1 << 16,), warmup=1, iters=2),
+                           interval_s=0.5, once=False, stop=stop, progress=progress)
+    assert cycles == 3
+    nodes = httpx.get(f"{api}/v1/nodes", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    duty = {n["name"]: n["duty_cycle"] for n in nodes}
+    # Probing back to back with half-second waits keeps the ranks busy part of the time.
+    assert all(d is not None and 0.0 < d < 1.0 for d in duty.values()), duty
+    assert any("duty cycle" in line for line in lines)

@@ -22,6 +22,8 @@ def post_measurements(batch: MeasurementBatch, session: SessionDep, settings: Se
         measurements=[m.model_dump(exclude={"stats"}) for m in batch.measurements],
         ranks=[r.model_dump() for r in batch.ranks],
         findings=[f.model_dump(exclude_none=True) for f in batch.findings],
+        duty_cycle=batch.duty_cycle,
+        skipped=batch.skipped,
         thresholds=Thresholds(degraded_ratio=settings.degraded_ratio),
         hysteresis=settings.hysteresis(),
         api_url=settings.api_url,

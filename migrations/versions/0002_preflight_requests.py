@@ -1,4 +1,4 @@
-"""durable preflight requests; the hysteresis window of link health
+"""durable preflight requests; hysteresis window; node duty cycle and skips
 
 Revision ID: 0002
 Revises: 0001
@@ -15,6 +15,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    op.add_column("nodes", sa.Column("duty_cycle", sa.Float(), nullable=True))
+    op.add_column("nodes", sa.Column("skipped_reason", sa.Text(), nullable=True))
     op.add_column("link_health", sa.Column("recent", sa.String(length=64), server_default="",
                                            nullable=False))
     op.create_table(
@@ -40,3 +42,5 @@ def downgrade() -> None:
     op.drop_index("ix_preflight_requests_status_created", table_name="preflight_requests")
     op.drop_table("preflight_requests")
     op.drop_column("link_health", "recent")
+    op.drop_column("nodes", "skipped_reason")
+    op.drop_column("nodes", "duty_cycle")

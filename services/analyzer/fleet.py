@@ -16,6 +16,7 @@ from services.store import measurements as store
 def nodes(session: Session) -> list[dict[str, Any]]:
     return [
         {"name": n.name, "hostname": n.hostname, "backend": n.backend,
+         "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
          "last_seen_at": n.last_seen_at,
          "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
                    "numa_node": g.numa_node, "name": g.name} for g in gpus]}

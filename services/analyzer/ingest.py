@@ -38,6 +38,8 @@ def ingest_batch(
     measurements: list[dict[str, Any]],
     ranks: list[dict[str, Any]] | None = None,
     findings: list[dict[str, Any]] | None = None,
+    duty_cycle: dict[str, float] | None = None,
+    skipped: dict[str, str] | None = None,
     thresholds: Thresholds | None = None,
     hysteresis: Policy | None = None,
     api_url: str = "",
@@ -52,8 +54,11 @@ def ingest_batch(
     seen_at = max((m["time"] for m in rows), default=utcnow())
     node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in ranks or []}
     node_names |= {f["node"] for f in findings or [] if f.get("node")}
+    node_names |= set(skipped or {})
     store.upsert_nodes(session, sorted(node_names), backend, seen_at)
     store.upsert_ranks(session, ranks or [])
+    probed = sorted({n for r in rows for n in r["nodes"]})
+    store.record_scheduling(session, duty_cycle or {}, skipped or {}, probed)
     objs = store.add_measurements(session, run, rows)
     run.findings = list(findings or [])
     changes = apply_round(session, objs, list(findings or []), at=seen_at,

@@ -43,6 +43,11 @@ class CycleResult:
     fabric_time_s: float = 0.0
     wall_time_s: float = 0.0
     injected: list[dict[str, Any]] = field(default_factory=list)
+    # Nodes left out because other work held them, with the reason.
+    skipped: dict[str, str] = field(default_factory=dict)
+    # Seconds each rank spent inside probe groups in this cycle.
+    busy_s: dict[str, float] = field(default_factory=dict)
+    duty_cycle: dict[str, float] = field(default_factory=dict)
 
     def to_batch(self, batch_id: str | None = None) -> dict[str, Any]:
         """The body of ``POST /v1/measurements``."""
@@ -53,6 +58,8 @@ class CycleResult:
             "ranks": [r.to_dict() for r in self.ranks],
             "findings": [f.to_dict() for f in self.findings],
             "injected": self.injected,
+            "skipped": self.skipped,
+            "duty_cycle": self.duty_cycle,
         }
 
 
@@ -65,26 +72,64 @@ def nodes_of_ranks(ranks: list[RankInfo], only: list[str] | None = None) -> dict
 
 
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
-              progress: Progress | None = None) -> CycleResult:
+              progress: Progress | None = None, skip_busy: bool = False) -> CycleResult:
     started = time.monotonic()
     ranks = backend.ranks()
+    layout = nodes_of_ranks(ranks, only)
+    skipped = _busy(backend, layout) if skip_busy else {}
+    for node, reason in skipped.items():
+        if progress:
+            progress(f"skipping {node}: {reason}")
+        del layout[node]
     rounds: list[list[GroupSpec]] = plan_rounds(
-        nodes_of_ranks(ranks, only), ops=options.ops, sizes=options.sizes, dtype=options.dtype,
+        layout, ops=options.ops, sizes=options.sizes, dtype=options.dtype,
         warmup=options.warmup, iters=options.iters,
     )
-    result = CycleResult(backend=backend.name, ranks=ranks,
+    result = CycleResult(backend=backend.name, ranks=ranks, skipped=skipped,
                          injected=[f.to_dict() for f in getattr(backend, "injected", [])])
     for i, groups in enumerate(rounds, 1):
         if progress:
             scopes = ", ".join(sorted({g.scope for g in groups}))
             progress(f"round {i}/{len(rounds)}: {len(groups)} group(s) ({scopes})")
         rr = backend.run_round(groups)
+        for g in groups:  # every member is held for the whole round: an upper bound
+            for m in g.members:
+                result.busy_s[m] = result.busy_s.get(m, 0.0) + rr.wall_time_s
         result.measurements += rr.measurements
         result.findings += rr.findings
         result.fabric_time_s += rr.fabric_time_s
     result.rounds = len(rounds)
     result.wall_time_s = time.monotonic() - started
     return result
+
+
+def _busy(backend: ProbeBackend, layout: dict[str, list[int]]) -> dict[str, str]:
+    busy_nodes = getattr(backend, "busy_nodes", None)
+    if busy_nodes is None:
+        return {}
+    return {n: r for n, r in busy_nodes().items() if n in layout}
+
+
+class DutyCycle:
+    """The fraction of each GPU's time spent probing since the scheduler started, per node
+    (its busiest rank). Read at the start of a cycle, it covers whole cycles and the waits
+    between them, so the first cycle has none to report."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.busy_s: dict[str, float] = {}
+
+    def add(self, cycle: CycleResult) -> None:
+        for member, seconds in cycle.busy_s.items():
+            self.busy_s[member] = self.busy_s.get(member, 0.0) + seconds
+
+    def fractions(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        per_node: dict[str, float] = {}
+        for member, seconds in self.busy_s.items():
+            node = member.split("/")[0]
+            per_node[node] = max(per_node.get(node, 0.0), seconds / elapsed)
+        return {n: round(v, 6) for n, v in sorted(per_node.items())}
 
 
 def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
@@ -119,15 +164,21 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
     and, between cycles, answer waiting preflight requests."""
     stop = stop or threading.Event()
     cycles = 0
+    duty = DutyCycle()
     next_cycle = time.monotonic()
     while not stop.is_set():
         if time.monotonic() >= next_cycle:
-            cycle = run_cycle(backend, options, progress=progress)
+            so_far = duty.fractions()
+            cycle = run_cycle(backend, options, progress=progress, skip_busy=True)
+            cycle.duty_cycle = so_far
+            duty.add(cycle)
+            worst = max(so_far.values(), default=0.0)
             left = shipper.ship(cycle.to_batch())
             cycles += 1
             if progress:
                 progress(f"cycle {cycles}: {len(cycle.measurements)} measurements, "
-                         f"{len(cycle.findings)} findings, {left} batch(es) still spooled")
+                         f"{len(cycle.findings)} findings, {len(cycle.skipped)} node(s) skipped, "
+                         f"duty cycle {worst:.3%}, {left} batch(es) still spooled")
             if once:
                 break
             next_cycle = time.monotonic() + interval_s * (1 + random.uniform(-jitter, jitter))

@@ -148,6 +148,7 @@ class RayBackend:
         # Members whose hung agent was replaced: a restart clears an injected hang.
         self._hang_cleared: set[str] = set()
         self._cluster: Any = None
+        self._node_id_cache: dict[str, str] = {}
         self._owns_ray = False  # never shut down a Ray connection someone else made
         self._slots: dict[str, _Slot] = {}
         self._identities: dict[str, RankInfo] = {}
@@ -187,7 +188,8 @@ class RayBackend:
         for i in range(nodes):
             node = local_node_name(i)
             self._cluster.add_node(
-                num_cpus=ranks_per_node,
+                # One core more than the agents hold: room for the node's other work.
+                num_cpus=ranks_per_node + 1,
                 resources={_node_resource(node): ranks_per_node},
                 object_store_memory=_OBJECT_STORE_BYTES,
             )
@@ -219,9 +221,10 @@ class RayBackend:
             node = host if seen[host] == 1 else f"{host}-{seen[host]}"
             pin = NodeAffinitySchedulingStrategy(node_id=info["NodeID"], soft=False)
             for j in range(slots):
-                options: dict[str, Any] = {"num_cpus": 1, "scheduling_strategy": pin}
-                if self.name == "nccl":
-                    options["num_gpus"] = 1
+                # nccl agents reserve no GPU in Ray: they must never keep a training job off
+                # its GPUs, and a GPU that other Ray work holds marks the node busy instead.
+                options: dict[str, Any] = {"num_cpus": 0 if self.name == "nccl" else 1,
+                                           "scheduling_strategy": pin}
                 self._add_slot(node, j, j, options)
         if not self._slots:
             raise RuntimeError(f"no alive Ray node at {address} has a {'GPU' if self.name == 'nccl' else 'CPU'}")
@@ -278,6 +281,31 @@ class RayBackend:
 
     def ranks(self) -> list[RankInfo]:
         return [self._identities[m] for m in self._slots]
+
+    def busy_nodes(self) -> dict[str, str]:
+        """Nodes where Ray shows other work holding what probes need (GPUs under nccl, cores
+        under gloo), with the reason; a scheduled cycle skips them rather than slow a job."""
+        from ray._private.state import available_resources_per_node
+
+        resource = "GPU" if self.name == "nccl" else "CPU"
+        available = available_resources_per_node()
+        totals = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
+        ours: dict[str, float] = {}
+        for slot in self._slots.values():
+            ours[slot.node] = ours.get(slot.node, 0.0) + float(slot.options.get(f"num_{resource.lower()}s", 0))
+        busy = {}
+        for node, node_id in self._node_ids().items():
+            total = float(totals.get(node_id, {}).get(resource, 0.0))
+            free = float(available.get(node_id, {}).get(resource, 0.0))
+            held = total - ours.get(node, 0.0) - free
+            if held > 1e-6:
+                busy[node] = f"{held:g} of {total:g} {resource}s held by other Ray work"
+        return busy
+
+    def _node_ids(self) -> dict[str, str]:
+        if not self._node_id_cache:  # replacements stay on their node: computed once
+            self._node_id_cache = {m.split("/")[0]: w["ray_node_id"] for m, w in self.placement().items()}
+        return self._node_id_cache
 
     def placement(self) -> dict[str, dict[str, Any]]:
         """Where Ray runs each rank's agent: ray_node_id, ip and pid per member."""

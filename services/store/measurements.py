@@ -50,6 +50,19 @@ def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: 
     session.execute(stmt)
 
 
+def record_scheduling(session: Session, duty_cycle: dict[str, float], skipped: dict[str, str],
+                      probed: Sequence[str]) -> None:
+    """Store each node's duty cycle and why it was skipped (cleared once it is probed)."""
+    names = set(duty_cycle) | set(skipped) | set(probed)
+    for node in session.scalars(select(Node).where(Node.name.in_(names))):
+        if node.name in duty_cycle:
+            node.duty_cycle = duty_cycle[node.name]
+        if node.name in skipped:
+            node.skipped_reason = skipped[node.name]
+        elif node.name in probed:
+            node.skipped_reason = None
+
+
 def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
     """Record rank identities (node, local_index, GPU UUID, PCI bus id, telemetry)."""
     if not ranks:

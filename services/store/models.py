@@ -44,6 +44,10 @@ class Node(Base):
     name: Mapped[str] = mapped_column(String(255), unique=True)
     hostname: Mapped[str | None] = mapped_column(String(255))
     backend: Mapped[str | None] = mapped_column(String(16))
+    # Fraction of its GPUs' time spent probing, as its scheduler last measured it.
+    duty_cycle: Mapped[float | None] = mapped_column(Float)
+    # Why the last scheduled cycle left it out (other work held it); None when probed.
+    skipped_reason: Mapped[str | None] = mapped_column(Text)
     first_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
