@@ -17,6 +17,9 @@ class WebhookReceiver:
     def __init__(self, secret: str, port: int = 0) -> None:
         self.secret = secret
         self.status = 200
+        # Seconds to stall before answering; a stalled request is not recorded as received.
+        self.delay_s = 0.0
+        self.requests = 0
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Condition()
         receiver = self
@@ -24,6 +27,12 @@ class WebhookReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver._lock:
+                    receiver.requests += 1
+                    receiver._lock.notify_all()
+                if receiver.delay_s:
+                    time.sleep(receiver.delay_s)
+                    return
                 code = receiver.status
                 if code < 300:
                     receiver._record(self.headers, raw)
@@ -49,6 +58,14 @@ class WebhookReceiver:
             })
             self._lock.notify_all()
 
+    def wait_for_requests(self, count: int, timeout_s: float) -> int:
+        """Wait until ``count`` requests have arrived, answered or not."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self.requests < count and time.monotonic() < deadline:
+                self._lock.wait(max(0.0, deadline - time.monotonic()))
+            return self.requests
+
     def wait_for(self, count: int, timeout_s: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -61,5 +78,6 @@ class WebhookReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.delay_s = 0.0
         self.server.shutdown()
         self.server.server_close()
