@@ -7,20 +7,24 @@ keeps a slow query from blocking the event loop.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.routers import fleet, measurements, meta, preflight, tokens, webhooks
+from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
 from api.schemas import ErrorOut
 from services.config import Settings
 from services.errors import RingwatchError
 from services.store import db
 from services.store import tokens as token_store
 
-ERROR_RESPONSES = {code: {"model": ErrorOut} for code in (401, 403, 404, 422)}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut} for code in (401, 403, 404, 422)
+}
 
 
 def create_app(settings: Settings, session_factory: sessionmaker[Session] | None = None) -> FastAPI:
@@ -32,7 +36,7 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     app.state.session_factory = session_factory
     _bootstrap_admin(settings, session_factory)
     for r in (meta.router, measurements.router, fleet.router, preflight.router,
-              webhooks.router, tokens.router):
+              rankmaps.router, webhooks.router, tokens.router):
         app.include_router(r)
     _install_error_handlers(app)
     return app
@@ -48,7 +52,7 @@ def _bootstrap_admin(settings: Settings, factory: sessionmaker[Session]) -> None
 
 
 def _error(status: int, code: str, message: str, detail: list | None = None) -> JSONResponse:
-    body = {"error": code, "message": message}
+    body: dict[str, Any] = {"error": code, "message": message}
     if detail is not None:
         body["detail"] = detail
     return JSONResponse(status_code=status, content=body)

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from services.config import Settings
 from services.store import db, tokens
-from tests.api_fixtures import REACT_AT_ONCE, fleet_batch, measurement
+from tests.api_fixtures import REACT_AT_ONCE, fleet_batch
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from services.cli import commands
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
 
-
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 

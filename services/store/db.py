@@ -37,7 +37,7 @@ def start_embedded(state_dir: Path) -> str:
 
     state_dir.mkdir(parents=True, exist_ok=True)
     # cleanup_mode=None: keep the server running for the next process (API, scheduler, tests).
-    server = pgserver.get_server(state_dir / "pg", cleanup_mode=None)
+    pgserver.get_server(state_dir / "pg", cleanup_mode=None)
     socket_dir = state_dir.resolve() / "pg"
     return f"postgresql+psycopg://postgres@/postgres?host={socket_dir}"
 

@@ -39,7 +39,7 @@ def list_links(session: Session, status: str | None = None, scope: str | None = 
     if scope:
         q = q.where(LinkHealth.scope == scope)
     if node:
-        q = q.where(LinkHealth.nodes.any(node))
+        q = q.where(LinkHealth.nodes.contains([node]))
     return list(session.scalars(q))
 
 
