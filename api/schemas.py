@@ -207,3 +207,26 @@ class ErrorOut(BaseModel):
     error: str
     message: str
     detail: list[dict[str, Any]] | None = None
+
+
+class RankEntryIn(Strict):
+    rank: int = Field(ge=0, le=2**31 - 1, strict=True)
+    host: NodeName
+    local_rank: int = Field(ge=0, le=2**31 - 1, strict=True)
+    gpu_uuid: str | None = Field(default=None, min_length=1, max_length=64)
+
+
+class RankMapIn(Strict):
+    """A job's rank table: its entries, or the text of its hostfile (one of the two)."""
+
+    # 262144: services.rankmap.checks.MAX_RANKS, the most ranks one check takes.
+    ranks: list[RankEntryIn] | None = Field(default=None, min_length=1, max_length=262_144)
+    hostfile: str | None = Field(default=None, min_length=1, max_length=16 << 20)
+
+
+class RankMapCheckOut(BaseModel):
+    ok: bool
+    ranks: int
+    hosts: int
+    findings: list[dict[str, Any]]
+    skipped: list[str]

@@ -196,3 +196,16 @@ def test_pack_keeps_rounds_disjoint():
     now, later = pack(groups)
     assert_disjoint([now]) is None and len(now) + len(later) == len(groups)
     assert later
+
+
+def test_group_deadline_grows_with_the_work_and_covers_forming() -> None:
+    from services.scheduler.deadlines import FORM_S, group_deadline_s
+
+    small = group_deadline_s("gloo", ["allreduce"], [8], warmup=1, iters=1)
+    big = group_deadline_s("gloo", ["allreduce", "alltoall"], [1 << 22], warmup=5, iters=20)
+    more = group_deadline_s("gloo", ["allreduce", "alltoall"], [1 << 22], warmup=5, iters=20,
+                            repeats=3)
+    assert FORM_S["gloo"] <= small < big < more
+    # NVLink-class links move the same bytes far faster than gloo's floor assumes.
+    assert group_deadline_s("nccl", ["allreduce"], [1 << 28], warmup=5, iters=20) < \
+        group_deadline_s("gloo", ["allreduce"], [1 << 28], warmup=5, iters=20)

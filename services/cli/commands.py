@@ -228,7 +228,104 @@ def _print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
 
 
 def cmd_check_rankmap(args: argparse.Namespace) -> int:
-    raise CliError("check-rankmap is not available in this build yet")
+    from services.rankmap import checks
+
+    entries = _read_rank_table(args.file)
+    result = _api_rankmap_check(entries)
+    if result is None:  # no API: what the table shows by itself, said so on stderr
+        result = checks.check_offline(entries)
+    _print_rankmap(result, args.json)
+    return 0 if result["ok"] else 1
+
+
+def _read_rank_table(path: str) -> list:
+    from services.errors import BadInput
+    from services.rankmap import checks
+
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not a text file") from None
+    try:
+        return checks.parse_rank_table(text)
+    except BadInput as exc:
+        raise CliError(f"{path}: {exc.message}") from None
+
+
+def _api_rankmap_check(entries: list) -> dict[str, Any] | None:
+    """The full check from the API at RINGWATCH_API_URL; None when no API answers there."""
+    from services.rankmap import checks
+
+    settings = get_settings()
+    headers = {"Authorization": f"Bearer {settings.token}"}
+    # A short connect timeout: a launcher without an API gets its offline answer at once.
+    with httpx.Client(base_url=settings.api_url, headers=headers,
+                      timeout=httpx.Timeout(60, connect=3)) as client:
+        try:
+            resp = client.post("/v1/rank-maps/check",
+                               json={"ranks": [e.to_dict() for e in entries]})
+        except httpx.TransportError as exc:
+            print(f"ringwatch check-rankmap: no API answers at {settings.api_url} "
+                  f"({type(exc).__name__}); skipped the host checks: "
+                  f"{', '.join(checks.fleet_checks(entries))}", file=sys.stderr)
+            return None
+    if resp.status_code != 200:
+        try:
+            message = resp.json().get("message", resp.text)
+        except ValueError:
+            message = resp.text
+        hint = " (set RINGWATCH_TOKEN to a reader token)" if resp.status_code == 401 else ""
+        raise CliError(f"API answered {resp.status_code}: {message}{hint}")
+    return resp.json()
+
+
+def _print_rankmap(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(result)
+        return
+    state = "OK" if result["ok"] else "PROBLEMS"
+    print(f"{state}: {result['ranks']} rank(s) on {result['hosts']} host(s), "
+          f"{len(result['findings'])} finding(s)")
+    for f in result["findings"]:
+        print(f"  {f['problem']:<20} {_describe_rank_finding(f)} [{f.get('severity', '')}]")
+    if result.get("skipped"):
+        print(f"skipped: {', '.join(result['skipped'])}")
+
+
+def _few(values: list) -> str:
+    shown = ", ".join(str(v) for v in values[:8])
+    return shown + (f", ... ({len(values)} in all)" if len(values) > 8 else "")
+
+
+def _describe_rank_finding(f: dict[str, Any]) -> str:
+    problem = f["problem"]
+    if problem == "duplicate_rank":
+        return f"rank {f['rank']} on " + _few([f"{e['host']}/{e['local_rank']}" for e in f["entries"]])
+    if problem == "missing_rank":
+        return f"{f['missing_count']} of 0..{f['world_size'] - 1} missing: {_few(f['missing'])}"
+    if problem == "duplicate_gpu":
+        gpu = f"GPU {f['gpu_uuid']}" if "gpu_uuid" in f else f"{f['node']}/{f['local_rank']}"
+        return f"{gpu} holds ranks {_few(f['ranks'])}"
+    if problem == "local_rank_mismatch" and "gpu_uuid" in f:
+        return (f"rank {f['rank']} puts {f['gpu_uuid']} at {f['node']}/{f['local_rank']}; "
+                f"the fleet has it at local index {f['fleet_local_index']}")
+    if problem == "local_rank_mismatch":
+        return f"{f['node']} has local ranks {_few(f['local_ranks'])}, lacks {_few(f['missing_local_ranks'])}"
+    if problem == "non_contiguous":
+        return (f"the ring crosses hosts {f['crossings']} times, {f['minimum_crossings']} at "
+                f"least; --json gives the suggested order")
+    if problem == "unknown_host":
+        return f"{f['node']} is not in the fleet (ranks {_few(f['ranks'])})"
+    if problem == "unhealthy_host":
+        because = f.get("because", {})
+        return f"{f['node']}: {because.get('kind', '?')} on {_few(because.get('nodes', []))}"
+    return json.dumps(f)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
 from services.scheduler.api_client import SchedulerApi
+from services.scheduler.deadlines import group_deadline_s
 from services.scheduler.planner import plan_rounds
 from services.scheduler.shipper import Shipper
 
@@ -81,9 +82,11 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         if progress:
             progress(f"skipping {node}: {reason}")
         del layout[node]
+    deadline = group_deadline_s(backend.name, options.ops, options.sizes, warmup=options.warmup,
+                                iters=options.iters, repeats=getattr(backend, "repeats", 1))
     rounds: list[list[GroupSpec]] = plan_rounds(
         layout, ops=options.ops, sizes=options.sizes, dtype=options.dtype,
-        warmup=options.warmup, iters=options.iters,
+        warmup=options.warmup, iters=options.iters, deadline_s=deadline,
     )
     result = CycleResult(backend=backend.name, ranks=ranks, skipped=skipped,
                          injected=[f.to_dict() for f in getattr(backend, "injected", [])])

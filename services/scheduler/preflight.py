@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
 from services.analyzer.assess import PREFLIGHT_THRESHOLDS, Expected, Thresholds, assess
 from services.analyzer.localize import group_verdicts, localize
 from services.analyzer.verdict import build_verdict
+from services.scheduler.deadlines import group_deadline_s
 from services.scheduler.planner import DEFAULT_OPS, DEFAULT_SIZES, AdaptivePlanner, ProbeShape
 
 Progress = Callable[[str], None]
@@ -58,9 +60,11 @@ def run_preflight(
     ranks = backend.ranks()
     layout = layout_of(ranks, nodes)
     backend_sizes: Sequence[int] = getattr(backend, "preflight_sizes", DEFAULT_SIZES)
-    backend_deadline: float = getattr(backend, "preflight_deadline_s", 60.0)
-    shape = ProbeShape(ops=tuple(ops), sizes=tuple(sizes or backend_sizes),
-                       deadline_s=deadline_s or backend_deadline)
+    shape = ProbeShape(ops=tuple(ops), sizes=tuple(sizes or backend_sizes))
+    backend_deadline: float = getattr(backend, "preflight_deadline_s", None) or group_deadline_s(
+        backend.name, shape.ops, shape.sizes, warmup=shape.warmup, iters=shape.iters,
+        repeats=getattr(backend, "repeats", 1))
+    shape = replace(shape, deadline_s=deadline_s or backend_deadline)
     evidence = _Evidence(layout, ranks, thresholds or default_thresholds(backend.name),
                          expected or getattr(backend, "expected_busbw", None))
     planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds)

@@ -34,24 +34,28 @@ def gpus_by_uuid(session: Session, uuids: Collection[str]) -> list[tuple[str, st
     return [(uuid or "", name, index) for uuid, name, index in session.execute(q).tuples()]
 
 
-def open_findings_on(session: Session, nodes: Collection[str]) -> list[dict[str, Any]]:
-    """Open findings that name any of ``nodes``, newest first."""
+def open_findings_on(session: Session, nodes: Collection[str],
+                     kinds: Collection[str]) -> list[dict[str, Any]]:
+    """Open findings of ``kinds`` that name any of ``nodes``, newest first."""
     if not nodes:
         return []
     q = (select(Finding.id, Finding.kind, Finding.severity, Finding.nodes, Finding.detail,
                 Finding.opened_at)
-         .where(Finding.status == "open", Finding.nodes.overlap(list(set(nodes))))
+         .where(Finding.status == "open", Finding.kind.in_(set(kinds)),
+                Finding.nodes.overlap(list(set(nodes))))
          .order_by(Finding.opened_at.desc(), Finding.id.desc()))
     return [dict(row) for row in session.execute(q).mappings()]
 
 
-def degraded_links_on(session: Session, nodes: Collection[str]) -> list[dict[str, Any]]:
-    """Degraded links or groups that touch any of ``nodes``, most degraded first."""
+def degraded_links_on(session: Session, nodes: Collection[str],
+                      scopes: Collection[str]) -> list[dict[str, Any]]:
+    """Degraded links of ``scopes`` that touch any of ``nodes``, most degraded first."""
     if not nodes:
         return []
     q = (select(LinkHealth.scope, LinkHealth.op, LinkHealth.members, LinkHealth.nodes,
                 LinkHealth.busbw_gbs, LinkHealth.expected_gbs, LinkHealth.ratio,
                 LinkHealth.changed_at)
-         .where(LinkHealth.status == "degraded", LinkHealth.nodes.overlap(list(set(nodes))))
+         .where(LinkHealth.status == "degraded", LinkHealth.scope.in_(set(scopes)),
+                LinkHealth.nodes.overlap(list(set(nodes))))
          .order_by(LinkHealth.ratio.asc().nulls_last(), LinkHealth.group_key))
     return [dict(row) for row in session.execute(q).mappings()]
