@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from services.config import Settings
 from services.errors import Forbidden, Unauthorized
-from services.store import tokens
+from services.store import db, tokens
 
 # Which roles may do what; admin may do everything.
 READ_ROLES = frozenset({"reader", "admin", "agent"})
@@ -20,15 +20,8 @@ ADMIN_ROLES = frozenset({"admin"})
 
 def get_session(request: Request) -> Iterator[Session]:
     """One transaction per request: commit when the endpoint returns, roll back on error."""
-    session = request.app.state.session_factory()
-    try:
+    with db.transaction(request.app.state.session_factory) as session:
         yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 def get_settings(request: Request) -> Settings:

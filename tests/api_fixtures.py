@@ -41,3 +41,22 @@ def fleet_batch(slow_node: str | None = None, factor: float = 0.4, nodes: int = 
 
 # Settings under which one bad cycle degrades a link and one good one recovers it.
 REACT_AT_ONCE = {"hysteresis_k_bad": 1, "hysteresis_n_window": 1, "hysteresis_m_good": 1}
+
+
+def api_client(factory, settings: dict[str, Any] | None = None):
+    """A TestClient of the real app on ``factory``'s database, with a token per role
+    in ``client.h[role]`` (ready-made Authorization headers)."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from services.config import Settings
+    from services.store import db, tokens
+
+    with db.transaction(factory) as s:
+        toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
+    app = create_app(Settings(database_url="unused", api_url="http://rw.test",
+                              **(REACT_AT_ONCE if settings is None else settings)), factory)
+    client = TestClient(app)
+    client.tokens = toks  # type: ignore[attr-defined]
+    client.h = {r: {"Authorization": f"Bearer {t}"} for r, t in toks.items()}  # type: ignore[attr-defined]
+    return client

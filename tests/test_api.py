@@ -10,16 +10,12 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from services.config import Settings
 from services.store import db, tokens
-from tests.api_fixtures import REACT_AT_ONCE, fleet_batch
+from tests.api_fixtures import api_client, fleet_batch
 
 
 @pytest.fixture
 def api(clean_db):
-    with db.transaction(clean_db) as s:
-        toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
-    app = create_app(Settings(database_url="unused", api_url="http://rw.test", **REACT_AT_ONCE), clean_db)
-    with TestClient(app) as client:
-        client.tokens = toks  # type: ignore[attr-defined]
+    with api_client(clean_db) as client:
         yield client
 
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import create_app
-from services.config import Settings
 from services.notifier.channels import sign, verify
 from services.notifier.loop import Notifier, RetryPolicy
 from services.notifier.receiver import WebhookReceiver
-from services.store import db, tokens
-from tests.api_fixtures import REACT_AT_ONCE, fleet_batch
+from tests.api_fixtures import api_client, fleet_batch
 
 SECRET = "s3cret-for-tests"
 # Retries come due at once, so tests need no sleeping.
@@ -22,11 +18,7 @@ NO_WAIT = RetryPolicy(base_s=0.0, cap_s=0.0)
 
 @pytest.fixture
 def api(clean_db):
-    with db.transaction(clean_db) as s:
-        client_tokens = {r: tokens.create_token(s, r) for r in ("agent", "admin")}
-    app = create_app(Settings(database_url="unused", api_url="http://rw.test", **REACT_AT_ONCE), clean_db)
-    with TestClient(app) as client:
-        client.tokens = client_tokens  # type: ignore[attr-defined]
+    with api_client(clean_db) as client:
         yield client
 
 

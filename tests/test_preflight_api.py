@@ -5,23 +5,16 @@ from __future__ import annotations
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import create_app
-from services.config import Settings
-from services.store import db, tokens
-from tests.api_fixtures import REACT_AT_ONCE, fleet_batch, measurement
+from services.store import db
+from tests.api_fixtures import api_client, fleet_batch, measurement
 
 NODES = ["node-000", "node-001", "node-002", "node-003"]
 
 
 @pytest.fixture
 def api(clean_db):
-    with db.transaction(clean_db) as s:
-        toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
-    app = create_app(Settings(database_url="unused", api_url="http://rw.test", **REACT_AT_ONCE), clean_db)
-    with TestClient(app) as client:
-        client.h = {r: {"Authorization": f"Bearer {t}"} for r, t in toks.items()}  # type: ignore[attr-defined]
+    with api_client(clean_db) as client:
         yield client
 
 

@@ -200,12 +200,16 @@ def _api_call(client: httpx.Client, method: str, path: str, **kw: Any) -> dict[s
     except httpx.HTTPError as exc:
         raise CliError(f"API at {client.base_url} unreachable: {exc}") from exc
     if resp.status_code not in (200, 202):
-        try:
-            message = resp.json().get("message", resp.text)
-        except ValueError:
-            message = resp.text
-        raise CliError(f"API answered {resp.status_code}: {message}")
+        raise CliError(f"API answered {resp.status_code}: {_api_message(resp)}")
     return resp.json()
+
+
+def _api_message(resp: httpx.Response) -> str:
+    """The API's one-line reason for an error answer."""
+    try:
+        return str(resp.json().get("message", resp.text))
+    except ValueError:
+        return resp.text
 
 
 def _print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
@@ -276,10 +280,7 @@ def _api_rankmap_check(entries: list) -> dict[str, Any] | None:
                   f"{', '.join(checks.fleet_checks(entries))}", file=sys.stderr)
             return None
     if resp.status_code != 200:
-        try:
-            message = resp.json().get("message", resp.text)
-        except ValueError:
-            message = resp.text
+        message = _api_message(resp)
         hint = " (set RINGWATCH_TOKEN to a reader token)" if resp.status_code == 401 else ""
         raise CliError(f"API answered {resp.status_code}: {message}{hint}")
     return resp.json()
