@@ -214,6 +214,8 @@ class RoundResult:
     # Modeled or measured fabric time: the slowest group of the round, in seconds.
     fabric_time_s: float = 0.0
     wall_time_s: float = 0.0
+    # Seconds each member was held by its group (for the duty cycle); absent: the round's wall.
+    busy_s: dict[str, float] = field(default_factory=dict)
 
 
 class ProbeBackend(Protocol):

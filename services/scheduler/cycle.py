@@ -95,9 +95,10 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
             scopes = ", ".join(sorted({g.scope for g in groups}))
             progress(f"round {i}/{len(rounds)}: {len(groups)} group(s) ({scopes})")
         rr = backend.run_round(groups)
-        for g in groups:  # every member is held for the whole round: an upper bound
+        for g in groups:
             for m in g.members:
-                result.busy_s[m] = result.busy_s.get(m, 0.0) + rr.wall_time_s
+                held = rr.busy_s.get(m, rr.wall_time_s)
+                result.busy_s[m] = result.busy_s.get(m, 0.0) + held
         result.measurements += rr.measurements
         result.findings += rr.findings
         result.fabric_time_s += rr.fabric_time_s

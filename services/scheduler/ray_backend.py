@@ -322,12 +322,15 @@ class RayBackend:
         started = time.perf_counter()
         result = RoundResult()
         for wave in self._waves(groups):
+            wave_started = time.perf_counter()
             runs = [self._launch(spec, i) for i, spec in wave]
             self._await(runs)
             for run in runs:
                 self._collect(run, result)
             self._replace([m for run in runs for m in self._to_replace(run)])
             result.fabric_time_s += max((self._timed_s(run) for run in runs), default=0.0)
+            held = time.perf_counter() - wave_started
+            result.busy_s.update({m: held for _, spec in wave for m in spec.members})
         result.wall_time_s = time.perf_counter() - started
         return result
 
