@@ -51,10 +51,12 @@ def webhook_latency(api: str, samples: int = 10) -> None:
                                      "events": ["health.degraded"]}).raise_for_status()
         lat = []
         for i in range(samples):
-            c.post("/v1/measurements", json=fleet_batch()).raise_for_status()  # healthy baseline
+            # A fleet of its own, so the preflight below sees only the real cluster's results.
+            c.post("/v1/measurements", json=fleet_batch(prefix="hook")).raise_for_status()
             before = len(rx.events)
             t0 = time.monotonic()
-            r = c.post("/v1/measurements", json=fleet_batch(slow_node=f"node-00{i % 4}")).json()
+            r = c.post("/v1/measurements",
+                       json=fleet_batch(slow_node=f"hook-00{i % 4}", prefix="hook")).json()
             rx.wait_for(before + len(r["degraded"]), timeout_s=30)
             lat.append(time.monotonic() - t0)
         print(f"health change -> webhook arrival (notifier woken by LISTEN/NOTIFY, {samples} samples): "
@@ -64,7 +66,8 @@ def webhook_latency(api: str, samples: int = 10) -> None:
 def preflight_times(api: str, state: Path) -> None:
     h = {"Authorization": f"Bearer {TOKEN}"}
     options = ProbeOptions(sizes=(1 << 16, 1 << 22), warmup=3, iters=10)
-    with RayBackend("gloo", local_nodes=3, ranks_per_node=2, temp_dir=state / "ray") as backend:
+    with RayBackend("gloo", local_nodes=3, ranks_per_node=2, temp_dir=state / "ray",
+                    repeats=3) as backend:
         shipper = Shipper(api, TOKEN, state / "spool")
         sched = SchedulerApi(api, TOKEN, worker="bench")
         nodes = sorted({r.node for r in backend.ranks()})
@@ -73,7 +76,8 @@ def preflight_times(api: str, state: Path) -> None:
         t0 = time.monotonic()
         v = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes}, headers=h, timeout=60).json()
         fresh = time.monotonic() - t0
-        print(f"preflight 3x2, fresh results: {fresh * 1000:.0f} ms ({v['status']}, healthy={v['healthy']})")
+        print(f"preflight 3x2, fresh results: {fresh * 1000:.0f} ms ({v['status']}, healthy={v['healthy']}, "
+              f"exclude={v['exclude']}, {[f['kind'] for f in v['findings']]})")
 
         stop = threading.Event()
 

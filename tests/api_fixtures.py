@@ -26,9 +26,9 @@ def pair(a: str, b: str) -> list[str]:
 
 
 def fleet_batch(slow_node: str | None = None, factor: float = 0.4, nodes: int = 4,
-                batch_id: str | None = None) -> dict[str, Any]:
+                batch_id: str | None = None, prefix: str = "node") -> dict[str, Any]:
     """Every node pair once (inter_node), each at 10 GB/s unless it touches ``slow_node``."""
-    names = [f"node-{i:03d}" for i in range(nodes)]
+    names = [f"{prefix}-{i:03d}" for i in range(nodes)]
     ms = []
     for i, a in enumerate(names):
         for b in names[i + 1:]:

@@ -74,4 +74,12 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
     return RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
                       address=args.address, injected=injected,
                       temp_dir=get_settings().state_dir / "ray", progress=progress,
-                      repeats=getattr(args, "repeats", 1))
+                      repeats=_repeats(args, name))
+
+
+def _repeats(args: argparse.Namespace, backend: str) -> int:
+    """CPU timings on a shared host jitter far more than NCCL's: gloo takes the median of 3."""
+    repeats = getattr(args, "repeats", None) or (3 if backend == "gloo" else 1)
+    if repeats < 1:
+        raise CliError("--repeats must be >= 1")
+    return repeats
