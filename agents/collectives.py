@@ -7,7 +7,9 @@ follows nccl-tests' doc/PERFORMANCE.md: ``algbw = size / time``, ``busbw = algbw
 
 Input patterns are small integers, so every value and every partial sum is exact in
 float32, bfloat16 and float16 whatever order the backend reduces in: a correct run
-compares bit for bit, and any wrong element is a real error, not rounding.
+compares bit for bit, and any wrong element is a real error, not rounding. The same
+holds for the max and min reductions; avg (NCCL only) is exact when the world size is a
+power of two, and otherwise checked within a rounding bound below 1/n (``check_tolerance``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from agents.spec import GroupSpec, member
+from agents.spec import REDOPS, REDUCING_OPS, GroupSpec, member
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,6 +34,10 @@ _EXACT_LIMIT: dict[str, int] = {"float32": 1 << 24, "bfloat16": 1 << 8, "float16
 _TAG_MODULUS = 251
 # Reducing ops use summands in [0, k); k stays small so partial sums stay tiny.
 _MAX_SUMMAND_MODULUS = 16
+# Backends with an average reduction: NCCL has ncclAvg (the sim models NCCL); gloo has none.
+_AVG_BACKENDS = ("nccl", "sim")
+# float32's unit roundoff: the rounding bound of an avg on a world that is not a power of two.
+_FLOAT32_ROUNDOFF = 2.0**-24
 
 
 def dtype_size(dtype: str) -> int:
@@ -56,6 +62,7 @@ class Buffers:
     in_numel: int
     out_numel: int
     size_bytes: int  # nccl-tests' "size" column: the size actually used after rounding
+    redop: str = "sum"  # nccl-tests' "redop" column; "sum" for ops that do not reduce
 
     @property
     def chunk(self) -> int:
@@ -76,8 +83,8 @@ class Collective:
     in_place: bool
     min_ranks: int = 1
 
-    def buffers(self, size_bytes: int, world_size: int, dtype: str) -> Buffers:
-        return plan(self.name, size_bytes, world_size, dtype)
+    def buffers(self, size_bytes: int, world_size: int, dtype: str, redop: str = "sum") -> Buffers:
+        return plan(self.name, size_bytes, world_size, dtype, redop)
 
 
 def _allreduce_factor(n: int) -> float:
@@ -122,13 +129,29 @@ def busbw_gbs(op: str, size_bytes: int, time_s: float, world_size: int) -> float
     return algbw_gbs(size_bytes, time_s) * busbw_factor(op, world_size)
 
 
-def plan(op: str, size_bytes: int, world_size: int, dtype: str) -> Buffers:
+def check_redop(op: str, redop: str, dtype: str = "float32", backend: str | None = None) -> None:
+    """ValueError unless ``op`` can run ``redop`` in ``dtype`` (on ``backend``, when given)."""
+    if redop not in REDOPS:
+        why = " (prod overflows the exact patterns, so it is not probed)" if redop == "prod" else ""
+        raise ValueError(f"redop must be one of {', '.join(REDOPS)}, got {redop!r}{why}")
+    if redop != "sum" and op not in REDUCING_OPS:
+        raise ValueError(f"{op} does not reduce: its redop must be sum (not applicable), got {redop!r}")
+    if redop == "avg" and backend is not None and backend not in _AVG_BACKENDS:
+        raise ValueError(f"redop avg needs NCCL's ReduceOp.AVG; the {backend} backend has no "
+                         "average reduction (use sum, max or min)")
+    if redop == "avg" and dtype != "float32":
+        # In a narrow dtype an average rounds by more than the step between correct values.
+        raise ValueError(f"redop avg is probed in float32 only, got {dtype}")
+
+
+def plan(op: str, size_bytes: int, world_size: int, dtype: str, redop: str = "sum") -> Buffers:
     """Lay out ``op`` at ``size_bytes`` on ``world_size`` ranks, nccl-tests style.
 
     Chunked ops round the element count down to a multiple of the world size, but
     never below one element per block, so even an 8-byte probe moves data.
     """
     coll = collective(op)
+    check_redop(op, redop, dtype)
     if world_size < coll.min_ranks:
         raise ValueError(f"{op} needs at least {coll.min_ranks} ranks, got {world_size}")
     if size_bytes < 0:
@@ -137,7 +160,7 @@ def plan(op: str, size_bytes: int, world_size: int, dtype: str) -> Buffers:
     elements = max(1, size_bytes // esize)
     n = world_size
     if not coll.chunked:
-        return Buffers(op, n, dtype, elements, elements, elements, elements * esize)
+        return Buffers(op, n, dtype, elements, elements, elements, elements * esize, redop)
     block = max(1, elements // n)
     full = block * n
     in_numel, out_numel = {
@@ -145,7 +168,8 @@ def plan(op: str, size_bytes: int, world_size: int, dtype: str) -> Buffers:
         "allgather": (block, full),
         "reducescatter": (full, block),
     }[op]
-    return Buffers(op, n, dtype, block, in_numel, out_numel, max(in_numel, out_numel) * esize)
+    return Buffers(op, n, dtype, block, in_numel, out_numel, max(in_numel, out_numel) * esize,
+                   redop)
 
 
 # ---- patterns -------------------------------------------------------------------------
@@ -196,6 +220,46 @@ def _sum_of_summands(index: torch.Tensor, world_size: int, dtype: str) -> torch.
     return full_cycles * (k * (k - 1) // 2) + table[index % k]
 
 
+def _extreme_of_summands(index: torch.Tensor, world_size: int, dtype: str,
+                         redop: str) -> torch.Tensor:
+    """Closed form of max (or min) over ranks r of _summand(index, r), O(numel).
+
+    Rank r holds (a + r) % k with a = i % k: the n values run a, a+1, ... and wrap past
+    k - 1 to 0 exactly when a + n - 1 >= k, which then puts both k - 1 and 0 among them.
+    """
+    k = summand_modulus(world_size, dtype)
+    if k == 1:
+        # One-hot: exactly one rank holds 1, every other rank 0.
+        return torch.full_like(index, 1 if redop == "max" or world_size == 1 else 0)
+    a = index % k
+    top = a + world_size - 1
+    wraps = top >= k
+    if redop == "max":
+        return torch.where(wraps, torch.full_like(a, k - 1), top)
+    return torch.where(wraps, torch.zeros_like(a), a)
+
+
+def _reduction(index: torch.Tensor, buf: Buffers) -> torch.Tensor:
+    """The exact reduction over ranks of the summand pattern at ``index``, as float64."""
+    n = buf.world_size
+    if buf.redop in ("max", "min"):
+        return _extreme_of_summands(index, n, buf.dtype, buf.redop).double()
+    total = _sum_of_summands(index, n, buf.dtype).double()
+    return total / n if buf.redop == "avg" else total
+
+
+def check_tolerance(buf: Buffers) -> float:
+    """How far a correct output element may lie from ``expected_output``: 0 (bit-exact)
+    except for avg on a world that is not a power of two, where NCCL's 1/n pre-scaling
+    rounds. The bound (n + 1) * (k - 1) * u stays below 1/n, the least step by which a
+    wrong summand moves the average, for groups of up to about 1000 ranks."""
+    n = buf.world_size
+    if buf.redop != "avg" or n & (n - 1) == 0:
+        return 0.0
+    k = summand_modulus(n, buf.dtype)
+    return (n + 1) * max(1, k - 1) * _FLOAT32_ROUNDOFF
+
+
 def make_input(buf: Buffers, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The deterministic, rank-dependent input of ``rank`` for ``buf``."""
     idx = _index(buf.in_numel, device)
@@ -214,9 +278,9 @@ def expected_output(buf: Buffers, rank: int, device: torch.device | str = "cpu")
     n = buf.world_size
     idx = _index(buf.out_numel, device)
     if buf.op == "allreduce":
-        values = _sum_of_summands(idx, n, buf.dtype)
+        values = _reduction(idx, buf)
     elif buf.op == "reducescatter":
-        values = _sum_of_summands(idx + rank * buf.chunk, n, buf.dtype)
+        values = _reduction(idx + rank * buf.chunk, buf)
     elif buf.op == "alltoall":
         # Block s comes from rank s, which tagged it with (s, rank).
         values = _tag(idx % buf.chunk, idx // buf.chunk, block=rank)
@@ -228,15 +292,19 @@ def expected_output(buf: Buffers, rank: int, device: torch.device | str = "cpu")
     return values.to(torch_dtype(buf.dtype))
 
 
-def count_wrong(output: torch.Tensor, expected: torch.Tensor) -> int:
+def count_wrong(output: torch.Tensor, expected: torch.Tensor, tolerance: float = 0.0) -> int:
     """Number of wrong elements; a buffer of the wrong shape is wrong everywhere.
 
     Exact comparison is right here because the patterns are exact integers; NaN
-    compares unequal, so it counts as wrong too.
+    compares unequal, so it counts as wrong too. ``tolerance`` (``check_tolerance``)
+    is nonzero only for an average that rounds.
     """
     if output.shape != expected.shape:
         return max(output.numel(), expected.numel())
-    return int((output != expected).sum().item())
+    if tolerance == 0.0:
+        return int((output != expected).sum().item())
+    close = (output.double() - expected.double()).abs() <= tolerance
+    return int((~close).sum().item())
 
 
 # ---- size presets ---------------------------------------------------------------------

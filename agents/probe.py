@@ -24,6 +24,8 @@ import torch.distributed as dist
 from agents import telemetry
 from agents.collectives import (
     Buffers,
+    check_redop,
+    check_tolerance,
     collective,
     count_wrong,
     expected_output,
@@ -31,7 +33,7 @@ from agents.collectives import (
     plan,
     torch_dtype,
 )
-from agents.spec import InjectedFault, RankInfo, member
+from agents.spec import InjectedFault, RankInfo, member, redop_for
 
 # An injected hang sleeps this long; the driver kills the agent long before.
 _HANG_SLEEP_S = 24 * 3600.0
@@ -58,9 +60,23 @@ def done_key(rank: int, op: str, size: int) -> str:
 # ---- launching one op on a process-group backend object -------------------------------
 
 
-def _allreduce(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
-    # torch's allreduce is in place: the caller passes the input as recv.
-    return [pg.allreduce([recv])]
+_REDUCE_OPS: dict[str, Any] = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "avg": dist.ReduceOp.AVG,  # NCCL only; gloo refuses it (collectives.check_redop)
+}
+
+
+def _allreduce(redop: str) -> Launch:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _REDUCE_OPS[redop]
+
+    def launch(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
+        # torch's allreduce is in place: the caller passes the input as recv.
+        return [pg.allreduce([recv], opts)]
+
+    return launch
 
 
 def _alltoall(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
@@ -71,10 +87,14 @@ def _allgather(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: in
     return [pg._allgather_base(recv, send)]
 
 
-def _reducescatter(
-    pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int
-) -> list[Work]:
-    return [pg._reduce_scatter_base(recv, send)]
+def _reducescatter(redop: str) -> Launch:
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = _REDUCE_OPS[redop]
+
+    def launch(pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int) -> list[Work]:
+        return [pg._reduce_scatter_base(recv, send, opts)]
+
+    return launch
 
 
 def _sendrecv_gloo(
@@ -96,17 +116,23 @@ def _sendrecv_nccl(
 
 
 _LAUNCH: dict[str, Launch] = {
-    "allreduce": _allreduce,
     "alltoall": _alltoall,
     "allgather": _allgather,
+}
+_REDUCING_LAUNCH: dict[str, Callable[[str], Launch]] = {
+    "allreduce": _allreduce,
     "reducescatter": _reducescatter,
 }
 
 
-def launcher(op: str, backend: str) -> Launch:
+def launcher(op: str, backend: str, redop: str = "sum") -> Launch:
     collective(op)  # raises on an unknown op
+    # Refused before any rank enters the collective: every rank refuses alike.
+    check_redop(op, redop, backend=backend)
     if op == "sendrecv":
         return _sendrecv_nccl if backend == "nccl" else _sendrecv_gloo
+    if op in _REDUCING_LAUNCH:
+        return _REDUCING_LAUNCH[op](redop)
     return _LAUNCH[op]
 
 
@@ -230,7 +256,7 @@ def run_probe(
     time of its timed sections (``timed_s``) and its wrong element count (``wrong``).
     """
     device = device or torch.device("cpu")
-    launch = launcher(buf.op, backend)
+    launch = launcher(buf.op, backend, buf.redop)
     times, timed_s = _timed_loops(pg, buf, rank, launch, backend, device, warmup, iters,
                                   max(1, repeats), slow_factor)
     # The timed buffers are gone by now, which keeps the peak low at 1 GiB sizes.
@@ -282,7 +308,7 @@ def _checked_run(
     if corrupt:
         # An injected corrupt rank flips one element, as a bad link or bad HBM would.
         recv.view(-1)[0] += 1
-    return count_wrong(recv, expected_output(buf, rank, device))
+    return count_wrong(recv, expected_output(buf, rank, device), check_tolerance(buf))
 
 
 # ---- the agent ------------------------------------------------------------------------
@@ -428,7 +454,8 @@ class ProbeAgent:
             for size in spec["sizes"]:
                 out["stage"] = f"{op}/{size}"
                 store.set(entered_key(rank, op, size), "1")
-                buf = plan(op, size, n, spec.get("dtype", "float32"))
+                buf = plan(op, size, n, spec.get("dtype", "float32"),
+                           redop_for(op, spec.get("redop", "sum")))
                 result = run_probe(
                     pg,
                     buf,
@@ -442,6 +469,6 @@ class ProbeAgent:
                     corrupt="corrupt" in self._faults,
                 )
                 out["timed_s"] += result.pop("timed_s")
-                out["probes"].append({"op": op, "size_requested": size,
+                out["probes"].append({"op": op, "size_requested": size, "redop": buf.redop,
                                       "size_bytes": buf.size_bytes, "count": buf.count, **result})
                 store.set(done_key(rank, op, size), "1")

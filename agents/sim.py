@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from agents.fabric_presets import preset
-from agents.spec import Finding, GroupSpec, Measurement, RankInfo, RoundResult
+from agents.spec import Finding, GroupSpec, Measurement, RankInfo, RoundResult, redop_for
 
 FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only")
 RING_OPS = ("allreduce", "allgather", "reducescatter")
@@ -428,7 +428,8 @@ class SimBackend:
                            dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
                            time_us=t * 1e6, algbw_gbs=algbw,
                            busbw_gbs=algbw * _busbw_factor(op, n),
-                           wrong=max(1, size // 4096) if corrupt else 0)
+                           wrong=max(1, size // 4096) if corrupt else 0,
+                           redop=redop_for(op, spec.redop))
 
     def expected_busbw(self, m: Measurement) -> float | None:
         """The hardware preset for this measurement: fault-free, variation-free links."""

@@ -15,6 +15,9 @@ Scope = Literal["intra_node", "gpu_pair", "inter_node", "world"]
 SCOPES: tuple[str, ...] = ("intra_node", "gpu_pair", "inter_node", "world")
 OPS: tuple[str, ...] = ("allreduce", "alltoall", "allgather", "reducescatter", "sendrecv")
 BACKENDS: tuple[str, ...] = ("nccl", "gloo", "sim")
+# Reductions a probe can run (nccl-tests' -o). prod is left out: it overflows exact patterns.
+REDOPS: tuple[str, ...] = ("sum", "max", "min", "avg")
+REDUCING_OPS: tuple[str, ...] = ("allreduce", "reducescatter")
 FINDING_KINDS: tuple[str, ...] = (
     "nvlink_degraded",
     "nic_degraded",
@@ -51,6 +54,12 @@ def nodes_of(members: tuple[str, ...] | list[str]) -> list[str]:
     for m in members:
         seen.setdefault(split_member(m)[0], None)
     return list(seen)
+
+
+def redop_for(op: str, redop: str) -> str:
+    """The reduction ``op`` runs when its group asks for ``redop``: ops that do not reduce
+    run as they always do, recorded as "sum" (not applicable)."""
+    return redop if op in REDUCING_OPS else "sum"
 
 
 def utcnow() -> datetime:
@@ -92,6 +101,8 @@ class GroupSpec:
     iters: int = 20
     # Wall-clock budget for the whole group (forming it, all ops, leaving it).
     deadline_s: float = 60.0
+    # nccl-tests' -o: the reduction of AllReduce and ReduceScatter (other ops ignore it).
+    redop: str = "sum"
 
     @property
     def world_size(self) -> int:
@@ -119,6 +130,8 @@ class Measurement:
     time: datetime = field(default_factory=utcnow)
     # Set by --repeats: min/median/max of time_us over repeats.
     stats: dict[str, float] | None = None
+    # The reduction (nccl-tests' redop); "sum" also for ops that do not reduce.
+    redop: str = "sum"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -12,6 +12,8 @@ from agents.spec import split_member
 Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
 ScopeT = Literal["intra_node", "gpu_pair", "inter_node", "world"]
 BackendT = Literal["nccl", "gloo", "sim"]
+# nccl-tests' redop names; probes run sum, max, min and avg, prod is accepted for other senders.
+RedOp = Literal["sum", "prod", "min", "max", "avg"]
 Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang"]
 NodeName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^/\s,]+$")]
 
@@ -34,6 +36,7 @@ class MeasurementIn(Strict):
     wrong: int = Field(default=0, ge=0)
     time: datetime
     stats: dict[str, float] | None = None
+    redop: RedOp = "sum"
 
     @field_validator("members")
     @classmethod
@@ -131,6 +134,7 @@ class SeriesPoint(BaseModel):
     op: str
     size_bytes: int
     dtype: str
+    redop: str
     time_us: float
     algbw_gbs: float
     busbw_gbs: float

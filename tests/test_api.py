@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from services.config import Settings
 from services.store import db, tokens
-from tests.api_fixtures import api_client, fleet_batch
+from tests.api_fixtures import api_client, fleet_batch, measurement
 
 
 @pytest.fixture
@@ -66,6 +66,7 @@ def test_malformed_json_is_a_422_with_a_reason(api) -> None:
     ("op", "allreduse", "op"),
     ("members", ["node-000"], "NODE/LOCAL_INDEX"),
     ("time", "2026-01-01T00:00:00", "UTC offset"),
+    ("redop", "mean", "redop"),
 ])
 def test_bad_measurement_fields_are_rejected_by_name(api, field, value, needle) -> None:
     batch = fleet_batch()
@@ -95,6 +96,30 @@ def test_ingest_registers_nodes_and_serves_links_and_series(api) -> None:
     links = api.get("/v1/links", params={"scope": "inter_node"}, headers=auth(api, "reader")).json()
     assert len(links) == 6 and {x["status"] for x in links} == {"ok"}
     assert api.get("/v1/health", headers=auth(api, "reader")).json()["status"] == "healthy"
+
+
+def test_redop_round_trips_through_measurements_and_series(api) -> None:
+    from agents.spec import Measurement
+
+    members = ["node-000/0", "node-000/1"]
+    ms = [{**measurement(members, 20.0, scope="intra_node"), "redop": "max"},
+          measurement(members, 20.0, op="reducescatter", scope="intra_node")]
+    batch = {"batch_id": uuid.uuid4().hex, "backend": "gloo", "measurements": ms}
+    api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).raise_for_status()
+    points = api.get("/v1/series", params={"members": ",".join(members)},
+                     headers=auth(api, "reader")).json()["points"]
+    # Stored as sent; a sender that says nothing gets the default, sum.
+    assert sorted((p["op"], p["redop"]) for p in points) == [
+        ("allreduce", "max"), ("reducescatter", "sum")]
+    # What a probe's Measurement.to_dict sends is what the API takes.
+    probe = Measurement(op="allreduce", scope="intra_node", members=members, size_bytes=4096,
+                        dtype="float32", warmup=1, iters=2, time_us=10.0, algbw_gbs=0.4,
+                        busbw_gbs=0.4, wrong=0, redop="min")
+    sent = {"batch_id": uuid.uuid4().hex, "backend": "gloo", "measurements": [probe.to_dict()]}
+    api.post("/v1/measurements", json=sent, headers=auth(api, "agent")).raise_for_status()
+    points = api.get("/v1/series", params={"members": ",".join(members), "size_bytes": 4096},
+                     headers=auth(api, "reader")).json()["points"]
+    assert [p["redop"] for p in points] == ["min"]
 
 
 def test_unknown_nodes_are_404s(api) -> None:

@@ -62,3 +62,19 @@ def test_bad_scenarios_exit_2_with_one_line(tmp_path: Path) -> None:
     r = cli("preflight", "--fabric", scenario(tmp_path, {"nodes": 4}), "--nodes", "node-042",
             env=dict(os.environ))
     assert r.returncode == 2 and "node-042" in r.stderr
+
+
+def test_probe_redop_reaches_the_output_and_avg_on_gloo_is_exit_2(tmp_path: Path) -> None:
+    path = scenario(tmp_path, {"nodes": 2, "gpus_per_node": 2, "seed": 1})
+    r = cli("probe", "--fabric", path, "--ops", "allreduce,alltoall", "--redop", "avg", "--json",
+            env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    got = {(m["op"], m["redop"]) for m in json.loads(r.stdout)["measurements"]}
+    assert got == {("allreduce", "avg"), ("alltoall", "sum")}
+    # Refused before any cluster starts: one line on stderr naming the reason.
+    for argv in (("--local", "1", "--backend", "gloo", "--redop", "avg"),
+                 ("--fabric", path, "--redop", "avg", "--dtype", "bfloat16"),
+                 ("--fabric", path, "--redop", "max", "--ops", "alltoall")):
+        r = cli("probe", *argv, env=dict(os.environ))
+        assert r.returncode == 2, (argv, r.stdout)
+        assert len(r.stderr.strip().splitlines()) == 1 and "redop" in r.stderr

@@ -20,6 +20,8 @@ from agents.collectives import (
     algbw_gbs,
     busbw_factor,
     busbw_gbs,
+    check_redop,
+    check_tolerance,
     count_wrong,
     dtype_size,
     expected_output,
@@ -28,6 +30,7 @@ from agents.collectives import (
     summand_modulus,
 )
 from agents.probe import make_group, run_probe
+from agents.spec import REDOPS, REDUCING_OPS, redop_for
 
 ops = st.sampled_from(sorted(OPS))
 dtypes = st.sampled_from(sorted(DTYPES))
@@ -144,6 +147,79 @@ def test_reduction_sums_stay_exact_at_any_world_size(dtype: str, n: int) -> None
     assert summand_modulus(n, dtype) >= 1
 
 
+# ---- reduction ops (nccl-tests' -o): closed forms against brute force ---------------------
+
+
+def _reduce_over_ranks(buf_op: str, inputs: list[torch.Tensor], redop: str, rank: int,
+                       chunk: int) -> torch.Tensor:
+    """The reduction applied element by element over every rank's input, in float64."""
+    stacked = torch.stack([t.double() for t in inputs])
+    reduced = {"sum": stacked.sum(0), "max": stacked.amax(0), "min": stacked.amin(0),
+               "avg": stacked.sum(0) / len(inputs)}[redop]
+    return reduced if buf_op == "allreduce" else reduced[rank * chunk:(rank + 1) * chunk]
+
+
+@settings(max_examples=80, deadline=None)
+@given(op=st.sampled_from(REDUCING_OPS), redop=st.sampled_from(("max", "min")),
+       n=st.integers(1, 40) | st.integers(250, 600), size=st.integers(1, 600), dtype=dtypes)
+def test_max_and_min_closed_forms_match_brute_force(op: str, redop: str, n: int, size: int,
+                                                     dtype: str) -> None:
+    # 250..600 ranks take bfloat16 into the one-hot pattern (k == 1) and float16 near it.
+    buf = plan(op, size, n, dtype, redop)
+    inputs = [make_input(buf, r) for r in range(n)]
+    for rank in {0, n // 2, n - 1}:
+        want = _reduce_over_ranks(op, inputs, redop, rank, buf.chunk)
+        got = expected_output(buf, rank)
+        assert torch.equal(got.double(), want)  # exact: max and min never round
+    assert check_tolerance(buf) == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(op=st.sampled_from(REDUCING_OPS), n=st.integers(1, 70), size=st.integers(1, 2048))
+def test_avg_expectation_is_the_float32_mean(op: str, n: int, size: int) -> None:
+    buf = plan(op, size, n, "float32", "avg")
+    inputs = [make_input(buf, r) for r in range(n)]
+    for rank in {0, n - 1}:
+        want = _reduce_over_ranks(op, inputs, "avg", rank, buf.chunk)
+        got = expected_output(buf, rank)
+        assert torch.equal(got, want.float())  # the correctly rounded mean
+        tol = check_tolerance(buf)
+        if n & (n - 1) == 0:
+            assert tol == 0.0  # a power-of-two world averages exactly
+        else:
+            # Any rounding NCCL's 1/n pre-scaling adds stays inside the tolerance, and the
+            # least step a wrong summand moves the mean (1/n) stays outside it.
+            assert 0.0 < tol < 1.0 / n
+            assert count_wrong(got + tol / 2, want.float(), tol) == 0
+            assert count_wrong(got + 1.0 / n, want.float(), tol) == got.numel()
+
+
+def test_redops_are_validated_where_they_mean_something() -> None:
+    assert REDOPS == ("sum", "max", "min", "avg")
+    assert plan("allreduce", 64, 2, "float32").redop == "sum"
+    assert plan("reducescatter", 64, 2, "bfloat16", "max").redop == "max"
+    with pytest.raises(ValueError, match="prod"):
+        plan("allreduce", 64, 2, "float32", "prod")
+    with pytest.raises(ValueError, match="does not reduce"):
+        plan("alltoall", 64, 2, "float32", "max")
+    with pytest.raises(ValueError, match="float32"):
+        plan("allreduce", 64, 2, "bfloat16", "avg")
+    with pytest.raises(ValueError, match="gloo"):
+        check_redop("allreduce", "avg", backend="gloo")
+    check_redop("allreduce", "avg", backend="nccl")
+    check_redop("reducescatter", "avg", backend="sim")
+    # A group's redop applies to its reducing ops; the others run as always.
+    assert [redop_for(op, "min") for op in ("allreduce", "alltoall", "reducescatter")] == [
+        "min", "sum", "min"]
+
+
+def test_busbw_factor_does_not_depend_on_the_redop() -> None:
+    for redop in ("max", "min", "avg"):
+        buf = plan("allreduce", 4096, 4, "float32", redop)
+        assert buf.size_bytes == plan("allreduce", 4096, 4, "float32").size_bytes
+    assert busbw_factor("allreduce", 4) == 1.5
+
+
 def test_count_wrong_counts_elements() -> None:
     want = torch.arange(10, dtype=torch.bfloat16)
     got = want.clone()
@@ -193,6 +269,30 @@ def test_real_gloo_run_is_correct_and_one_wrong_element_is_caught(op: str, dtype
     wrong = [r["wrong"] for r in results]
     assert wrong == [1 if rank == 1 else 0 for rank in range(n)]
     assert all(len(r["times_s"]) == 2 and min(r["times_s"]) > 0 for r in results)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("redop", ["max", "min"])
+@pytest.mark.parametrize("op", REDUCING_OPS)
+def test_real_gloo_max_and_min_are_correct_and_one_wrong_element_is_caught(
+    op: str, redop: str, dtype: str
+) -> None:
+    n = 3
+    buf = plan(op, 3000, n, dtype, redop)
+
+    def probe(rank: int, pg: Any) -> dict[str, Any]:
+        return run_probe(pg, buf, rank, warmup=1, iters=2, corrupt=(rank == 2))
+
+    results = on_gloo_threads(n, probe)
+    assert [r["wrong"] for r in results] == [0, 0, 1]
+    # The check would tell a sum from a max: the expectations differ on this buffer.
+    assert not torch.equal(expected_output(buf, 0), expected_output(plan(op, 3000, n, dtype), 0))
+
+
+def test_real_gloo_refuses_avg_before_entering_the_collective() -> None:
+    buf = plan("allreduce", 400, 2, "float32", "avg")
+    with pytest.raises(ValueError, match="avg"):
+        run_probe(None, buf, 0, backend="gloo")
 
 
 def test_sendrecv_ring_of_three() -> None:

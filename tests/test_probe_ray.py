@@ -3,6 +3,7 @@ real process groups, injected slow, hang and corrupt ranks. One cluster per modu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterator
@@ -134,6 +135,20 @@ def test_overlapping_or_unknown_groups_are_refused(backend: RayBackend) -> None:
         backend.run_round([GroupSpec("intra_node", ("node-009/0", "node-009/1"))])
 
 
+@pytest.mark.ray
+def test_redop_reaches_the_agents_and_the_measurements(backend: RayBackend) -> None:
+    spec = GroupSpec("world", WORLD, ops=("allreduce", "reducescatter", "alltoall"),
+                     sizes=(4096,), warmup=1, iters=2, redop="min")
+    result = backend.run_round([spec])
+    assert result.findings == []
+    assert [(m.op, m.redop, m.wrong) for m in result.measurements] == [
+        ("allreduce", "min", 0), ("reducescatter", "min", 0), ("alltoall", "sum", 0)]
+    assert result.measurements[0].to_dict()["redop"] == "min"
+    # gloo has no average: refused before any agent is called.
+    with pytest.raises(ValueError, match="avg"):
+        backend.run_round([dataclasses.replace(spec, redop="avg")])
+
+
 # ---- injected faults ------------------------------------------------------------------
 
 
@@ -197,6 +212,12 @@ def test_nccl_intra_node_round(tmp_path: Path) -> None:
         result = b.run_round([GroupSpec("intra_node", members, ops=ops, sizes=(1 << 24,))])
         assert result.findings == []
         assert all(m.wrong == 0 and m.busbw_gbs > 0 for m in result.measurements)
+        for redop in ("max", "min", "avg"):
+            spec = GroupSpec("intra_node", members, ops=("allreduce", "reducescatter"),
+                             sizes=(1 << 20, 1 << 24), redop=redop)
+            result = b.run_round([spec])
+            assert result.findings == []
+            assert all(m.wrong == 0 and m.redop == redop for m in result.measurements)
         assert all(r.gpu_uuid for r in b.ranks())
 
 
@@ -219,9 +240,14 @@ def test_format_table_is_nccl_tests_shaped() -> None:
     assert first[0].startswith("# allreduce  intra_node  2 ranks: node-000/0 node-000/1")
     assert "busbw" in first[1] and "#wrong" in first[1] and "(GB/s)" in first[2]
     # Rows by size: 4096 B is 1024 float32 elements, then 1 MiB is 262144.
-    assert first[3].split()[:3] == ["4096", "1024", "float32"]
+    assert first[3].split()[:5] == ["4096", "1024", "float32", "sum", "allreduce"]
     assert first[4].split()[:2] == ["1048576", "262144"]
+    assert "redop" in first[1]
     assert blocks[1].splitlines()[3].split()[-1] == "3"
+    # nccl-tests shows "none" where the op does not reduce; a max run shows max.
+    assert blocks[1].splitlines()[3].split()[3] == "none"
+    maxed = format_table([dataclasses.replace(m("allreduce", 4096, N0), redop="max")])
+    assert maxed.splitlines()[3].split()[3] == "max"
     assert format_table([]) == "# no measurements"
 
 

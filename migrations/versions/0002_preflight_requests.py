@@ -1,4 +1,4 @@
-"""durable preflight requests; hysteresis window; node duty cycle and skips
+"""durable preflight requests; hysteresis window; node duty cycle and skips; measurement redop
 
 Revision ID: 0002
 Revises: 0001
@@ -19,6 +19,8 @@ def upgrade() -> None:
     op.add_column("nodes", sa.Column("skipped_reason", sa.Text(), nullable=True))
     op.add_column("link_health", sa.Column("recent", sa.String(length=64), server_default="",
                                            nullable=False))
+    op.add_column("measurements", sa.Column("redop", sa.String(length=8), server_default="sum",
+                                            nullable=False))
     op.create_table(
         "preflight_requests",
         sa.Column("id", sa.String(length=36), nullable=False),
@@ -41,6 +43,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_preflight_requests_status_created", table_name="preflight_requests")
     op.drop_table("preflight_requests")
+    op.drop_column("measurements", "redop")
     op.drop_column("link_health", "recent")
     op.drop_column("nodes", "skipped_reason")
     op.drop_column("nodes", "duty_cycle")

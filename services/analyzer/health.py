@@ -39,6 +39,7 @@ def to_probe_measurement(row: MeasurementRow) -> ProbeMeasurement:
         op=row.op, scope=row.scope, members=list(row.members), size_bytes=row.size_bytes,
         dtype=row.dtype, warmup=row.warmup, iters=row.iters, time_us=row.time_us,
         algbw_gbs=row.algbw_gbs, busbw_gbs=row.busbw_gbs, wrong=row.wrong, time=row.time,
+        redop=row.redop,
     )
 
 

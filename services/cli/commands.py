@@ -39,7 +39,27 @@ def _probe_options(args: argparse.Namespace):
     if args.iters < 1 or args.warmup < 0:
         raise CliError("--iters must be >= 1 and --warmup >= 0")
     sizes = args.sizes or _preset_sizes(args)
-    return ProbeOptions(ops=ops, sizes=sizes, dtype=args.dtype, warmup=args.warmup, iters=args.iters)
+    redop = getattr(args, "redop", "sum")
+    _check_redop(args, ops, redop)
+    return ProbeOptions(ops=ops, sizes=sizes, dtype=args.dtype, warmup=args.warmup, iters=args.iters,
+                        redop=redop)
+
+
+def _check_redop(args: argparse.Namespace, ops: tuple[str, ...], redop: str) -> None:
+    """A reduction the backend or dtype cannot run (avg on gloo) is bad input, refused
+    before any cluster starts."""
+    from agents.collectives import check_redop
+    from agents.spec import REDUCING_OPS, redop_for
+    from services.cli.backends import default_backend
+
+    if redop != "sum" and not any(op in REDUCING_OPS for op in ops):
+        raise CliError(f"--redop {redop} needs a reducing op in --ops ({', '.join(REDUCING_OPS)})")
+    backend = default_backend(args)
+    for op in ops:
+        try:
+            check_redop(op, redop_for(op, redop), args.dtype, backend=backend)
+        except ValueError as exc:
+            raise CliError(f"--redop {redop}: {exc}") from None
 
 
 def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import logging
 import sys
 import warnings
 
+from agents.spec import REDOPS
 from services.cli import commands
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
@@ -44,6 +45,9 @@ def add_probe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int,
                    help="timed loops per probe; time_us is their median (default 1, 3 on gloo)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--redop", default="sum", choices=REDOPS,
+                   help="reduction of allreduce and reducescatter, nccl-tests' -o "
+                        "(avg: nccl and sim only, float32)")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -32,6 +32,8 @@ class ProbeOptions:
     dtype: str = "float32"
     warmup: int = 5
     iters: int = 20
+    # nccl-tests' -o for AllReduce and ReduceScatter: sum, max, min, or avg (nccl only).
+    redop: str = "sum"
 
 
 @dataclass
@@ -86,7 +88,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
                                 iters=options.iters, repeats=getattr(backend, "repeats", 1))
     rounds: list[list[GroupSpec]] = plan_rounds(
         layout, ops=options.ops, sizes=options.sizes, dtype=options.dtype,
-        warmup=options.warmup, iters=options.iters, deadline_s=deadline,
+        warmup=options.warmup, iters=options.iters, deadline_s=deadline, redop=options.redop,
     )
     result = CycleResult(backend=backend.name, ranks=ranks, skipped=skipped,
                          injected=[f.to_dict() for f in getattr(backend, "injected", [])])

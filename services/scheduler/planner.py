@@ -33,12 +33,13 @@ class ProbeShape:
     warmup: int = 5
     iters: int = 20
     deadline_s: float = 60.0
+    redop: str = "sum"
 
     def group(self, scope: str, members: Sequence[str],
               ops: tuple[str, ...] | None = None) -> GroupSpec:
         return GroupSpec(scope=scope, members=tuple(members), ops=ops or self.ops,
                          sizes=self.sizes, dtype=self.dtype, warmup=self.warmup,
-                         iters=self.iters, deadline_s=self.deadline_s)
+                         iters=self.iters, deadline_s=self.deadline_s, redop=self.redop)
 
 
 def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[tuple[T, T]]]:
@@ -105,13 +106,14 @@ def plan_rounds(
     deadline_s: float = 60.0,
     matchings: int | None = None,
     rotation: int = 0,
+    redop: str = "sum",
 ) -> list[list[GroupSpec]]:
     """The static plan: intra-node round, node-pair matchings, then one world group.
 
     ``nodes`` maps a node to its local rank indices. With more than ``ALL_PAIRS_MAX``
     nodes only ``matchings`` matchings run (default 1); ``rotation`` picks which.
     """
-    shape = ProbeShape(tuple(ops), tuple(sizes), dtype, warmup, iters, deadline_s)
+    shape = ProbeShape(tuple(ops), tuple(sizes), dtype, warmup, iters, deadline_s, redop)
     plan: list[list[GroupSpec]] = []
     intra = intra_round(nodes, shape)
     if intra:

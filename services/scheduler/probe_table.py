@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from agents.collectives import plan
-from agents.spec import Measurement
+from agents.spec import REDUCING_OPS, Measurement
 
 _HEADER = (
-    f"#{'size':>11}  {'count':>12}  {'type':>8}  {'op':>13}  {'time':>10}  "
+    f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'op':>13}  {'time':>10}  "
     f"{'algbw':>8}  {'busbw':>8}  {'#wrong':>6}"
 )
 _UNITS = (
-    f"#{'(B)':>11}  {'(elements)':>12}  {'':>8}  {'':>13}  {'(us)':>10}  "
+    f"#{'(B)':>11}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>13}  {'(us)':>10}  "
     f"{'(GB/s)':>8}  {'(GB/s)':>8}  {'':>6}"
 )
 
@@ -26,9 +26,15 @@ def _count(m: Measurement) -> int | str:
         return "-"
 
 
+def _redop(m: Measurement) -> str:
+    """nccl-tests' redop column: "none" for ops that do not reduce."""
+    return m.redop if m.op in REDUCING_OPS else "none"
+
+
 def _row(m: Measurement) -> str:
     line = (
-        f"{m.size_bytes:>12}  {_count(m):>12}  {m.dtype:>8}  {m.op:>13}  {m.time_us:>10.1f}  "
+        f"{m.size_bytes:>12}  {_count(m):>12}  {m.dtype:>8}  {_redop(m):>6}  {m.op:>13}  "
+        f"{m.time_us:>10.1f}  "
         f"{m.algbw_gbs:>8.2f}  {m.busbw_gbs:>8.2f}  {m.wrong:>6}"
     )
     if m.stats:

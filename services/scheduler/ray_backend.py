@@ -25,9 +25,17 @@ import ray
 import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agents.collectives import algbw_gbs, busbw_gbs, plan
+from agents.collectives import algbw_gbs, busbw_gbs, check_redop, plan
 from agents.probe import ProbeAgent, arrived_key, done_key, entered_key
-from agents.spec import Finding, GroupSpec, InjectedFault, Measurement, RankInfo, RoundResult
+from agents.spec import (
+    Finding,
+    GroupSpec,
+    InjectedFault,
+    Measurement,
+    RankInfo,
+    RoundResult,
+    redop_for,
+)
 
 # Ray puts unix sockets at <temp_dir>/session_<date>_<time>_<pid>/sockets/plasma_store and
 # AF_UNIX paths must fit 107 bytes; the session part is about 60 of them.
@@ -356,8 +364,9 @@ class RayBackend:
                 raise ValueError("groups of one round must be disjoint and without repeats")
             seen.update(spec.members)
             for op in spec.ops:
+                check_redop(op, redop_for(op, spec.redop), spec.dtype, backend=self.name)
                 for size in spec.sizes:
-                    plan(op, size, spec.world_size, spec.dtype)
+                    plan(op, size, spec.world_size, spec.dtype, redop_for(op, spec.redop))
 
     def _launch(self, spec: GroupSpec, index: int) -> _GroupRun:
         host = ray.util.get_node_ip_address()
@@ -474,6 +483,7 @@ class RayBackend:
             algbw_gbs=algbw_gbs(first["size_bytes"], time_s),
             busbw_gbs=busbw_gbs(first["op"], first["size_bytes"], time_s, n),
             wrong=sum(p["wrong"] for p in probes), stats=stats,
+            redop=first.get("redop", redop_for(first["op"], spec.redop)),
         )
 
     def _corruption_findings(self, run: _GroupRun) -> list[Finding]:

@@ -111,6 +111,8 @@ class Measurement(Base):
     algbw_gbs: Mapped[float] = mapped_column(Float)
     busbw_gbs: Mapped[float] = mapped_column(Float)
     wrong: Mapped[int] = mapped_column(Integer)
+    # nccl-tests' redop of a reducing op; "sum" for ops that do not reduce.
+    redop: Mapped[str] = mapped_column(String(8), default="sum", server_default="sum")
 
 
 class LinkHealth(Base):
