@@ -156,6 +156,8 @@ class HealthOut(BaseModel):
 class PreflightIn(Strict):
     nodes: list[NodeName] = Field(min_length=1, max_length=100_000)
     max_age_s: float = Field(default=900.0, gt=0)
+    # When fresh results look unhealthy, have a scheduler re-probe before answering.
+    confirm: bool = False
 
 
 class ClaimIn(Strict):
@@ -163,9 +165,25 @@ class ClaimIn(Strict):
     lease_s: float = Field(default=300.0, gt=0, le=3600)
 
 
+class VerdictIn(BaseModel):
+    """A verdict a scheduler's own preflight reached (DESIGN.md, "Verdict")."""
+
+    model_config = ConfigDict(extra="allow")
+    healthy: bool
+    backend: BackendT
+    nodes_checked: int = Field(ge=0)
+    exclude: list[NodeName]
+    findings: list[FindingIn]
+    rounds: int = Field(ge=0)
+    duration_s: float = Field(ge=0)
+
+
 class CompleteIn(Strict):
     worker: str = Field(min_length=1, max_length=255)
     error: str | None = Field(default=None, max_length=4000)
+    # The verdict of the scheduler's own preflight; without one, it is computed from the
+    # results the scheduler shipped.
+    verdict: VerdictIn | None = None
 
 
 class WebhookIn(Strict):

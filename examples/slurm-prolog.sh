@@ -9,6 +9,7 @@
 # RINGWATCH_PREFLIGHT_MAX_AGE: reuse results younger than this many seconds (900).
 # RINGWATCH_PREFLIGHT_TIMEOUT: how long to wait for fresh probes (300).
 # RINGWATCH_FAIL_OPEN=1: let the job start when ringwatch itself cannot answer.
+# RINGWATCH_PREFLIGHT_CONFIRM=1: re-probe suspects before refusing (needs a scheduler).
 set -u
 
 nodelist="${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}"
@@ -25,7 +26,9 @@ else
 fi
 
 ringwatch="${RINGWATCH_BIN:-ringwatch}"
-out=$("$ringwatch" preflight --nodes "$nodes" --json \
+# --confirm: where fresh results look unhealthy, a scheduler re-probes (re-testing every
+# suspect) before the job is refused; a healthy answer comes at once.
+out=$("$ringwatch" preflight --nodes "$nodes" --json ${RINGWATCH_PREFLIGHT_CONFIRM:+--confirm} \
       --max-age "${RINGWATCH_PREFLIGHT_MAX_AGE:-900}" \
       --timeout "${RINGWATCH_PREFLIGHT_TIMEOUT:-300}" 2>/tmp/ringwatch-prolog.$$)
 rc=$?

@@ -100,3 +100,32 @@ def test_bad_preflight_input(api) -> None:
                     headers=api.h["reader"]).status_code == 422
     assert api.get("/v1/preflight/nope", headers=api.h["reader"]).status_code == 404
     assert api.post("/v1/preflight/claim", json={"worker": "x"}, headers=api.h["reader"]).status_code == 403
+
+
+def test_confirm_sends_unhealthy_fresh_results_to_a_scheduler(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-002"), headers=api.h["agent"])
+    r = api.post("/v1/preflight", json={"nodes": NODES, "confirm": True}, headers=api.h["reader"])
+    assert r.status_code == 202 and r.json()["status"] == "pending"
+    req = api.post("/v1/preflight/claim", json={"worker": "s"}, headers=api.h["agent"]).json()
+    # The scheduler's own preflight re-tested node-002 and found it fine after all.
+    verdict = {"healthy": True, "backend": "gloo", "nodes_checked": 4, "exclude": [],
+               "findings": [], "rounds": 3, "duration_s": 1.5}
+    done = api.post(f"/v1/preflight/{req['id']}/complete", json={"worker": "s", "verdict": verdict},
+                    headers=api.h["agent"]).json()
+    assert done["status"] == "done" and done["healthy"] is True and done["source"] == "probed"
+    assert done["rounds"] == 3
+
+
+def test_confirm_answers_healthy_fresh_results_at_once(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"])
+    r = api.post("/v1/preflight", json={"nodes": NODES, "confirm": True}, headers=api.h["reader"])
+    assert r.status_code == 200 and r.json()["healthy"] is True
+
+
+def test_a_malformed_scheduler_verdict_is_refused(api) -> None:
+    stale(api)
+    api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60}, headers=api.h["reader"])
+    req = api.post("/v1/preflight/claim", json={"worker": "s"}, headers=api.h["agent"]).json()
+    r = api.post(f"/v1/preflight/{req['id']}/complete",
+                 json={"worker": "s", "verdict": {"healthy": "maybe"}}, headers=api.h["agent"])
+    assert r.status_code == 422

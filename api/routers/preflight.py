@@ -32,8 +32,10 @@ def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsD
                                          description="seconds to wait for a probing scheduler")) -> dict:
     """The verdict of DESIGN.md for ``nodes``. Answered at once (200) when every node has
     results younger than ``max_age_s``; otherwise the request waits for a scheduler to probe
-    (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``)."""
-    out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url)
+    (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``).
+    With ``confirm``, fresh results that look unhealthy are re-probed by a scheduler first."""
+    out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url,
+                                  confirm=body.confirm)
     return _code(out, response)
 
 
@@ -54,4 +56,6 @@ def claim_preflight(body: ClaimIn, session: SessionDep, _: AgentDep) -> Response
 def complete_preflight(request_id: str, body: CompleteIn, session: SessionDep,
                        settings: SettingsDep, _: AgentDep) -> dict:
     """The claiming scheduler has shipped its results: compute and store the verdict."""
-    return service.complete(session, request_id, body.worker, body.error, settings.api_url)
+    verdict = body.verdict.model_dump(exclude_none=True) if body.verdict else None
+    return service.complete(session, request_id, body.worker, body.error, settings.api_url,
+                            verdict=verdict)

@@ -189,19 +189,20 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     else:
         if not nodes:
             raise CliError("name the job's nodes with --nodes, or probe with --local/--address/--fabric")
-        verdict = _api_preflight(nodes, args.max_age, args.timeout)
+        verdict = _api_preflight(nodes, args.max_age, args.timeout, args.confirm)
     _print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
 
 
-def _api_preflight(nodes: list[str], max_age: float, timeout_s: float) -> dict[str, Any]:
+def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
+                   confirm: bool = False) -> dict[str, Any]:
     """Ask the API; while a scheduler probes, poll with progress until the verdict is in."""
     settings = get_settings()
     headers = {"Authorization": f"Bearer {settings.token}"}
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=settings.api_url, headers=headers, timeout=60) as client:
         body = _api_call(client, "POST", "/v1/preflight?wait=5",
-                         json={"nodes": nodes, "max_age_s": max_age})
+                         json={"nodes": nodes, "max_age_s": max_age, "confirm": confirm})
         while body.get("status") in ("pending", "running"):
             if time.monotonic() > deadline:
                 raise CliError(f"no verdict within {timeout_s:.0f} s (request {body['id']} is "

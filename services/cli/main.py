@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", help="comma-separated node names (default: all)")
     p.add_argument("--max-age", type=float, default=900.0, help="reuse results younger than this (s)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this (s)")
+    p.add_argument("--confirm", action="store_true",
+                   help="(API) re-probe nodes that fresh results call unhealthy before answering")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("check-rankmap", help="check a job's rank table")

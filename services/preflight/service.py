@@ -36,11 +36,13 @@ def _out(req: PreflightRequest) -> dict[str, Any]:
     return body
 
 
-def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = "") -> dict[str, Any]:
-    """Record a request; answer it now if every node has fresh results."""
+def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = "",
+           confirm: bool = False) -> dict[str, Any]:
+    """Record a request; answer it now if every node has fresh results (and, with
+    ``confirm``, they look healthy: a suspect is re-probed before a job is refused)."""
     require_nodes(session, nodes)
     verdict = verdict_from_store(session, nodes, max_age_s)
-    ready = not verdict.get("unprobed")
+    ready = not verdict.get("unprobed") and (verdict["healthy"] or not confirm)
     req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,
                                utcnow())
     if ready and not verdict["healthy"]:
@@ -49,11 +51,11 @@ def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = 
 
 
 def submit_and_wait(factory: sessionmaker[Session], nodes: list[str], max_age_s: float,
-                    wait_s: float, api_url: str = "") -> dict[str, Any]:
+                    wait_s: float, api_url: str = "", confirm: bool = False) -> dict[str, Any]:
     # The request must be committed before a scheduler can see it, so this is its own job
     # of several short transactions rather than one request-long transaction.
     with db.transaction(factory) as s:
-        body = submit(s, nodes, max_age_s, api_url)
+        body = submit(s, nodes, max_age_s, api_url, confirm)
     deadline = time.monotonic() + wait_s
     while body["status"] in ("pending", "running") and time.monotonic() < deadline:
         time.sleep(POLL_S)
@@ -75,8 +77,9 @@ def claim(session: Session, worker: str, lease_s: float) -> dict[str, Any] | Non
 
 
 def complete(session: Session, request_id: str, worker: str, error: str | None = None,
-             api_url: str = "") -> dict[str, Any]:
-    """Finish a claimed request from the results its scheduler has just shipped."""
+             api_url: str = "", verdict: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Finish a claimed request: with the verdict of the scheduler's own preflight, or one
+    computed from the results it has just shipped."""
     req = store.get_request(session, request_id)
     if req is None:
         raise NotFound(f"no preflight request {request_id}")
@@ -85,9 +88,12 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
     if req.claimed_by not in (None, worker):
         raise BadInput(f"preflight request {request_id} is claimed by {req.claimed_by}")
     now = utcnow()
-    # Results probed for this request are fresh however small max_age_s was.
-    window = max(req.max_age_s, (now - req.created_at).total_seconds() + 1.0)
-    verdict = None if error else verdict_from_store(session, list(req.nodes), window)
+    if verdict is not None:
+        verdict = {**verdict, "source": "probed"}
+    elif error is None:
+        # Results probed for this request are fresh however small max_age_s was.
+        window = max(req.max_age_s, (now - req.created_at).total_seconds() + 1.0)
+        verdict = verdict_from_store(session, list(req.nodes), window)
     store.complete(session, req, verdict, now, error)
     if verdict is not None and not verdict["healthy"]:
         _failed_event(session, req, api_url)

@@ -21,9 +21,10 @@ class SchedulerApi:
             return None
         return resp.json() if resp.status_code == 200 else None
 
-    def complete_preflight(self, request_id: str, error: str | None = None) -> dict[str, Any]:
+    def complete_preflight(self, request_id: str, error: str | None = None,
+                           verdict: dict[str, Any] | None = None) -> dict[str, Any]:
         resp = self.client.post(f"/v1/preflight/{request_id}/complete",
-                                json={"worker": self.worker, "error": error})
+                                json={"worker": self.worker, "error": error, "verdict": verdict})
         resp.raise_for_status()
         return resp.json()
 

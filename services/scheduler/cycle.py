@@ -138,27 +138,60 @@ class DutyCycle:
         return {n: round(v, 6) for n, v in sorted(per_node.items())}
 
 
+class Recording:
+    """A backend seen through a recorder: every round's results are kept for shipping."""
+
+    def __init__(self, backend: ProbeBackend) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.measurements: list[Measurement] = []
+        self.findings: list[Finding] = []
+
+    def ranks(self) -> list[RankInfo]:
+        return self.backend.ranks()
+
+    def run_round(self, groups: list[GroupSpec]):  # -> RoundResult
+        result = self.backend.run_round(groups)
+        self.measurements += result.measurements
+        self.findings += result.findings
+        return result
+
+    def close(self) -> None:
+        """The recorder owns nothing; the backend is closed by whoever opened it."""
+
+    def __getattr__(self, name: str) -> Any:  # preflight_sizes, expected_busbw, repeats ...
+        return getattr(self.backend, name)
+
+
 def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                     options: ProbeOptions, *, lease_s: float = 300.0,
                     progress: Progress | None = None) -> bool:
-    """Claim one waiting preflight request, probe its nodes, ship, complete; False if none."""
+    """Claim one waiting preflight request, run a preflight on its nodes (suspects are
+    re-tested before anyone is blamed), ship what it measured, complete the request with
+    its verdict; False if nothing waits."""
+    from services.scheduler.preflight import run_preflight
+
     req = api.claim_preflight(lease_s)
     if req is None:
         return False
-    known = {r.node for r in backend.ranks()}
-    missing = sorted(set(req["nodes"]) - known)
+    ranks = backend.ranks()
+    missing = sorted(set(req["nodes"]) - {r.node for r in ranks})
     if missing:
         api.complete_preflight(req["id"], error=f"nodes not in this cluster: {', '.join(missing)}")
         return True
     if progress:
         progress(f"preflight {req['id'][:8]}: probing {len(req['nodes'])} node(s)")
-    cycle = run_cycle(backend, options, only=req["nodes"], progress=progress)
-    if shipper.ship(cycle.to_batch()):
+    recording = Recording(backend)
+    verdict = run_preflight(recording, req["nodes"], progress=progress)
+    batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in req["nodes"]],
+                        measurements=recording.measurements, findings=recording.findings,
+                        injected=[f.to_dict() for f in getattr(backend, "injected", [])])
+    if shipper.ship(batch.to_batch()):
         # Results still spooled: leave the request to be claimed again once the API takes them.
         return True
-    verdict = api.complete_preflight(req["id"])
+    done = api.complete_preflight(req["id"], verdict=verdict)
     if progress:
-        progress(f"preflight {req['id'][:8]}: {'healthy' if verdict.get('healthy') else 'UNHEALTHY'}")
+        progress(f"preflight {req['id'][:8]}: {'healthy' if done.get('healthy') else 'UNHEALTHY'}")
     return True
 
 
