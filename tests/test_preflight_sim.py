@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from agents.sim import SimBackend
 from agents.spec import (
     Finding,
     GroupSpec,
@@ -12,6 +15,7 @@ from agents.spec import (
     split_member,
 )
 from services.scheduler.preflight import run_preflight
+from tests.scenarios import DESIGN_SCENARIO
 
 
 class SlowRankBackend:
@@ -88,24 +92,6 @@ def test_nodes_argument_limits_the_check():
 
 # --- on the sim backend -----------------------------------------------------------------
 
-import pytest  # noqa: E402
-
-from agents.sim import SimBackend  # noqa: E402
-
-DESIGN_EXAMPLE = {
-    "nodes": 16, "gpus_per_node": 8, "gpu": "H100-SXM", "nvlink_gbs": 450, "net_gbs": 50,
-    "noise": 0.03, "seed": 7,
-    "faults": [
-        {"kind": "nvlink", "node": "node-003", "gpus": [2, 5], "factor": 0.5},
-        {"kind": "nic", "node": "node-011", "factor": 0.4},
-        {"kind": "net_path", "nodes": ["node-001", "node-007"], "factor": 0.3},
-        {"kind": "hang", "node": "node-004", "gpu": 1},
-        {"kind": "corrupt", "node": "node-009", "gpu": 6},
-        {"kind": "pcie_only", "node": "node-002", "gpus": [0, 1]},
-    ],
-}
-
-
 def sim_verdict(faults, nodes=10, gpus=4, noise=0.03, seed=3):
     b = SimBackend({"nodes": nodes, "gpus_per_node": gpus, "noise": noise, "seed": seed,
                     "faults": faults})
@@ -142,7 +128,7 @@ def test_fault_free_fabric_at_five_percent_noise_excludes_nothing(seed):
 
 
 def test_design_example_scenario_gives_the_design_verdict():
-    v = run_preflight(SimBackend(DESIGN_EXAMPLE), None)
+    v = run_preflight(SimBackend(DESIGN_SCENARIO), None)
     assert v["exclude"] == ["node-002", "node-003", "node-004", "node-009", "node-011"]
     assert sorted(where(f) for f in v["findings"]) == sorted([
         ("nvlink_degraded", "node-003", [2, 5], None),
