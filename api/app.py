@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -72,6 +73,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
                   for e in errors[:50]]
         return _error(422, "invalid_input", message, detail)
+
+    @app.exception_handler(DataError)
+    async def data_error(_: Request, exc: DataError) -> JSONResponse:
+        # Values the schema admits but Postgres cannot hold (a NUL byte in a string, a
+        # number out of range) are the client's input, not a server fault.
+        reason = str(exc.orig).splitlines()[0] if exc.orig else "value out of range"
+        return _error(422, "invalid_input", f"the database cannot store this input: {reason}")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

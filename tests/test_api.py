@@ -223,3 +223,12 @@ def test_default_hysteresis_keeps_a_flapping_link_quiet(clean_db) -> None:
         # One good is not enough to recover; the second is.
         assert cycle(False)["recovered"] == []
         assert cycle(False)["recovered"]
+
+
+def test_input_postgres_cannot_hold_is_a_422_not_a_500(api) -> None:
+    """Found by fuzzing the OpenAPI schema: a NUL byte passes the schema but not Postgres."""
+    r = api.post("/v1/webhooks", headers=auth(api, "admin"),
+                 json={"url": "http://127.0.0.1:9/x", "secret": "1234\x005678", "events": ["probe.hang"]})
+    assert r.status_code == 422 and "NUL" in r.json()["message"]
+    r = api.post("/v1/preflight", json={"nodes": ["node\x00-1"]}, headers=auth(api, "reader"))
+    assert r.status_code == 422
