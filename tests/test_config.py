@@ -1,0 +1,31 @@
+"""Settings: one object from RINGWATCH_* variables; placeholder secrets refused outside the demo."""
+
+import pytest
+
+from services.config import PLACEHOLDER_SECRET, Settings
+
+
+def test_settings_read_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("RINGWATCH_PROBE_INTERVAL_S", "42")
+    monkeypatch.setenv("RINGWATCH_HYSTERESIS_K_BAD", "3")
+    monkeypatch.setenv("RINGWATCH_HYSTERESIS_N_WINDOW", "4")
+    s = Settings()
+    assert s.probe_interval_s == 42.0
+    assert (s.hysteresis().k_bad, s.hysteresis().n_window) == (3, 4)
+
+
+def test_placeholder_secrets_are_refused_outside_the_demo() -> None:
+    with pytest.raises(ValueError, match="RINGWATCH_BOOTSTRAP_ADMIN_TOKEN"):
+        Settings(bootstrap_admin_token=PLACEHOLDER_SECRET).check_secrets()
+    Settings(bootstrap_admin_token=PLACEHOLDER_SECRET, demo=True).check_secrets()
+    Settings(bootstrap_admin_token="a-real-secret").check_secrets()
+
+
+def test_bad_settings_are_refused(monkeypatch) -> None:
+    monkeypatch.setenv("RINGWATCH_PROBE_INTERVAL_S", "-1")
+    with pytest.raises(ValueError, match="probe_interval_s"):
+        Settings()
+    monkeypatch.setenv("RINGWATCH_PROBE_INTERVAL_S", "60")
+    monkeypatch.setenv("RINGWATCH_HYSTERESIS_K_BAD", "5")
+    with pytest.raises(ValueError, match="k_bad"):
+        Settings().hysteresis()
