@@ -185,6 +185,10 @@ def test_metrics_are_prometheus_text(api) -> None:
     text = api.get("/metrics").text
     assert 'ringwatch_links{status="degraded"}' in text
     assert "ringwatch_open_findings" in text
+    degraded = [line for line in text.splitlines()
+                if line.startswith("ringwatch_link_degraded{") and line.endswith(" 1")]
+    assert degraded and all("node-001" in line for line in degraded)
+    assert 'ringwatch_link_busbw_gbs{scope="intra_node",op="allreduce",members="node-000/0,node-000/1"} 20' in text
 
 
 def test_repeated_hang_is_one_incident_resolved_by_a_clean_probe(api) -> None:

@@ -31,5 +31,19 @@ def metrics(session: SessionDep) -> str:
         "# HELP ringwatch_nodes Nodes seen.",
         "# TYPE ringwatch_nodes gauge",
         f"ringwatch_nodes {s['nodes']}",
+        "# HELP ringwatch_link_busbw_gbs Last busbw of each link or group (GB/s, nccl-tests).",
+        "# TYPE ringwatch_link_busbw_gbs gauge",
+        "# HELP ringwatch_link_degraded 1 while the link or group is degraded.",
+        "# TYPE ringwatch_link_degraded gauge",
+        "# HELP ringwatch_node_duty_cycle Fraction of the node's GPU time spent probing.",
+        "# TYPE ringwatch_node_duty_cycle gauge",
     ]
+    for link in fleet.links(session, status=None, scope=None, node=None):
+        labels = (f'scope="{link["scope"]}",op="{link["op"]}",'
+                  f'members="{",".join(link["members"])}"')
+        lines.append(f"ringwatch_link_busbw_gbs{{{labels}}} {link['busbw_gbs']:.6g}")
+        lines.append(f"ringwatch_link_degraded{{{labels}}} {int(link['status'] == 'degraded')}")
+    for node in fleet.nodes(session):
+        if node["duty_cycle"] is not None:
+            lines.append(f'ringwatch_node_duty_cycle{{node="{node["name"]}"}} {node["duty_cycle"]:.6g}')
     return "\n".join(lines) + "\n"

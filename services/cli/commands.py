@@ -138,6 +138,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from services.scheduler.shipper import Shipper
 
     settings = get_settings()
+    settings.check_secrets()
     options = _probe_options(args)
     if not settings.token:
         raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
