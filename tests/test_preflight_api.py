@@ -129,3 +129,17 @@ def test_a_malformed_scheduler_verdict_is_refused(api) -> None:
     r = api.post(f"/v1/preflight/{req['id']}/complete",
                  json={"worker": "s", "verdict": {"healthy": "maybe"}}, headers=api.h["agent"])
     assert r.status_code == 422
+
+
+def test_one_noisy_cycle_makes_a_suspect_not_an_exclusion(api) -> None:
+    api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"])
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
+    v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
+    assert v["healthy"] is True and v["exclude"] == [] and v["suspects"] == ["node-001"]
+    # With confirm, the suspect is sent to a scheduler to re-probe.
+    r = api.post("/v1/preflight", json={"nodes": NODES, "confirm": True}, headers=api.h["reader"])
+    assert r.status_code == 202
+    # A fault that lasts a second cycle is confirmed.
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
+    v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
+    assert v["healthy"] is False and v["exclude"] == ["node-001"] and v["suspects"] == []

@@ -249,6 +249,9 @@ def _print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
         bw = (f" {f['measured_gbs']} GB/s vs {f['expected_gbs']} expected"
               if f.get("expected_gbs") is not None and f.get("measured_gbs") is not None else "")
         print(f"  {f['kind']:<18} {where}{gpus}{bw} [{f.get('severity', '')}]")
+    if verdict.get("suspects"):
+        print(f"suspects (slow in the latest cycle only; --confirm re-probes them): "
+              f"{', '.join(verdict['suspects'])}")
     if verdict.get("unprobed"):
         print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
 

@@ -42,7 +42,8 @@ def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = 
     ``confirm``, they look healthy: a suspect is re-probed before a job is refused)."""
     require_nodes(session, nodes)
     verdict = verdict_from_store(session, nodes, max_age_s)
-    ready = not verdict.get("unprobed") and (verdict["healthy"] or not confirm)
+    looks_well = verdict["healthy"] and not verdict.get("suspects")
+    ready = not verdict.get("unprobed") and (looks_well or not confirm)
     req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,
                                utcnow())
     if ready and not verdict["healthy"]:
