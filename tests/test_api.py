@@ -236,3 +236,23 @@ def test_input_postgres_cannot_hold_is_a_422_not_a_500(api) -> None:
     assert r.status_code == 422 and "NUL" in r.json()["message"]
     r = api.post("/v1/preflight", json={"nodes": ["node\x00-1"]}, headers=auth(api, "reader"))
     assert r.status_code == 422
+
+
+def test_a_group_without_peers_is_judged_by_its_own_history(api) -> None:
+    world = [f"node-00{i}/{g}" for i in range(4) for g in range(2)]
+
+    def cycle(busbw: float) -> dict:
+        batch = {"batch_id": str(uuid.uuid4()), "backend": "gloo",
+                 "measurements": [measurement(world, busbw, scope="world")]}
+        return api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).json()
+
+    for bw in (10.0, 10.3, 9.8, 10.1, 9.9):  # five cycles of history, no peers ever
+        cycle(bw)
+    links = api.get("/v1/links", params={"scope": "world"}, headers=auth(api, "reader")).json()
+    assert links[0]["status"] == "ok" and links[0]["expected_gbs"] is None
+    cycle(10.0)
+    link = api.get("/v1/links", params={"scope": "world"}, headers=auth(api, "reader")).json()[0]
+    assert link["status"] == "ok" and link["expected_gbs"] == pytest.approx(10.0, rel=0.05)
+    cycle(4.0)
+    link = api.get("/v1/links", params={"scope": "world"}, headers=auth(api, "reader")).json()[0]
+    assert link["status"] == "degraded" and link["ratio"] < 0.5

@@ -13,9 +13,10 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from agents.spec import Measurement as ProbeMeasurement
-from services.analyzer.assess import Assessment, Thresholds, assess
+from services.analyzer.assess import Assessment, Thresholds, assess, link_key
 from services.analyzer.hysteresis import LinkState, Policy, step
 from services.store import health as store
+from services.store import measurements as measurement_store
 from services.store.models import Measurement as MeasurementRow
 
 # A degraded link of this scope becomes a finding of this kind; a world group has no
@@ -41,6 +42,16 @@ def to_probe_measurement(row: MeasurementRow) -> ProbeMeasurement:
         algbw_gbs=row.algbw_gbs, busbw_gbs=row.busbw_gbs, wrong=row.wrong, time=row.time,
         redop=row.redop,
     )
+
+
+def _history(session: Session, rows: list[MeasurementRow]) -> dict[tuple, list[float]]:
+    """Each link's own past busbw, keyed as ``assess`` wants it: the baseline for groups
+    that have no peers in their round (the world group) and a second opinion for the rest."""
+    if not rows:
+        return {}
+    keys = {(r.group_key, r.op, r.size_bytes, r.dtype): r for r in rows}
+    past = measurement_store.history(session, list(keys), before_run=rows[0].run_id)
+    return {link_key(to_probe_measurement(keys[k])): values for k, values in past.items()}
 
 
 def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assessment]:
@@ -87,7 +98,8 @@ def apply_round(
     t = thresholds or Thresholds()
     h = hysteresis or Policy()
     changes = HealthChanges()
-    latest = _largest_size(assess([to_probe_measurement(r) for r in rows], thresholds=t))
+    probes = [to_probe_measurement(r) for r in rows]
+    latest = _largest_size(assess(probes, thresholds=t, history=_history(session, rows)))
     links = store.get_links(session, list(latest))
     for key, a in sorted(latest.items()):
         link = links.get(key) or _new_link(session, key, a)
