@@ -25,6 +25,8 @@ class Settings(BaseSettings):
     # Token created at start-up with the admin role when the table is empty (bootstrap).
     bootstrap_admin_token: str = ""
     probe_interval_s: float = Field(default=300.0, gt=0)
+    # The most of any GPU's time scheduled probing may take; stretches the interval.
+    max_duty_cycle: float = Field(default=0.005, gt=0, le=1)
     state_dir: Path = STATE_DIR
     # Webhook delivery: retries with exponential backoff up to this age.
     webhook_max_age_s: float = Field(default=24 * 3600.0, gt=0)

@@ -146,7 +146,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
     with closing(make_backend(args, progress)) as backend, closing(shipper), closing(api):
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
-                      once=args.once, api=api, progress=progress)
+                      once=args.once, api=api, progress=progress,
+                      max_duty=settings.max_duty_cycle)
     return 0
 
 

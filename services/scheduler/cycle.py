@@ -198,9 +198,13 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
 def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
                   interval_s: float, once: bool, api: SchedulerApi | None = None,
                   stop: threading.Event | None = None, progress: Progress | None = None,
-                  jitter: float = 0.1, poll_s: float = 1.0) -> int:
+                  jitter: float = 0.1, poll_s: float = 1.0, max_duty: float = 0.005) -> int:
     """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)
-    and, between cycles, answer waiting preflight requests."""
+    and, between cycles, answer waiting preflight requests.
+
+    ``max_duty`` caps the fraction of any GPU's time spent probing: a cycle that held a
+    rank for B seconds is followed by a wait of at least B / max_duty - B, whatever the
+    interval says, so a slow fabric or a large fleet cannot turn monitoring into load."""
     stop = stop or threading.Event()
     cycles = 0
     duty = DutyCycle()
@@ -220,7 +224,13 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                          f"duty cycle {worst:.3%}, {left} batch(es) still spooled")
             if once:
                 break
-            next_cycle = time.monotonic() + interval_s * (1 + random.uniform(-jitter, jitter))
+            wait = interval_s * (1 + random.uniform(-jitter, jitter))
+            held = max(cycle.busy_s.values(), default=0.0)
+            floor = held / max_duty - held if max_duty > 0 else 0.0
+            if floor > wait and progress:
+                progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
+                         f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")
+            next_cycle = time.monotonic() + max(wait, floor)
         else:
             shipper.flush()
         served = api is not None and serve_preflight(backend, shipper, api, options, progress=progress)
