@@ -174,7 +174,8 @@ def test_injected_hang_is_named_and_the_next_round_is_healthy(backend: RayBacken
     assert detail["members"] == list(N1)
     # The healthy group still measured; the hung one did not.
     assert {tuple(m.members) for m in hung.measurements} == {N0}
-    assert hung.wall_time_s >= 6.0
+    # Issue contract: the hung rank is named within its deadline + 10 s, replacement included.
+    assert 6.0 <= hung.wall_time_s < 6.0 + 10.0
     assert any("replacing" in msg for msg in backend.messages)  # type: ignore[attr-defined]
 
     after = backend.run_round(intra())
