@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from agents.spec import REDOPS, REDUCING_OPS, GroupSpec, member
+from agents.spec import REDOPS, REDUCING_OPS
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -365,43 +364,3 @@ def size_preset(name: str, backend: str) -> SizePreset:
 
 def preset_sizes(name: str, backend: str) -> tuple[int, ...]:
     return size_preset(name, backend).sizes
-
-
-# ---- GPU pairs inside a node ----------------------------------------------------------
-
-
-def pair_matchings(count: int) -> list[list[tuple[int, int]]]:
-    """Perfect matchings of ``count`` ranks by the circle method: every pair exactly once,
-    no rank twice in a round. 8 ranks: 7 rounds of 4 pairs = 28 pairs. An odd count adds
-    a bye, so one rank sits out each of its ``count`` rounds."""
-    if count < 2:
-        return []
-    ring: list[int | None] = list(range(count)) + ([None] if count % 2 else [])
-    n = len(ring)
-    rounds = []
-    for _ in range(n - 1):
-        pairs = [(ring[i], ring[n - 1 - i]) for i in range(n // 2)]
-        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a is not None and b is not None])
-        # Rank 0 stays put; the rest turn one place, which meets every partner once.
-        ring = [ring[0], ring[-1], *ring[1:-1]]
-    return rounds
-
-
-def gpu_pair_rounds(
-    nodes: dict[str, list[int]], ops: tuple[str, ...] = ("sendrecv",), **spec: Any
-) -> list[list[GroupSpec]]:
-    """Rounds of ``gpu_pair`` groups: round k holds matching k of every node at once (the
-    nodes' pairs are disjoint, so they run concurrently). ``spec`` goes to GroupSpec."""
-    per_node = {node: pair_matchings(len(ix)) for node, ix in nodes.items()}
-    depth = max((len(m) for m in per_node.values()), default=0)
-    rounds: list[list[GroupSpec]] = []
-    for k in range(depth):
-        groups = []
-        for node, matchings in per_node.items():
-            if k < len(matchings):
-                ix = nodes[node]
-                for a, b in matchings[k]:
-                    groups.append(GroupSpec("gpu_pair", (member(node, ix[a]), member(node, ix[b])),
-                                            ops=ops, **spec))
-        rounds.append(groups)
-    return rounds

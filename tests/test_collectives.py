@@ -323,38 +323,3 @@ def test_full_preset_is_nccl_tests_b8_e1g_f2() -> None:
     assert full == tuple(1 << k for k in range(3, 31))  # 8 B .. 1 GiB, factor 2: 28 sizes
     gloo = preset_sizes("full", "gloo")
     assert gloo[0] == 8 and gloo[-1] == 64 << 20 and gloo == full[: len(gloo)]
-
-
-# ---- GPU pairs: circle-method rounds ----------------------------------------------------
-
-
-@given(count=st.integers(0, 40))
-def test_pair_matchings_cover_every_pair_once_and_no_rank_twice(count: int) -> None:
-    from agents.collectives import pair_matchings
-
-    rounds = pair_matchings(count)
-    pairs = [p for r in rounds for p in r]
-    assert sorted(pairs) == [(a, b) for a in range(count) for b in range(a + 1, count)]
-    for r in rounds:
-        ranks = [x for p in r for x in p]
-        assert len(ranks) == len(set(ranks))
-    if count >= 2:
-        # Even: count-1 perfect rounds; odd: count rounds with one bye each.
-        assert len(rounds) == (count - 1 if count % 2 == 0 else count)
-        assert all(len(r) == count // 2 for r in rounds)
-
-
-def test_eight_gpus_give_seven_rounds_of_four_pairs() -> None:
-    from agents.collectives import gpu_pair_rounds
-
-    rounds = gpu_pair_rounds({"node-000": list(range(8)), "node-001": list(range(8))},
-                             sizes=(1 << 20,))
-    assert len(rounds) == 7
-    assert all(len(groups) == 8 for groups in rounds)  # 4 pairs on each of 2 nodes
-    for groups in rounds:
-        members = [m for g in groups for m in g.members]
-        assert len(members) == len(set(members))
-        assert all(g.scope == "gpu_pair" and g.ops == ("sendrecv",) for g in groups)
-        assert all(g.members[0].split("/")[0] == g.members[1].split("/")[0] for g in groups)
-    pairs = {g.members for groups in rounds for g in groups if g.members[0].startswith("node-000")}
-    assert len(pairs) == 28

@@ -209,3 +209,12 @@ def test_group_deadline_grows_with_the_work_and_covers_forming() -> None:
     # NVLink-class links move the same bytes far faster than gloo's floor assumes.
     assert group_deadline_s("nccl", ["allreduce"], [1 << 28], warmup=5, iters=20) < \
         group_deadline_s("gloo", ["allreduce"], [1 << 28], warmup=5, iters=20)
+
+
+def test_eight_gpus_give_seven_rounds_of_four_pairs() -> None:
+    rounds = gpu_pair_rounds(layout(2, 8), ["node-000", "node-001"], ProbeShape())
+    assert len(rounds) == 7
+    assert all(len(groups) == 8 for groups in rounds)  # 4 pairs on each of 2 nodes
+    assert all(g.scope == "gpu_pair" for groups in rounds for g in groups)
+    pairs = {g.members for groups in rounds for g in groups if g.members[0].startswith("node-000")}
+    assert len(pairs) == 28

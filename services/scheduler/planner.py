@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from agents.matchings import circle_matchings
 from agents.spec import GroupSpec, member
 from services.analyzer.localize import GroupVerdict, nic_needs_more_partners
 
@@ -40,25 +41,6 @@ class ProbeShape:
         return GroupSpec(scope=scope, members=tuple(members), ops=ops or self.ops,
                          sizes=self.sizes, dtype=self.dtype, warmup=self.warmup,
                          iters=self.iters, deadline_s=self.deadline_s, redop=self.redop)
-
-
-def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[tuple[T, T]]]:
-    """Round-robin tournament (circle method): n - 1 perfect matchings for even n, n for odd
-    n (one item sits out each round); every pair meets exactly once. ``limit``: only the
-    first matchings."""
-    pool: list[T | None] = list(items)
-    if len(pool) < 2:
-        return []
-    if len(pool) % 2:
-        pool.append(None)
-    n = len(pool)
-    rounds = []
-    for _ in range(n - 1 if limit is None else min(limit, n - 1)):
-        pairs = [(pool[i], pool[n - 1 - i]) for i in range(n // 2)]
-        rounds.append([(a, b) for a, b in pairs if a is not None and b is not None])
-        # Keep the first item fixed and rotate the others by one.
-        pool = [pool[0], pool[-1], *pool[1:-1]]
-    return rounds  # type: ignore[return-value]
 
 
 def node_members(nodes: Nodes, names: Sequence[str]) -> list[str]:

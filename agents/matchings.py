@@ -1,0 +1,31 @@
+"""Perfect matchings by the circle method: who meets whom, round by round.
+
+Pure Python (no torch), shared by the probe layer and the planner: GPU pairs inside a
+node, node pairs across the fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[tuple[T, T]]]:
+    """Round-robin tournament (circle method): n - 1 perfect matchings for even n, n for odd
+    n (one item sits out each round); every pair meets exactly once. ``limit``: only the
+    first matchings."""
+    pool: list[T | None] = list(items)
+    if len(pool) < 2:
+        return []
+    if len(pool) % 2:
+        pool.append(None)
+    n = len(pool)
+    rounds = []
+    for _ in range(n - 1 if limit is None else min(limit, n - 1)):
+        pairs = [(pool[i], pool[n - 1 - i]) for i in range(n // 2)]
+        rounds.append([(a, b) for a, b in pairs if a is not None and b is not None])
+        # Keep the first item fixed and rotate the others by one.
+        pool = [pool[0], pool[-1], *pool[1:-1]]
+    return rounds  # type: ignore[return-value]
