@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from contextlib import ExitStack, closing
@@ -21,6 +18,7 @@ from typing import Any
 import httpx
 
 from agents.spec import InjectedFault
+from services.cli import api_process
 from services.cli.commands import _print_verdict
 from services.cli.errors import CliError
 from services.config import Settings, get_settings
@@ -41,12 +39,6 @@ def note(message: str) -> None:
     print(f"   {message}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     settings = get_settings()
@@ -58,7 +50,7 @@ def run_demo(args: argparse.Namespace) -> int:
         note(f"webhook receiver listening on {receiver.url}")
 
         step("API and notifier")
-        api_url = _start_api(url, args.port or free_port(), stack)
+        api_url = _start_api(url, args.port or api_process.free_port(), stack)
         client = stack.enter_context(httpx.Client(base_url=api_url, timeout=30))
         hook = client.post("/v1/webhooks", headers=_auth(admin), json={
             "url": receiver.url, "secret": DEMO_SECRET,
@@ -131,28 +123,13 @@ def _start_api(url: str, port: int, stack: ExitStack) -> str:
     api_url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "RINGWATCH_DATABASE_URL": url, "RINGWATCH_API_URL": api_url,
            "RINGWATCH_NOTIFIER_POLL_S": "0.5", "RINGWATCH_DEMO": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)],
-                            env=env)
-    stack.callback(_stop, proc)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise CliError(f"the API server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{api_url}/healthz", timeout=2).status_code == 200:
-                note(f"API serving at {api_url} (pid {proc.pid}), notifier running inside it")
-                return api_url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise CliError("the API server did not answer /healthz within 60 s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        proc = api_process.start_api(env)
+    except api_process.ApiDidNotStart as exc:
+        raise CliError(str(exc)) from exc
+    stack.callback(api_process.stop, proc)
+    note(f"API serving at {api_url} (pid {proc.pid}), notifier running inside it")
+    return api_url
 
 
 def _backend(args: argparse.Namespace, settings: Settings):

@@ -6,7 +6,6 @@ Exit codes: 0 healthy / success, 1 unhealthy, 2 bad input or an error (one line 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import warnings
@@ -128,10 +127,6 @@ def main(argv: list[str] | None = None) -> int:
             logging.exception("failed")
         print(f"ringwatch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-
-
-def print_json(obj: object) -> None:
-    print(json.dumps(obj, indent=2, default=str))
 
 
 if __name__ == "__main__":

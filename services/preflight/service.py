@@ -14,7 +14,6 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import utcnow
-from services.analyzer.fleet import require_nodes
 from services.analyzer.stored_verdict import verdict_from_store
 from services.errors import BadInput, NotFound
 from services.store import db
@@ -40,8 +39,7 @@ def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = 
            confirm: bool = False) -> dict[str, Any]:
     """Record a request; answer it now if every node has fresh results (and, with
     ``confirm``, they look healthy: a suspect is re-probed before a job is refused)."""
-    require_nodes(session, nodes)
-    verdict = verdict_from_store(session, nodes, max_age_s)
+    verdict = verdict_from_store(session, nodes, max_age_s)  # 404s unknown nodes
     looks_well = verdict["healthy"] and not verdict.get("suspects")
     ready = not verdict.get("unprobed") and (looks_well or not confirm)
     req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,

@@ -6,7 +6,6 @@ group with its peers of the same cycle.
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -18,10 +17,9 @@ from typing import Any
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.deadlines import group_deadline_s
-from services.scheduler.planner import plan_rounds
+from services.scheduler.planner import layout_of, plan_rounds
 from services.scheduler.shipper import Shipper
 
-log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
 
 
@@ -66,19 +64,11 @@ class CycleResult:
         }
 
 
-def nodes_of_ranks(ranks: list[RankInfo], only: list[str] | None = None) -> dict[str, list[int]]:
-    nodes: dict[str, list[int]] = {}
-    for r in ranks:
-        if only is None or r.node in only:
-            nodes.setdefault(r.node, []).append(r.local_index)
-    return {n: sorted(ix) for n, ix in sorted(nodes.items())}
-
-
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
               progress: Progress | None = None, skip_busy: bool = False) -> CycleResult:
     started = time.monotonic()
     ranks = backend.ranks()
-    layout = nodes_of_ranks(ranks, only)
+    layout = layout_of(ranks, only)
     skipped = _busy(backend, layout) if skip_busy else {}
     for node, reason in skipped.items():
         if progress:

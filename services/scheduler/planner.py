@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from agents.matchings import circle_matchings
-from agents.spec import GroupSpec, member
+from agents.spec import GroupSpec, RankInfo, member
 from services.analyzer.localize import GroupVerdict, nic_needs_more_partners
 
 T = TypeVar("T")
@@ -455,3 +455,13 @@ def _slow_pairs(v: Verdicts) -> set[frozenset[str]]:
 
 def _instances(x: GroupVerdict) -> int:
     return max((len(items) for items in x.by_op.values()), default=0)
+
+
+def layout_of(ranks: Sequence[RankInfo], only: Sequence[str] | None) -> dict[str, list[int]]:
+    """node -> sorted local indices, limited to ``only`` where given."""
+    wanted = set(only) if only is not None else None
+    out: dict[str, list[int]] = {}
+    for r in ranks:
+        if wanted is None or r.node in wanted:
+            out.setdefault(r.node, []).append(r.local_index)
+    return {n: sorted(ix) for n, ix in sorted(out.items())}

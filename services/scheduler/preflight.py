@@ -16,7 +16,13 @@ from services.analyzer.assess import PREFLIGHT_THRESHOLDS, Expected, Thresholds,
 from services.analyzer.localize import group_verdicts, localize
 from services.analyzer.verdict import build_verdict
 from services.scheduler.deadlines import group_deadline_s
-from services.scheduler.planner import DEFAULT_OPS, DEFAULT_SIZES, AdaptivePlanner, ProbeShape
+from services.scheduler.planner import (
+    DEFAULT_OPS,
+    DEFAULT_SIZES,
+    AdaptivePlanner,
+    ProbeShape,
+    layout_of,
+)
 
 Progress = Callable[[str], None]
 
@@ -25,16 +31,6 @@ def default_thresholds(backend_name: str) -> Thresholds:
     """gloo times CPU processes that share cores: tens of percent of jitter, so it keeps the
     looser monitoring threshold; modeled and NCCL fabrics get preflight's tighter one."""
     return Thresholds() if backend_name == "gloo" else PREFLIGHT_THRESHOLDS
-
-
-def layout_of(ranks: Sequence[RankInfo], only: Sequence[str] | None) -> dict[str, list[int]]:
-    """node -> sorted local indices, limited to ``only`` where given."""
-    wanted = set(only) if only is not None else None
-    out: dict[str, list[int]] = {}
-    for r in ranks:
-        if wanted is None or r.node in wanted:
-            out.setdefault(r.node, []).append(r.local_index)
-    return {n: sorted(ix) for n, ix in sorted(out.items())}
 
 
 def run_preflight(

@@ -22,7 +22,8 @@ def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[s
     rows = session.scalars(
         select(LinkHealth).where(LinkHealth.group_key.in_(group_keys)).with_for_update()
     ).all()
-    return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in set(keys)}
+    wanted = set(keys)
+    return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in wanted}
 
 
 def add_link(session: Session, **fields: Any) -> LinkHealth:

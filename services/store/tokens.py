@@ -34,7 +34,3 @@ def role_of(session: Session, token: str) -> str | None:
         )
     )
     return row
-
-
-def count_tokens(session: Session) -> int:
-    return len(session.scalars(select(ApiToken.id)).all())
