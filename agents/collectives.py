@@ -99,7 +99,8 @@ OPS: dict[str, Collective] = {
     "alltoall": Collective("alltoall", _fraction_factor, chunked=True, in_place=False),
     "allgather": Collective("allgather", _fraction_factor, chunked=True, in_place=False),
     "reducescatter": Collective("reducescatter", _fraction_factor, chunked=True, in_place=False),
-    "sendrecv": Collective("sendrecv", lambda n: 1.0, chunked=False, in_place=False, min_ranks=2),
+    # At one rank SendRecv is a copy to itself, as nccl-tests runs it on one GPU.
+    "sendrecv": Collective("sendrecv", lambda n: 1.0, chunked=False, in_place=False),
 }
 
 

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agents import device as device_seam
 from agents import telemetry
 from agents.collectives import (
     Buffers,
@@ -33,7 +35,14 @@ from agents.collectives import (
     plan,
     torch_dtype,
 )
-from agents.spec import InjectedFault, RankInfo, member, redop_for
+from agents.device import (
+    HostDevice,
+    ProbeDevice,
+    ProbeSetupError,
+    check_cuda,
+    device_for,
+)
+from agents.spec import TIMING_CUDA_GRAPH, InjectedFault, RankInfo, member, redop_for
 
 # An injected hang sleeps this long; the driver kills the agent long before.
 _HANG_SLEEP_S = 24 * 3600.0
@@ -100,11 +109,13 @@ def _reducescatter(redop: str) -> Launch:
 def _sendrecv_gloo(
     pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int
 ) -> list[Work]:
+    if n == 1:  # a rank cannot send to itself over gloo's pairs; nccl-tests' n=1 is a copy
+        return _sendrecv_grouped(pg, send, recv, rank, n)
     # Gloo's send is asynchronous, so posting both before waiting cannot deadlock.
     return [pg.send([send], (rank + 1) % n, 0), pg.recv([recv], (rank - 1) % n, 0)]
 
 
-def _sendrecv_nccl(
+def _sendrecv_grouped(
     pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int, n: int
 ) -> list[Work]:
     # A lone ncclSend followed by ncclRecv on every rank deadlocks on large messages;
@@ -130,7 +141,7 @@ def launcher(op: str, backend: str, redop: str = "sum") -> Launch:
     # Refused before any rank enters the collective: every rank refuses alike.
     check_redop(op, redop, backend=backend)
     if op == "sendrecv":
-        return _sendrecv_nccl if backend == "nccl" else _sendrecv_gloo
+        return _sendrecv_grouped if backend == "nccl" else _sendrecv_gloo
     if op in _REDUCING_LAUNCH:
         return _REDUCING_LAUNCH[op](redop)
     return _LAUNCH[op]
@@ -139,6 +150,10 @@ def launcher(op: str, backend: str, redop: str = "sum") -> Launch:
 def _wait(works: list[Work]) -> None:
     for w in works:
         w.wait()
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of this rank's group raised: the cause may be this rank or a peer."""
 
 
 # ---- forming and leaving a group ------------------------------------------------------
@@ -152,7 +167,7 @@ def make_group(
     timeout_s: float,
     *,
     host: str = "127.0.0.1",
-    device: torch.device | None = None,
+    device: ProbeDevice | None = None,
 ) -> Any:
     """A process-group backend object of its own, outside torch's global group registry."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -164,77 +179,40 @@ def make_group(
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":
         if device is not None:
-            torch.cuda.set_device(device)
-        nccl_opts = dist.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, nccl_opts)
+            device.bind()
+        return device_seam.cuda.process_group(store, rank, world_size, timeout)
     raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
 
 
 def leave_group(pg: Any, failed: bool) -> None:
-    """Tear a group down; after a failure NCCL must abort, or its threads keep waiting."""
+    """Tear a group down; after a failure abort, so NCCL's threads stop waiting and gloo's
+    peers see the connection close at once instead of at their timeout."""
     if pg is None:
         return
-    for name in ("abort",) if failed else ("shutdown",):
-        fn = getattr(pg, name, None)
-        if fn is not None:
-            # Teardown of a broken group: nothing more to save if it fails too.
-            with contextlib.suppress(Exception):
-                fn()
+    fn = getattr(pg, "abort" if failed else "shutdown", None)
+    if fn is not None:
+        # Teardown of a broken group: nothing more to save if it fails too.
+        with contextlib.suppress(Exception):
+            fn()
 
 
 # ---- timing ---------------------------------------------------------------------------
 
 
-def _sync_point(pg: Any, backend: str, device: torch.device) -> None:
-    """All ranks line up here, so the timed loop starts together."""
-    if backend == "gloo":
-        pg.barrier().wait()
-        return
-    # A one-element allreduce is NCCL's barrier; synchronize so the host lines up too.
-    token = torch.zeros(1, device=device)
-    _wait(pg.allreduce([token]))
-    torch.cuda.synchronize(device)
+def _sync_point(pg: Any, device: ProbeDevice, value: float = 1.0) -> float:
+    """All ranks line up here (a one-element MIN AllReduce, then the device drains), so
+    timed loops start together; returns the least ``value`` any rank passed in."""
+    token = torch.full((1,), float(value), device=device.torch_device)
+    try:
+        pg.allreduce([token], _MIN).wait()
+        device.synchronize()
+    except Exception as exc:
+        raise CollectiveFailed(f"sync point: {type(exc).__name__}: {exc}") from exc
+    return float(token.item())
 
 
-def _slow_down(elapsed_s: float, slow_factor: float | None) -> None:
-    """An injected slow rank stretches each iteration so it runs at ``factor`` speed."""
-    if slow_factor is not None and elapsed_s > 0:
-        time.sleep(elapsed_s * (1.0 / slow_factor - 1.0))
-
-
-def _time_host(run: Callable[[], None], iters: int, slow_factor: float | None) -> float:
-    """Mean seconds per iteration by wall clock (gloo: the op is done when wait returns)."""
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        ti = time.perf_counter()
-        run()
-        _slow_down(time.perf_counter() - ti, slow_factor)
-    return (time.perf_counter() - t0) / iters
-
-
-def _time_cuda(
-    run: Callable[[], None], iters: int, slow_factor: float | None, device: torch.device
-) -> float:
-    """Mean seconds per iteration by CUDA events around the loop, with no host sync inside.
-
-    ``wait`` on an NCCL work only makes the current stream wait for NCCL's stream, so the
-    end event lands after the last op. Only an injected slow rank syncs per iteration,
-    because it must know how long the iteration took.
-    """
-    stream = torch.cuda.current_stream(device)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    for _ in range(iters):
-        ti = time.perf_counter()
-        run()
-        if slow_factor is not None:
-            torch.cuda.synchronize(device)
-            _slow_down(time.perf_counter() - ti, slow_factor)
-    end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+_MIN = dist.AllreduceOptions()
+_MIN.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the stubs name RedOpType
 
 
 def run_probe(
@@ -243,79 +221,136 @@ def run_probe(
     rank: int,
     *,
     backend: str = "gloo",
-    device: torch.device | None = None,
+    device: ProbeDevice | None = None,
     warmup: int = 5,
     iters: int = 20,
     repeats: int = 1,
     slow_factor: float | None = None,
+    calibrate: bool = False,
     corrupt: bool = False,
+    cuda_graph: bool = True,
 ) -> dict[str, Any]:
     """Warm up, time ``repeats`` loops of ``iters`` iterations, then check one fresh run.
 
     Returns this rank's mean seconds per iteration for each repeat (``times_s``), the wall
-    time of its timed sections (``timed_s``) and its wrong element count (``wrong``).
+    time of its timed sections (``timed_s``), its wrong element count (``wrong``) and how
+    the loops were timed (``timing``, with ``timing_note`` when capture fell back).
+    ``calibrate``: run one untimed-for-the-record loop first, which an injected slow rank
+    needs to size its delay; every rank of a group must pass the same value.
     """
-    device = device or torch.device("cpu")
+    device = device or HostDevice()
     launch = launcher(buf.op, backend, buf.redop)
-    times, timed_s = _timed_loops(pg, buf, rank, launch, backend, device, warmup, iters,
-                                  max(1, repeats), slow_factor)
+    loops = _timed_loops(pg, buf, rank, launch, device, warmup, iters, max(1, repeats),
+                         slow_factor, calibrate or slow_factor is not None, cuda_graph)
     # The timed buffers are gone by now, which keeps the peak low at 1 GiB sizes.
     wrong = _checked_run(pg, buf, rank, launch, device, corrupt)
-    return {"times_s": times, "timed_s": timed_s, "wrong": wrong}
+    return {**loops, "wrong": wrong}
+
+
+def _collective(launch: Launch, pg: Any, send: torch.Tensor, recv: torch.Tensor, rank: int,
+                n: int) -> None:
+    try:
+        _wait(launch(pg, send, recv, rank, n))
+    except Exception as exc:
+        raise CollectiveFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _timed_loops(
-    pg: Any, buf: Buffers, rank: int, launch: Launch, backend: str, device: torch.device,
-    warmup: int, iters: int, repeats: int, slow_factor: float | None,
-) -> tuple[list[float], float]:
+    pg: Any, buf: Buffers, rank: int, launch: Launch, device: ProbeDevice,
+    warmup: int, iters: int, repeats: int, slow_factor: float | None, calibrate: bool,
+    cuda_graph: bool,
+) -> dict[str, Any]:
     """The warm-ups and timed loops. An in-place op (AllReduce) runs on zeros here, so
-    repeated sums stay finite; the data check is a separate run, as in nccl-tests' -c."""
-    send = make_input(buf, rank, device)
-    recv = torch.zeros(buf.out_numel, dtype=torch_dtype(buf.dtype), device=device)
+    repeated sums stay finite; the data check is a separate run, as in nccl-tests' -c.
+
+    Warm-ups run eagerly (NCCL connects on first use, which capture cannot hold). Then the
+    loop is captured in a CUDA graph where the device can; the group agrees on it, so
+    either every rank replays a graph or every rank runs eagerly.
+    """
+    send = make_input(buf, rank, device.torch_device)
+    recv = torch.zeros(buf.out_numel, dtype=torch_dtype(buf.dtype), device=device.torch_device)
     if collective(buf.op).in_place:
         send = recv
 
     def run() -> None:
-        _wait(launch(pg, send, recv, rank, buf.world_size))
+        _collective(launch, pg, send, recv, rank, buf.world_size)
 
     for _ in range(warmup):
         run()
+    graph = cuda_graph and device.graphs
+    timer = device.loop(run, iters, graph=graph)
+    if graph and _sync_point(pg, device, timer.timing == TIMING_CUDA_GRAPH) < 1:
+        note = timer.note
+        timer = device.loop(run, iters, graph=False)  # a peer could not capture
+        timer.note = note or "a peer's CUDA graph capture failed, timed eagerly"
+    if calibrate:
+        # An injected slow rank stretches each iteration to 1/factor of its own time with a
+        # delay queued on its device, inside the graph where there is one; peers wait for it.
+        _sync_point(pg, device)
+        own = timer.seconds_per_iter()
+        if slow_factor is not None:
+            pause = own * (1.0 / slow_factor - 1.0)
+
+            def slow_run() -> None:
+                run()
+                device.delay(pause)
+
+            slow = device.loop(slow_run, iters, graph=timer.timing == TIMING_CUDA_GRAPH)
+            slow.note = timer.note
+            timer = slow
     times: list[float] = []
     timed_s = 0.0
     for _ in range(repeats):
-        _sync_point(pg, backend, device)
+        _sync_point(pg, device)
         t0 = time.perf_counter()
-        if backend == "nccl":
-            times.append(_time_cuda(run, iters, slow_factor, device))
-        else:
-            times.append(_time_host(run, iters, slow_factor))
+        times.append(timer.seconds_per_iter())
         timed_s += time.perf_counter() - t0
-        _sync_point(pg, backend, device)
-    return times, timed_s
+    _sync_point(pg, device)
+    out: dict[str, Any] = {"times_s": times, "timed_s": timed_s, "timing": timer.timing}
+    if timer.note:
+        out["timing_note"] = timer.note
+    return out
 
 
 def _checked_run(
-    pg: Any, buf: Buffers, rank: int, launch: Launch, device: torch.device, corrupt: bool
+    pg: Any, buf: Buffers, rank: int, launch: Launch, device: ProbeDevice, corrupt: bool
 ) -> int:
     """One run on the real pattern; the number of elements of this rank's output that are wrong."""
-    send = make_input(buf, rank, device)
+    where = device.torch_device
+    send = make_input(buf, rank, where)
     if collective(buf.op).in_place:
         recv = send  # fresh for this run; the op overwrites it with the result
     else:
         # Zeroed first, as nccl-tests does, so a block nobody wrote cannot pass.
-        recv = torch.zeros(buf.out_numel, dtype=send.dtype, device=device)
-    _wait(launch(pg, send, recv, rank, buf.world_size))
+        recv = torch.zeros(buf.out_numel, dtype=send.dtype, device=where)
+    _collective(launch, pg, send, recv, rank, buf.world_size)
+    device.synchronize()
     if corrupt:
         # An injected corrupt rank flips one element, as a bad link or bad HBM would.
         recv.view(-1)[0] += 1
-    return count_wrong(recv, expected_output(buf, rank, device), check_tolerance(buf))
+    return count_wrong(recv, expected_output(buf, rank, where), check_tolerance(buf))
 
 
 # ---- the agent ------------------------------------------------------------------------
 
 
+class InjectedError(RuntimeError):
+    """Raised by a rank with an injected ``error`` fault, as a CUDA OOM or NCCL error would."""
+
+
+def _origin(exc: BaseException) -> str:
+    """Whose failure an exception shows: ``collective`` (this rank's group broke: a peer may
+    be the cause), ``setup`` (this machine cannot probe) or ``local`` (this rank's own code)."""
+    if isinstance(exc, CollectiveFailed):
+        return "collective"
+    if isinstance(exc, ProbeSetupError):
+        return "setup"
+    return "local"
+
+
 class ProbeAgent:
-    """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too."""
+    """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too
+    (nothing here imports ray unless it is already loaded)."""
 
     def __init__(
         self,
@@ -338,6 +373,7 @@ class ProbeAgent:
         # backend maps logical ranks to distinct GPUs, so it may differ from local_index.
         self.device_index = local_index if device_index is None else device_index
         self._host = host
+        self._probe_device: ProbeDevice | None = None
         self._faults: dict[str, InjectedFault] = {}
         self.set_injected(injected or [])
         if backend == "nccl":
@@ -353,7 +389,15 @@ class ProbeAgent:
         faults = [InjectedFault.from_dict(d) for d in injected]
         self._faults = {f.kind: f for f in faults}
 
+    def check(self) -> None:
+        """ProbeSetupError unless this rank can probe here (CUDA, NCCL and its GPU under nccl)."""
+        if self.backend == "nccl":
+            check_cuda(self.device_index)
+
     def identity(self) -> dict[str, Any]:
+        """Who this rank is; raises ProbeSetupError where it cannot probe at all, so a
+        backend refuses to start instead of reporting every rank as failed."""
+        self.check()
         gpu: dict[str, Any] = {}
         if self.backend == "nccl":
             gpu = telemetry.gpu_identity(self.device_index)
@@ -380,24 +424,31 @@ class ProbeAgent:
         }
 
     def _gloo_host(self) -> str:
+        """The address gloo binds to: Ray's node address inside Ray, else loopback."""
         if self._host is None:
-            import ray
-
-            self._host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+            ray = sys.modules.get("ray")  # never imported here: the agent runs without Ray
+            if ray is not None and ray.is_initialized():
+                self._host = str(ray.util.get_node_ip_address())
+            else:
+                self._host = "127.0.0.1"
         return self._host
 
-    def _device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device(f"cuda:{self.device_index}")
-        return torch.device("cpu")
+    def _device(self) -> ProbeDevice:
+        if self._probe_device is None:
+            self.check()
+            self._probe_device = device_for(self.backend, self.device_index)
+        return self._probe_device
 
     def run_group(
         self, spec: dict[str, Any], rank: int, store_host: str, store_port: int, group_id: str
     ) -> dict[str, Any]:
         """Join one probe group as ``rank``, run its ops and sizes, and report this rank's view.
 
-        Returns ``{"rank", "member", "status": ok|error, "stage", "error", "probes": [...],
-        "timed_s"}``; each probe holds op, size_bytes (used), count, times_s and wrong.
+        Returns ``{"rank", "member", "status": ok|error, "stage", "error", "origin",
+        "probes": [...], "timed_s"}``; each probe holds op, size_bytes (used), count,
+        times_s, wrong and timing. ``origin`` (on error) says whose failure it shows:
+        ``local`` (this rank's own code raised), ``collective`` (the group broke under it)
+        or ``setup`` (this machine cannot probe).
         """
         out: dict[str, Any] = {
             "rank": rank,
@@ -425,6 +476,7 @@ class ProbeAgent:
                 time.sleep(_HANG_SLEEP_S)
             store.set(arrived_key(rank), self.member)
             out["stage"] = "form"
+            device = self._device()
             pg = make_group(
                 self.backend,
                 dist.PrefixStore(f"{group_id}/pg", store),
@@ -432,21 +484,23 @@ class ProbeAgent:
                 len(spec["members"]),
                 deadline_s,
                 host=self._gloo_host(),
-                device=self._device() if self.backend == "nccl" else None,
+                device=device,
             )
-            self._run_ops(spec, rank, store, pg, out)
+            self._run_ops(spec, rank, store, pg, device, out)
             out["stage"] = "done"
         except Exception as exc:  # a sick peer or a broken group is a result, not a crash
             failed = True
             out["status"] = "error"
-            out["error"] = f"{type(exc).__name__}: {exc}"
+            out["origin"] = _origin(exc)
+            out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             out["traceback"] = traceback.format_exc(limit=4)
         finally:
             leave_group(pg, failed)
         return out
 
     def _run_ops(
-        self, spec: dict[str, Any], rank: int, store: dist.Store, pg: Any, out: dict[str, Any]
+        self, spec: dict[str, Any], rank: int, store: dist.Store, pg: Any, device: ProbeDevice,
+        out: dict[str, Any],
     ) -> None:
         n = len(spec["members"])
         slow = self._faults.get("slow")
@@ -454,6 +508,8 @@ class ProbeAgent:
             for size in spec["sizes"]:
                 out["stage"] = f"{op}/{size}"
                 store.set(entered_key(rank, op, size), "1")
+                if "error" in self._faults:
+                    raise InjectedError(f"injected error in {op}/{size} on {self.member}")
                 buf = plan(op, size, n, spec.get("dtype", "float32"),
                            redop_for(op, spec.get("redop", "sum")))
                 result = run_probe(
@@ -461,12 +517,14 @@ class ProbeAgent:
                     buf,
                     rank,
                     backend=self.backend,
-                    device=self._device(),
+                    device=device,
                     warmup=int(spec.get("warmup", 5)),
                     iters=int(spec.get("iters", 20)),
                     repeats=int(spec.get("repeats", 1)),
                     slow_factor=slow.factor if slow else None,
+                    calibrate=bool(spec.get("calibrate", False)),
                     corrupt="corrupt" in self._faults,
+                    cuda_graph=bool(spec.get("cuda_graph", True)),
                 )
                 out["timed_s"] += result.pop("timed_s")
                 out["probes"].append({"op": op, "size_requested": size, "redop": buf.redop,

@@ -19,9 +19,17 @@ from typing import Any
 import numpy as np
 
 from agents.fabric_presets import preset
-from agents.spec import Finding, GroupSpec, Measurement, RankInfo, RoundResult, redop_for
+from agents.spec import (
+    TIMING_MODEL,
+    Finding,
+    GroupSpec,
+    Measurement,
+    RankInfo,
+    RoundResult,
+    redop_for,
+)
 
-FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only")
+FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "error")
 RING_OPS = ("allreduce", "allgather", "reducescatter")
 # Communicator setup: a fixed part plus one bootstrap all-gather step per doubling of ranks.
 SETUP_S = 0.05
@@ -162,7 +170,7 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
             raise ValueError(f"{where}: {kind} needs \"gpus\": [a, b]")
         if _gpu_index(where, pair[0], gpus) == _gpu_index(where, pair[1], gpus):
             raise ValueError(f"{where}: {kind} needs two different gpus")
-    if kind in ("hang", "corrupt"):
+    if kind in ("hang", "corrupt", "error"):
         _gpu_index(where, f.get("gpu", 0), gpus)
     if kind in ("nvlink", "nic", "net_path"):
         factor = f.get("factor", 0.5)
@@ -190,6 +198,8 @@ class Fabric:
         self.path_fault: dict[tuple[int, int], float] = {}
         self.hung: set[tuple[int, int]] = set()
         self.corrupt: set[tuple[int, int]] = set()
+        # Ranks whose collective raises (a CUDA OOM, an NCCL error): probe_error, not a hang.
+        self.errored: dict[tuple[int, int], str] = {}
         for f in s.faults:
             self._apply(f)
         idx = np.arange(self.g)
@@ -220,6 +230,9 @@ class Fabric:
             self.hung.add((node, int(f.get("gpu", 0))))
         elif kind == "corrupt":
             self.corrupt.add((node, int(f.get("gpu", 0))))
+        elif kind == "error":
+            self.errored[(node, int(f.get("gpu", 0)))] = str(
+                f.get("message", "modeled error: the rank's collective raised"))
 
     def path_mult(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Variation times fault factor of the paths a[i] <-> b[i] (symmetric)."""
@@ -402,6 +415,14 @@ class SimBackend:
                                      detail={"scope": spec.scope, "world_size": grp.n})
                              for n, g in hung]
             return spec.deadline_s
+        errored = [r for r in ranks if r in f.errored]
+        if errored:
+            # The failing rank aborts the group; its peers see the collective break at once.
+            out.findings += [Finding(kind="probe_error", node=node_name(n), gpu=g, detail={
+                "scope": spec.scope, "world_size": grp.n, "origin": "local",
+                "stage": f"{spec.ops[0]}/{spec.sizes[0]}", "error": f.errored[(n, g)]})
+                for n, g in errored]
+            return SETUP_S
         corrupt = [r for r in ranks if r in f.corrupt]
         out.findings += [Finding(kind="data_corruption", node=node_name(n), gpu=g,
                                  detail={"scope": spec.scope}) for n, g in corrupt]
@@ -429,7 +450,7 @@ class SimBackend:
                            time_us=t * 1e6, algbw_gbs=algbw,
                            busbw_gbs=algbw * _busbw_factor(op, n),
                            wrong=max(1, size // 4096) if corrupt else 0,
-                           redop=redop_for(op, spec.redop))
+                           redop=redop_for(op, spec.redop), timing=TIMING_MODEL)
 
     def expected_busbw(self, m: Measurement) -> float | None:
         """The hardware preset for this measurement: fault-free, variation-free links."""

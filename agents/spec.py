@@ -26,11 +26,32 @@ FINDING_KINDS: tuple[str, ...] = (
     "data_corruption",
     "topology_mismatch",
     "rank_mapping",
+    "probe_error",
 )
-# Finding kinds whose node a job should not use (DESIGN.md, "Verdict").
+# Finding kinds whose node a job should not use (DESIGN.md, "Verdict"). A probe_error is a
+# rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node
+# cannot run the job's collectives either.
 EXCLUDING_KINDS = frozenset(
-    {"nvlink_degraded", "nic_degraded", "hang", "data_corruption", "topology_mismatch"}
+    {"nvlink_degraded", "nic_degraded", "hang", "data_corruption", "topology_mismatch",
+     "probe_error"}
 )
+
+# How a measurement was timed (Measurement.timing): the timed iterations captured in one
+# CUDA graph and replayed (nccl-tests -G), CUDA events around an eager loop (host launch
+# gaps count), the wall clock around ops that complete on the host (gloo), the sim's model.
+TIMING_CUDA_GRAPH = "cuda_graph"
+TIMING_CUDA_EVENTS = "cuda_events"
+TIMING_HOST = "host"
+TIMING_MODEL = "model"
+TIMINGS: tuple[str, ...] = (TIMING_CUDA_GRAPH, TIMING_CUDA_EVENTS, TIMING_HOST, TIMING_MODEL)
+
+
+def weakest_timing(timings: list[str]) -> str:
+    """A group's timing is its weakest rank's: one that fell back to events counts launch
+    gaps that graph-timed ranks do not."""
+    order = {t: i for i, t in enumerate(TIMINGS)}
+    return max(timings, key=lambda t: order.get(t, len(order))) if timings else TIMING_HOST
+
 
 _MEMBER = re.compile(r"^(?P<node>[^/\s]+)/(?P<local>\d+)$")
 
@@ -132,12 +153,15 @@ class Measurement:
     stats: dict[str, float] | None = None
     # The reduction (nccl-tests' redop); "sum" also for ops that do not reduce.
     redop: str = "sum"
+    # How it was timed (agents.device.TIMINGS): cuda_graph, cuda_events, host or model.
+    timing: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()
-        if d["stats"] is None:
-            del d["stats"]
+        for key in ("stats", "timing"):
+            if d[key] is None:
+                del d[key]
         return d
 
 
@@ -188,7 +212,8 @@ class InjectedFault:
 
     ``slow``: the rank delays itself so its groups run at about ``factor`` of their
     bandwidth. ``hang``: the rank never enters the collective. ``corrupt``: the rank
-    perturbs its result so the correctness check fails.
+    perturbs its result so the correctness check fails. ``error``: the rank raises as it
+    enters its first op, as a CUDA out-of-memory or an NCCL error would.
     """
 
     kind: str
@@ -196,7 +221,7 @@ class InjectedFault:
     gpu: int = 0
     factor: float = 1.0
 
-    KINDS = ("slow", "hang", "corrupt")
+    KINDS = ("slow", "hang", "corrupt", "error")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InjectedFault:

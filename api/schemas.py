@@ -14,7 +14,8 @@ ScopeT = Literal["intra_node", "gpu_pair", "inter_node", "world"]
 BackendT = Literal["nccl", "gloo", "sim"]
 # nccl-tests' redop names; probes run sum, max, min and avg, prod is accepted for other senders.
 RedOp = Literal["sum", "prod", "min", "max", "avg"]
-Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang"]
+Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
+                "probe.error"]
 NodeName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^/\s,]+$")]
 
 
@@ -37,6 +38,8 @@ class MeasurementIn(Strict):
     time: datetime
     stats: dict[str, float] | None = None
     redop: RedOp = "sum"
+    # How it was timed: CUDA graph replay, CUDA events, host wall clock, or the sim's model.
+    timing: Literal["cuda_graph", "cuda_events", "host", "model"] | None = None
 
     @field_validator("members")
     @classmethod
@@ -69,7 +72,7 @@ class RankIn(BaseModel):
 class FindingIn(BaseModel):
     model_config = ConfigDict(extra="allow")
     kind: Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
-                  "data_corruption", "topology_mismatch", "rank_mapping"]
+                  "data_corruption", "topology_mismatch", "rank_mapping", "probe_error"]
     node: NodeName | None = None
 
 
@@ -135,6 +138,7 @@ class SeriesPoint(BaseModel):
     size_bytes: int
     dtype: str
     redop: str
+    timing: str | None = None
     time_us: float
     algbw_gbs: float
     busbw_gbs: float

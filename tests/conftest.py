@@ -65,3 +65,14 @@ def session(clean_db: sessionmaker[Session]) -> Iterator[Session]:
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "state"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch):
+    """Eight CPU "GPUs" behind the agents' CUDA seam (tests/fake_cuda.py)."""
+    from agents import device
+    from tests.fake_cuda import FakeCuda
+
+    fake = FakeCuda()
+    monkeypatch.setattr(device, "cuda", fake)
+    return fake

@@ -71,9 +71,11 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError):
         busbw_gbs("broadcast", 100, 1.0, 2)
     with pytest.raises(ValueError):
-        plan("sendrecv", 1024, 1, "float32")
+        plan("sendrecv", 1024, 0, "float32")
     with pytest.raises(ValueError):
         plan("allreduce", 1024, 2, "int8")
+    # One rank is a world size like any other: SendRecv to itself, as nccl-tests on one GPU.
+    assert plan("sendrecv", 1024, 1, "float32").out_numel == 256
 
 
 # ---- buffer sizing (nccl-tests conventions) -------------------------------------------
@@ -293,6 +295,12 @@ def test_real_gloo_refuses_avg_before_entering_the_collective() -> None:
     buf = plan("allreduce", 400, 2, "float32", "avg")
     with pytest.raises(ValueError, match="avg"):
         run_probe(None, buf, 0, backend="gloo")
+
+
+def test_sendrecv_of_one_rank_copies_to_itself() -> None:
+    buf = plan("sendrecv", 400, 1, "float32")
+    [result] = on_gloo_threads(1, lambda rank, pg: run_probe(pg, buf, rank, warmup=0, iters=1))
+    assert result["wrong"] == 0 and result["timing"] == "host"
 
 
 def test_sendrecv_ring_of_three() -> None:

@@ -189,6 +189,29 @@ def test_injected_hang_is_named_and_the_next_round_is_healthy(backend: RayBacken
 
 
 @pytest.mark.ray
+def test_an_error_and_a_hang_side_by_side_are_told_apart(backend: RayBackend) -> None:
+    # node-000/1 raises inside its first op; node-001/1 never enters its group.
+    backend.set_injected([InjectedFault("error", "node-000", 1), InjectedFault("hang", "node-001", 1)])
+    result = backend.run_round(intra(deadline_s=6.0))
+    kinds = sorted((f.kind, f.node, f.gpu) for f in result.findings)
+    assert kinds == [("hang", "node-001", 1), ("probe_error", "node-000", 1)]
+    error = next(f for f in result.findings if f.kind == "probe_error")
+    assert "InjectedError" in error.detail["error"] and error.detail["injected"] is True
+    assert error.detail["stage"] == "allreduce/1048576"
+    # The peer saw its collective break: listed, not blamed, and never called a hang.
+    assert error.detail["peers_failed"] == [N0[0]]
+    hang = next(f for f in result.findings if f.kind == "hang")
+    assert hang.detail["stage"] == "join" and hang.detail["injected"] is True
+    assert result.measurements == []
+    # The erroring group did not wait for the deadline; the hung one did, plus the restart.
+    assert result.wall_time_s < 6.0 + 10.0
+
+    backend.set_injected([])
+    after = backend.run_round(intra())
+    assert after.findings == [] and len(after.measurements) == 4
+
+
+@pytest.mark.ray
 def test_injected_corruption_is_a_data_corruption_finding(backend: RayBackend) -> None:
     backend.set_injected([InjectedFault("corrupt", "node-000", 1)])
     result = backend.run_round([GroupSpec("world", WORLD, sizes=(65536,), warmup=1, iters=2)])
@@ -260,8 +283,8 @@ def test_hang_suspects_reads_progress_from_the_store() -> None:
 
     import torch.distributed as dist
 
+    from agents.outcome import hang_suspects
     from agents.probe import arrived_key, done_key, entered_key
-    from services.scheduler.ray_backend import hang_suspects
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))

@@ -157,7 +157,7 @@ def test_peer_lost_to_pcie_is_topology_mismatch(fake: FakeNvml) -> None:
     assert (finding.kind, finding.gpus) == ("topology_mismatch", [0, 1])
 
 
-def test_nccl_agent_identity_carries_nvml_facts(fake: FakeNvml) -> None:
+def test_nccl_agent_identity_carries_nvml_facts(fake: FakeNvml, fake_cuda: object) -> None:
     info = ProbeAgent("node-000", 3, backend="nccl").identity()
     assert info["gpu_uuid"] == "GPU-fake-3"
     assert info["pci_bus_id"] == "00000000:1B:00.0"

@@ -51,7 +51,7 @@ def series(session: Session, members: list[str], *, op: str | None, size_bytes: 
     key = store.group_key([m.strip() for m in members])
     points = [
         {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
-         "redop": m.redop, "time_us": m.time_us, "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
+         "redop": m.redop, "timing": m.timing, "time_us": m.time_us, "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
         for m in store.stream_series(session, key, op=op, size_bytes=size_bytes, since=since,
                                      until=until, limit=limit)
     ]

@@ -199,7 +199,7 @@ def _record_probe_finding(session: Session, pf: dict[str, Any], api_url: str) ->
     nodes = sorted({pf["node"]} if pf.get("node") else set(pf.get("nodes") or []))
     finding = store.open_finding(session, kind=pf["kind"], group_key=None, op=None, nodes=nodes,
                                  severity=pf.get("severity", "critical"), detail=pf)
-    event = "probe.hang" if pf["kind"] == "hang" else "health.degraded"
+    event = {"hang": "probe.hang", "probe_error": "probe.error"}.get(pf["kind"], "health.degraded")
     store.enqueue_event(session, event, {
         "finding": pf, "finding_id": finding.id, "nodes": nodes, "links": [],
         "url": f"{api_url}/v1/findings/{finding.id}",

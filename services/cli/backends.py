@@ -69,12 +69,18 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
         raise CliError("--gpus-per-node needs at least 1")
     if not (args.local or args.address):
         raise CliError("say where to probe: --address ADDR, --local N or --fabric FILE")
+    if name == "nccl" and args.local:
+        # The local ranks are this machine's GPUs: refuse before any cluster starts. On a
+        # cluster (--address) every agent checks its own node as it starts.
+        from agents.device import check_cuda
+
+        check_cuda(args.local * args.gpus_per_node - 1)
     from services.scheduler.ray_backend import RayBackend
 
     return RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
                       address=args.address, injected=injected,
                       temp_dir=get_settings().state_dir / "ray", progress=progress,
-                      repeats=_repeats(args, name))
+                      repeats=_repeats(args, name), cuda_graph=getattr(args, "cuda_graph", True))
 
 
 def _repeats(args: argparse.Namespace, backend: str) -> int:

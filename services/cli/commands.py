@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from services.cli.backends import has_backend, make_backend
+from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
 from services.config import get_settings
 
@@ -171,6 +172,75 @@ def cmd_probe(args: argparse.Namespace) -> int:
         for f in cycle.findings:
             print(f"FINDING {json.dumps(f.to_dict())}")
     return 1 if cycle.findings else 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from agents.collectives import check_redop, preset_sizes
+    from agents.spec import OPS, redop_for
+    from services.selftest import nccl_tests, report
+    from services.selftest.runner import SelftestOptions, gpu_count, node_name, run_selftest
+
+    ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    bad = [o for o in ops if o not in OPS]
+    if bad or not ops:
+        raise CliError(f"unknown op(s) {', '.join(bad) or '(none)'}; choose from {', '.join(OPS)}")
+    if args.iters < 1 or args.warmup < 0 or (args.repeats is not None and args.repeats < 1):
+        raise CliError("--iters and --repeats must be >= 1 and --warmup >= 0")
+    for op in ops:
+        try:
+            check_redop(op, redop_for(op, args.redop), args.dtype, backend=args.backend)
+        except ValueError as exc:
+            raise CliError(f"--redop {args.redop}: {exc}") from None
+    # Refuses with one line (exit 2) where this machine has no GPU for nccl.
+    gpus = gpu_count(args.backend)
+    present = gpus if args.backend == "nccl" else 2
+    sizes = args.sizes or preset_sizes(args.preset or "quick", args.backend)
+    world_sizes = args.world_sizes or tuple(range(1, present + 1))
+    if args.backend == "nccl" and max(world_sizes) > gpus:
+        raise CliError(f"--world-sizes {max(world_sizes)} needs {max(world_sizes)} GPUs; this "
+                       f"machine has {gpus} (NCCL runs one rank per GPU)")
+    binaries: dict = {}
+    note = None
+    if args.nccl_tests and not os.path.isdir(args.nccl_tests):
+        raise CliError(f"--nccl-tests {args.nccl_tests}: not a directory")
+    if args.backend == "nccl":
+        from pathlib import Path
+
+        binaries = nccl_tests.find_binaries(Path(args.nccl_tests) if args.nccl_tests else None)
+        if not binaries:
+            note = (f"no *_perf binaries in {args.nccl_tests}" if args.nccl_tests else
+                    "no *_perf binaries on PATH (give --nccl-tests DIR for a side-by-side)")
+    faults = parse_injected([_with_node(text, node_name()) for text in args.inject])
+    beyond = [f for f in faults if f.gpu >= max(world_sizes) or f.node != node_name()]
+    if beyond:
+        raise CliError(f"--inject names {beyond[0].member}, not a rank of this selftest "
+                       f"({node_name()}/0..{max(world_sizes) - 1})")
+    options = SelftestOptions(backend=args.backend, world_sizes=world_sizes, ops=ops,
+                              sizes=tuple(sizes), dtype=args.dtype, redop=args.redop,
+                              warmup=args.warmup, iters=args.iters, repeats=args.repeats or 1,
+                              cuda_graph=args.cuda_graph, deadline_s=args.deadline,
+                              faults=tuple(faults))
+    result = run_selftest(options, progress)
+    comparison = None
+    if binaries:
+        try:
+            comparison = report.compare(options, result, binaries, progress)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            note = f"could not run: {exc}"
+    if args.json:
+        _print_json(report.as_json(result, comparison, note))
+    else:
+        print(report.format_text(result, comparison, note))
+    return 0 if report.passed(result) else 1
+
+
+def _with_node(text: str, node: str) -> str:
+    """An --inject JSON object with "node" filled in where it was left out."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        return text  # parse_injected says what is wrong with it
+    return json.dumps({"node": node, **d}) if isinstance(d, dict) else text
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:

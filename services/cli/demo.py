@@ -54,7 +54,7 @@ def run_demo(args: argparse.Namespace) -> int:
         client = stack.enter_context(httpx.Client(base_url=api_url, timeout=30))
         hook = client.post("/v1/webhooks", headers=_auth(admin), json={
             "url": receiver.url, "secret": DEMO_SECRET,
-            "events": ["health.degraded", "health.recovered", "probe.hang"]})
+            "events": ["health.degraded", "health.recovered", "probe.hang", "probe.error"]})
         hook.raise_for_status()
         note(f"webhook {hook.json()['id']} registered for health.degraded, health.recovered")
 

@@ -10,7 +10,8 @@ import logging
 import sys
 import warnings
 
-from agents.spec import REDOPS
+from agents.device import ProbeSetupError
+from agents.spec import OPS, REDOPS
 from services.cli import commands
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
@@ -35,6 +36,16 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(s) for s in text.split(","))
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers like 1,2,4") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: world sizes must be >= 1")
+    return values
+
+
 def add_probe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="allreduce,alltoall", help="comma-separated ops")
     p.add_argument("--sizes", type=_sizes, help="comma-separated sizes, e.g. 1M,16M")
@@ -47,6 +58,9 @@ def add_probe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redop", default="sum", choices=REDOPS,
                    help="reduction of allreduce and reducescatter, nccl-tests' -o "
                         "(avg: nccl and sim only, float32)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="nccl: capture each timed loop in one CUDA graph, as nccl-tests -G "
+                        "(default on; falls back to events where capture fails)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_options(p)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("selftest", help="probe this machine's GPUs alone: every op at every "
+                       "world size, NVML, nccl-tests side by side; exit 0 ok, 1 not")
+    add_probe_options(p)
+    p.set_defaults(ops=",".join(OPS))
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="nccl on GPUs (default); gloo checks the harness on CPU")
+    p.add_argument("--world-sizes", type=_ints, metavar="N,N,...",
+                   help="group sizes to run (default: 1 to the GPUs present; gloo: 1,2)")
+    p.add_argument("--nccl-tests", metavar="DIR",
+                   help="directory of nccl-tests' *_perf binaries (default: look on PATH)")
+    p.add_argument("--deadline", type=float, default=300.0,
+                   help="seconds one world size may take before its missing ranks are hangs")
+    p.add_argument("--inject", action="append", default=[], metavar="JSON",
+                   help='inject a fault into a local rank to see it caught, e.g. '
+                        '\'{"kind": "corrupt", "gpu": 1}\' (node defaults to this host)')
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("preflight", help="may a job launch on these nodes? exit 0 healthy, 1 not")
     add_backend_args(p)
     p.add_argument("--nodes", help="comma-separated node names (default: all)")
@@ -117,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = getattr(commands, "cmd_" + args.command.replace("-", "_"))
     try:
         return int(handler(args) or 0)
-    except CliError as exc:
+    except (CliError, ProbeSetupError) as exc:
         print(f"ringwatch {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

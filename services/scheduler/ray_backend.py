@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -25,13 +24,15 @@ import ray
 import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agents.collectives import algbw_gbs, busbw_gbs, check_redop, plan
-from agents.probe import ProbeAgent, arrived_key, done_key, entered_key
+from agents import outcome
+from agents.collectives import check_redop, plan
+from agents.device import ProbeSetupError
+from agents.outcome import hang_suspects, rank_progress
+from agents.probe import ProbeAgent
 from agents.spec import (
     Finding,
     GroupSpec,
     InjectedFault,
-    Measurement,
     RankInfo,
     RoundResult,
     redop_for,
@@ -46,6 +47,9 @@ _OBJECT_STORE_BYTES = 128 * 1024 * 1024
 # How long agents may take to start: a cold worker imports torch; on a busy cluster Ray
 # may also wait for the CPU or GPU slot to free up.
 _START_TIMEOUT_S = 300.0
+# After a rank reports an error, how long its peers get to report theirs (a peer blocked
+# in a collective with the failed rank sees it break at once under gloo; NCCL may not).
+_ERROR_GRACE_S = 5.0
 
 Progress = Callable[[str], None]
 
@@ -66,34 +70,6 @@ def local_node_name(index: int) -> str:
 def _node_resource(node: str) -> str:
     """The custom resource that pins an agent to one logical node of a local cluster."""
     return f"rw-{node}"
-
-
-def rank_progress(store: Any, spec: GroupSpec, rank: int) -> int:
-    """How far a rank got, from its keys in the group's store: 0 never arrived, 1 arrived,
-    then one more for each op/size it entered and each it finished."""
-    if not store.check([arrived_key(rank)]):
-        return 0
-    keys = [key(rank, op, size) for op in spec.ops for size in spec.sizes
-            for key in (entered_key, done_key)]
-    return 1 + sum(1 for k in keys if store.check([k]))
-
-
-def _stage(spec: GroupSpec, progress: int) -> str:
-    """Where a rank with this progress is stuck: join, form, OP/SIZE or leave."""
-    if progress <= 1:
-        return ("join", "form")[progress]
-    steps = [f"{op}/{size}" for op in spec.ops for size in spec.sizes]
-    index = (progress - 1) // 2  # entered step k: 2k+2; finished step k: 2k+3 (next step)
-    return steps[index] if index < len(steps) else "leave"
-
-
-def hang_suspects(store: Any, spec: GroupSpec, unfinished: list[int]) -> tuple[list[int], str]:
-    """The ranks that held a group up, and where: those that got least far. Peers blocked
-    in a collective wait at the same step as the rank that stalled inside it, so then all
-    of them are named; a rank that never arrived, or stalled between steps, stands alone."""
-    progress = {r: rank_progress(store, spec, r) for r in unfinished}
-    lowest = min(progress.values())
-    return [r for r, p in progress.items() if p == lowest], _stage(spec, lowest)
 
 
 @dataclass
@@ -123,6 +99,8 @@ class _GroupRun:
     replies: dict[int, dict[str, Any]] = field(default_factory=dict)
     died: dict[int, str] = field(default_factory=dict)
     expired: bool = False
+    # A rank reported an error: the group's deadline shrank to a short grace.
+    errored: bool = False
 
     def unfinished(self) -> list[int]:
         return [r for r in range(self.spec.world_size) if r not in self.replies and r not in self.died]
@@ -142,6 +120,7 @@ class RayBackend:
         temp_dir: Path = Path(".ringwatch/ray"),
         progress: Progress | None = None,
         repeats: int = 1,
+        cuda_graph: bool = True,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
@@ -151,6 +130,8 @@ class RayBackend:
             raise ValueError("local_nodes, ranks_per_node and repeats must be >= 1")
         self.name = backend
         self.repeats = repeats
+        # On GPUs, capture each timed loop in one CUDA graph (nccl-tests' -G) where it works.
+        self.cuda_graph = cuda_graph
         self._progress = progress or (lambda _msg: None)
         self._injected: list[InjectedFault] = list(injected)
         # Members whose hung agent was replaced: a restart clears an injected hang.
@@ -264,12 +245,17 @@ class RayBackend:
                 slot.node, slot.local_index, self.name, self._faults_for(slot.member),
                 device_index=slot.device_index,
             )
-        # identity() doubles as "the agent is up".
+        # identity() doubles as "the agent is up" and "this rank can probe here".
         try:
             infos = ray.get([s.handle.identity.remote() for s in slots], timeout=_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"probe agents did not start within {_START_TIMEOUT_S:.0f} s: "
                                "are the CPU/GPU slots they need free?") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ProbeSetupError):
+                raise ProbeSetupError(str(cause)) from None
+            raise
         for slot, info in zip(slots, infos, strict=True):
             self._identities[slot.member] = RankInfo(**info)
 
@@ -375,7 +361,11 @@ class RayBackend:
                               timeout=datetime.timedelta(seconds=spec.deadline_s))
         run = _GroupRun(spec, f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}", store,
                         deadline=time.monotonic() + spec.deadline_s)
-        payload = {**spec.to_dict(), "repeats": self.repeats}
+        # An injected slow rank sizes its delay from one calibration loop, which every rank
+        # of its group must run alike.
+        calibrate = any(f.kind == "slow" and f.member in spec.members for f in self._injected)
+        payload = {**spec.to_dict(), "repeats": self.repeats, "calibrate": calibrate,
+                   "cuda_graph": self.cuda_graph}
         for rank, m in enumerate(spec.members):
             ref = self._slots[m].handle.run_group.remote(payload, rank, host, store.port, run.group_id)
             run.refs[ref] = rank
@@ -401,43 +391,50 @@ class RayBackend:
                     run.replies[rank] = ray.get(ref)
                 except ray.exceptions.RayError as exc:  # the agent process itself died
                     run.died[rank] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                if rank in run.died or run.replies[rank].get("status") == "error":
+                    # Peers stuck on the failed rank need not hold the round to the deadline.
+                    run.errored = True
+                    run.deadline = min(run.deadline, time.monotonic() + _ERROR_GRACE_S)
 
     def _collect(self, run: _GroupRun, result: RoundResult) -> None:
-        result.findings.extend(self._hang_findings(run))
-        result.findings.extend(self._corruption_findings(run))
-        result.measurements.extend(self._measurements(run))
+        injected = self._injected_pairs()
+        errors = outcome.error_findings(run.spec, run.replies, run.died, injected)
+        result.findings.extend(errors)
+        result.findings.extend(self._hang_findings(run, errors))
+        result.findings.extend(outcome.corruption_findings(run.spec, run.replies, injected))
+        result.measurements.extend(outcome.measurements(run.spec, run.replies))
         run.store = None  # closes the listening socket
+
+    def _injected_pairs(self) -> set[tuple[str, str]]:
+        return {(f.kind, f.member) for f in self._injected}
 
     # ---- hangs ---------------------------------------------------------------------
 
-    def _hang_findings(self, run: _GroupRun) -> list[Finding]:
-        blamed: dict[int, dict[str, Any]] = {}
-        if run.expired and run.unfinished():
-            ranks, stage = hang_suspects(run.store, run.spec, run.unfinished())
-            blamed.update({r: {"stage": stage} for r in ranks})
-            self._progress(f"round {self._round}: {run.spec.scope} group hung at {stage}: "
-                           f"{[run.spec.members[r] for r in ranks]}")
-        for rank, why in run.died.items():
-            blamed[rank] = {"stage": "agent_died", "error": why}
-        if not blamed:
-            blamed = self._errored(run)
-        return [self._hang_finding(run, rank, detail) for rank, detail in sorted(blamed.items())]
-
-    def _errored(self, run: _GroupRun) -> dict[int, dict[str, Any]]:
-        """Ranks that reported an error although nobody hung (e.g. an NCCL error)."""
-        return {
-            rank: {"stage": reply.get("stage"), "error": reply.get("error")}
-            for rank, reply in run.replies.items() if reply.get("status") != "ok"
-        }
-
-    def _hang_finding(self, run: _GroupRun, rank: int, detail: dict[str, Any]) -> Finding:
-        m = run.spec.members[rank]
-        slot = self._slots[m]
-        info: dict[str, Any] = {"members": list(run.spec.members), "scope": run.spec.scope,
-                                "deadline_s": run.spec.deadline_s, **detail}
-        if any(f.kind == "hang" and f.member == m for f in self._injected):
-            info["injected"] = True
-        return Finding(kind="hang", node=slot.node, gpu=slot.local_index, detail=info)
+    def _hang_findings(self, run: _GroupRun, errors: list[Finding]) -> list[Finding]:
+        """Ranks still missing at the deadline, by their progress in the group's store. Where
+        a rank failed with an error, peers waiting past its step are victims, not hangs."""
+        if not (run.expired and run.unfinished()):
+            return []
+        failed_at = [rank_progress(run.store, run.spec, f.detail["rank"]) for f in errors]
+        ranks, stage = hang_suspects(run.store, run.spec, run.unfinished(),
+                                     below=min(failed_at) if failed_at else None)
+        if not ranks:
+            return []
+        self._progress(f"round {self._round}: {run.spec.scope} group hung at {stage}: "
+                       f"{[run.spec.members[r] for r in ranks]}")
+        injected = self._injected_pairs()
+        findings = []
+        for rank in ranks:
+            m = run.spec.members[rank]
+            slot = self._slots[m]
+            detail: dict[str, Any] = {"members": list(run.spec.members), "scope": run.spec.scope,
+                                      "rank": rank, "deadline_s": run.spec.deadline_s,
+                                      "stage": stage}
+            if ("hang", m) in injected:
+                detail["injected"] = True
+            findings.append(Finding(kind="hang", node=slot.node, gpu=slot.local_index,
+                                    detail=detail))
+        return findings
 
     def _to_replace(self, run: _GroupRun) -> list[str]:
         """Agents that may still be stuck in this group's collective, or are gone."""
@@ -456,54 +453,6 @@ class RayBackend:
         self._start_agents(slots)
 
     # ---- measurements ----------------------------------------------------------------
-
-    def _measurements(self, run: _GroupRun) -> list[Measurement]:
-        """One Measurement per op/size that every rank finished: nccl-tests' reduction,
-        the slowest rank's time, and the wrong counts summed over ranks."""
-        if len(run.replies) != run.spec.world_size:
-            return []
-        per_rank = [run.replies[r]["probes"] for r in range(run.spec.world_size)]
-        finished = min(len(p) for p in per_rank)
-        return [self._measurement(run.spec, [p[i] for p in per_rank]) for i in range(finished)]
-
-    def _measurement(self, spec: GroupSpec, probes: list[dict[str, Any]]) -> Measurement:
-        first = probes[0]
-        # Per repeat, the group's time is its slowest rank's (nccl-tests' -a reduction).
-        group_times = [max(p["times_s"][i] for p in probes) for i in range(len(first["times_s"]))]
-        time_s = statistics.median(group_times)
-        n = spec.world_size
-        stats = None
-        if len(group_times) > 1:
-            stats = {"min": min(group_times) * 1e6, "median": time_s * 1e6,
-                     "max": max(group_times) * 1e6}
-        return Measurement(
-            op=first["op"], scope=spec.scope, members=list(spec.members),
-            size_bytes=first["size_bytes"], dtype=spec.dtype, warmup=spec.warmup,
-            iters=spec.iters, time_us=time_s * 1e6,
-            algbw_gbs=algbw_gbs(first["size_bytes"], time_s),
-            busbw_gbs=busbw_gbs(first["op"], first["size_bytes"], time_s, n),
-            wrong=sum(p["wrong"] for p in probes), stats=stats,
-            redop=first.get("redop", redop_for(first["op"], spec.redop)),
-        )
-
-    def _corruption_findings(self, run: _GroupRun) -> list[Finding]:
-        findings = []
-        for rank, reply in sorted(run.replies.items()):
-            bad = [p for p in reply.get("probes", []) if p["wrong"] > 0]
-            if not bad:
-                continue
-            m = run.spec.members[rank]
-            slot = self._slots[m]
-            detail: dict[str, Any] = {
-                "members": list(run.spec.members), "scope": run.spec.scope,
-                "wrong": sum(p["wrong"] for p in bad),
-                "ops": sorted({f"{p['op']}/{p['size_bytes']}" for p in bad}),
-            }
-            if any(f.kind == "corrupt" and f.member == m for f in self._injected):
-                detail["injected"] = True
-            findings.append(Finding(kind="data_corruption", node=slot.node, gpu=slot.local_index,
-                                    detail=detail))
-        return findings
 
     def _timed_s(self, run: _GroupRun) -> float:
         return max((reply.get("timed_s", 0.0) for reply in run.replies.values()), default=0.0)

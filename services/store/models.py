@@ -113,6 +113,8 @@ class Measurement(Base):
     wrong: Mapped[int] = mapped_column(Integer)
     # nccl-tests' redop of a reducing op; "sum" for ops that do not reduce.
     redop: Mapped[str] = mapped_column(String(8), default="sum", server_default="sum")
+    # How it was timed (agents.spec.TIMINGS); None where the sender did not say.
+    timing: Mapped[str | None] = mapped_column(String(16))
 
 
 class LinkHealth(Base):
