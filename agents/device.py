@@ -181,20 +181,22 @@ class _CudaLoop:
     """Events around one graph replay of all iterations, or around an eager loop."""
 
     def __init__(self, api: CudaApi, body: Run, iters: int, graph: bool) -> None:
-        self._api, self._body, self._iters = api, body, iters
+        self._api, self._iters = api, iters
+
+        def eager() -> None:  # a closure, not a bound method: graph -> loop -> graph would
+            for _ in range(iters):  # be a cycle that keeps the process group alive
+                body()
+
+        self._eager = eager
         self._graph: Any = None
         self.timing = TIMING_CUDA_EVENTS
         self.note: str | None = None
         if graph:
             try:
-                self._graph = api.capture(self._eager)
+                self._graph = api.capture(eager)
                 self.timing = TIMING_CUDA_GRAPH
             except Exception as exc:  # an old NCCL, blocking wait, a driver without capture
                 self.note = f"CUDA graph capture failed, timed eagerly: {type(exc).__name__}: {exc}"[:300]
-
-    def _eager(self) -> None:
-        for _ in range(self._iters):
-            self._body()
 
     def seconds_per_iter(self) -> float:
         start, end = self._api.event(), self._api.event()

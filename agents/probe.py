@@ -37,6 +37,7 @@ from agents.collectives import (
 )
 from agents.device import (
     HostDevice,
+    LoopTimer,
     ProbeDevice,
     ProbeSetupError,
     check_cuda,
@@ -286,18 +287,30 @@ def _timed_loops(
     if calibrate:
         # An injected slow rank stretches each iteration to 1/factor of its own time with a
         # delay queued on its device, inside the graph where there is one; peers wait for it.
+        # Every rank runs the same loops (calibration, one check), so collectives match.
         _sync_point(pg, device)
         own = timer.seconds_per_iter()
-        if slow_factor is not None:
-            pause = own * (1.0 / slow_factor - 1.0)
+        use_graph = timer.timing == TIMING_CUDA_GRAPH
 
+        def slowed(pause: float) -> LoopTimer:
             def slow_run() -> None:
                 run()
                 device.delay(pause)
 
-            slow = device.loop(slow_run, iters, graph=timer.timing == TIMING_CUDA_GRAPH)
-            slow.note = timer.note
-            timer = slow
+            loop = device.loop(slow_run, iters, graph=use_graph)
+            loop.note = timer.note
+            return loop
+
+        pause = own * (1.0 / slow_factor - 1.0) if slow_factor is not None else 0.0
+        slow = slowed(pause) if slow_factor is not None else None
+        _sync_point(pg, device)
+        # The delay overlaps the time peers spend waiting on each other, so the first guess
+        # undershoots where ranks are not in step; one check loop corrects it, within a
+        # factor of two either way so that one noisy loop cannot undo the fault.
+        got = (slow or timer).seconds_per_iter()
+        if slow_factor is not None:
+            pause = min(2 * pause, max(pause / 2, pause + own / slow_factor - got))
+            timer = slowed(pause)
     times: list[float] = []
     timed_s = 0.0
     for _ in range(repeats):

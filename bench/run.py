@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("probes", "alerts", "detection")
+BENCHMARKS = ("probes", "nccl_path", "alerts", "detection")
 
 
 def main(argv: list[str]) -> int:

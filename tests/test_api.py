@@ -122,6 +122,23 @@ def test_redop_round_trips_through_measurements_and_series(api) -> None:
     assert [p["redop"] for p in points] == ["min"]
 
 
+def test_how_a_measurement_was_timed_is_kept_and_checked(api) -> None:
+    members = ["node-000/0", "node-000/1"]
+    ms = [{**measurement(members, 20.0, scope="intra_node", size=s), "timing": t}
+          for s, t in ((4096, "cuda_graph"), (8192, "host"))]
+    ms.append(measurement(members, 20.0, scope="intra_node", size=16384))  # an older sender
+    batch = {"batch_id": uuid.uuid4().hex, "backend": "nccl", "measurements": ms}
+    api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).raise_for_status()
+    points = api.get("/v1/series", params={"members": ",".join(members)},
+                     headers=auth(api, "reader")).json()["points"]
+    assert sorted((p["size_bytes"], p["timing"]) for p in points) == [
+        (4096, "cuda_graph"), (8192, "host"), (16384, None)]
+    bad = {**batch, "batch_id": uuid.uuid4().hex,
+           "measurements": [{**ms[0], "timing": "stopwatch"}]}
+    r = api.post("/v1/measurements", json=bad, headers=auth(api, "agent"))
+    assert r.status_code == 422 and "timing" in r.text
+
+
 def test_unknown_nodes_are_404s(api) -> None:
     api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).raise_for_status()
     r = api.get("/v1/links", params={"node": "node-999"}, headers=auth(api, "reader"))

@@ -25,7 +25,7 @@ from agents.collectives import DTYPES, OPS, plan
 from agents.device import CudaApi, CudaDevice, ProbeSetupError, check_cuda
 from agents.probe import ProbeAgent, make_group, run_probe
 from agents.spec import GroupSpec
-from tests.fake_cuda import CLOCK_HZ, FakeCuda
+from tests.fake_cuda import FakeCuda
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,14 +110,16 @@ def test_an_injected_slow_rank_queues_its_delay_on_the_device(fake_cuda: FakeCud
                          repeats=2, slow_factor=0.5 if rank == 1 else None, calibrate=True)
 
     results = on_nccl_path(2, probe)
-    # One delay per iteration, inside the graph: clock calibration (2 sleeps), then the
-    # same cycle count for every iteration of both repeats.
+    # One delay per iteration, inside the graph: clock calibration (2 sleeps), one check
+    # loop at the first guess, then the corrected delay for every iteration of both repeats.
     delays = fake_cuda.sleeps[2:]
-    assert len(delays) == 2 * iters and len(set(delays)) == 1
+    assert len(delays) == 3 * iters
+    check, timed = delays[:iters], delays[iters:]
+    assert len(set(check)) == 1 and len(set(timed)) == 1
     assert [r["timing"] for r in results] == ["cuda_graph", "cuda_graph"]
-    # Factor 0.5: the pause equals the rank's own calibrated iteration time.
-    pause_s = delays[0] / CLOCK_HZ
-    assert pause_s > 0
+    assert timed[0] > 0
+    # Every rank ran the same loops: calibration, check, two repeats; each one replayed.
+    assert fake_cuda.log.count("replay") == 2 * (1 + 1 + 2)
     assert [r["wrong"] for r in results] == [0, 0]
 
 

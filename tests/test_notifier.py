@@ -149,3 +149,23 @@ def test_run_forever_delivers_until_stopped(api, clean_db, receiver) -> None:
         loop.join(timeout=10)
     assert not loop.is_alive()
     notifier.close()
+
+
+def test_a_probe_error_is_its_own_event_and_excludes_the_node(api, clean_db, receiver) -> None:
+    """An error in a rank (CUDA OOM, an NCCL error) is not a hang: it opens a probe_error
+    finding, fires probe.error (not probe.hang) and keeps the node out of a preflight."""
+    register(api, receiver.url, events=("probe.error", "probe.hang"))
+    notifier = Notifier(clean_db, policy=NO_WAIT)
+    batch = fleet_batch()
+    batch["findings"] = [{"kind": "probe_error", "node": "node-001", "gpu": 1,
+                          "detail": {"stage": "alltoall/1048576", "origin": "local",
+                                     "error": "CUDA out of memory", "peers_failed": ["node-001/0"]}}]
+    ingest(api, batch)
+    drain(notifier)
+    assert [e["event"] for e in receiver.events] == ["probe.error"]
+    assert receiver.events[0]["body"]["finding"]["kind"] == "probe_error"
+    reader = {"Authorization": f"Bearer {api.tokens['reader']}"}
+    v = api.post("/v1/preflight", json={"nodes": ["node-000", "node-001", "node-002"]},
+                 headers=reader).json()
+    assert v["healthy"] is False and v["exclude"] == ["node-001"]
+    notifier.close()

@@ -112,6 +112,7 @@ def where(f):
      ("net_path_degraded", ["node-001", "node-008"], None, None)),
     ({"kind": "hang", "node": "node-009", "gpu": 2}, ("hang", "node-009", None, 2)),
     ({"kind": "corrupt", "node": "node-000", "gpu": 3}, ("data_corruption", "node-000", None, 3)),
+    ({"kind": "error", "node": "node-005", "gpu": 2}, ("probe_error", "node-005", None, 2)),
 ])
 def test_each_fault_kind_is_found_and_localized(fault, want):
     v = sim_verdict([fault])

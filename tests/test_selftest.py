@@ -20,10 +20,10 @@ CLI = [sys.executable, "-m", "services.cli.main"]
 def _row(size: int, count: int, dtype: str, redop: str, oop: tuple[float, float, float, str],
          ip: tuple[float, float, float, str]) -> str:
     """A line printed with nccl-tests 2.x's own format strings."""
-    head = "%12li  %12li  %8s  %6s  %6s" % (size, count, dtype, redop, "-1")
+    head = "%12li  %12li  %8s  %6s  %6s" % (size, count, dtype, redop, "-1")  # noqa: UP031
     cols = ""
     for t, alg, bus, wrong in (oop, ip):
-        cols += "  %7s  %6s  %6s  %6s" % (f"{t:.2f}", f"{alg:.2f}", f"{bus:.2f}", wrong)
+        cols += "  %7s  %6s  %6s  %6s" % (f"{t:.2f}", f"{alg:.2f}", f"{bus:.2f}", wrong)  # noqa: UP031
     return head + cols
 
 
