@@ -224,6 +224,20 @@ def test_repeated_hang_is_one_incident_resolved_by_a_clean_probe(api) -> None:
     assert api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json() == []
 
 
+def test_one_rank_fault_seen_by_several_groups_is_one_incident(api) -> None:
+    """A hung or failing rank is reported by each group it belongs to (its node, a node
+    pair, the world): one incident per rank and kind, not one per group."""
+    batch = fleet_batch()
+    batch["findings"] = [{"kind": kind, "node": "node-002", "gpu": 1, "scope": scope}
+                         for kind in ("hang", "probe_error")
+                         for scope in ("intra_node", "inter_node", "world")]
+    r = api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).json()
+    assert sorted(f["kind"] for f in r["probe_findings"]) == ["hang", "probe_error"]
+    open_ = api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json()
+    assert sorted((f["kind"], f["nodes"]) for f in open_) == [
+        ("hang", ["node-002"]), ("probe_error", ["node-002"])]
+
+
 def test_default_hysteresis_keeps_a_flapping_link_quiet(clean_db) -> None:
     """Production settings: 2 bad of the last 3 cycles degrade, 2 good in a row recover."""
     with db.transaction(clean_db) as s:

@@ -140,11 +140,13 @@ def _probe_findings(session: Session, rows: list[MeasurementRow], new: list[dict
     reported = set()
     for pf in new:
         key = (pf["kind"], _rank_of(pf) or ",".join(sorted(pf.get("nodes") or [])))
-        reported.add(key)
         if key in open_:
             open_[key].last_seen_at = at  # a repeat of an open incident: no new event
-            continue
-        changes.probe_findings.append(_record_probe_finding(session, pf, api_url))
+        elif key not in reported:
+            # One rank's fault seen by several of its groups in one batch (its node's
+            # group, a node pair, the world group) is one incident, not one per group.
+            changes.probe_findings.append(_record_probe_finding(session, pf, api_url))
+        reported.add(key)
     for key, f in open_.items():
         rank = _rank_of(f.detail)
         if key not in reported and rank is not None and rank in clean:
