@@ -365,3 +365,14 @@ def size_preset(name: str, backend: str) -> SizePreset:
 
 def preset_sizes(name: str, backend: str) -> tuple[int, ...]:
     return size_preset(name, backend).sizes
+
+
+# What one monitoring cycle or preflight probes when nobody says: one latency size (not
+# judged, but stored as a series) and one size that is bandwidth-bound on every scope of
+# the fabric, so a NIC or NVLink that lost bandwidth cannot hide behind latency.
+DEFAULT_SIZES: dict[str, tuple[int, ...]] = {"gpu": (64 * _KiB, 256 * _MiB),
+                                             "cpu": (64 * _KiB, 4 * _MiB)}
+
+
+def default_sizes(backend: str) -> tuple[int, ...]:
+    return DEFAULT_SIZES["cpu" if backend == "gloo" else "gpu"]

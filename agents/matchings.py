@@ -29,3 +29,26 @@ def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[
         # Keep the first item fixed and rotate the others by one.
         pool = [pool[0], pool[-1], *pool[1:-1]]
     return rounds  # type: ignore[return-value]
+
+
+def circle_matching(items: Sequence[T], k: int) -> list[tuple[T, T]]:
+    """The ``k``-th matching of ``circle_matchings`` (k taken modulo their number), without
+    building the others: what a monitor rotating through the tournament needs each cycle."""
+    pool: list[T | None] = list(items)
+    if len(pool) < 2:
+        return []
+    if len(pool) % 2:
+        pool.append(None)
+    n = len(pool)
+    r = k % (n - 1)
+    tail = pool[1:]
+    if r:
+        tail = tail[-r:] + tail[:-r]
+    pool = [pool[0], *tail]
+    pairs = [(pool[i], pool[n - 1 - i]) for i in range(n // 2)]
+    return [(a, b) for a, b in pairs if a is not None and b is not None]  # type: ignore[misc]
+
+
+def matching_count(n: int) -> int:
+    """How many matchings a round-robin tournament of ``n`` items has."""
+    return 0 if n < 2 else n - 1 if n % 2 == 0 else n

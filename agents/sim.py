@@ -445,12 +445,14 @@ class SimBackend:
     def _measurement(self, spec: GroupSpec, op: str, size: int, t: float, n: int,
                      corrupt: bool) -> Measurement:
         algbw = size / t / 1e9
-        return Measurement(op=op, scope=spec.scope, members=list(spec.members), size_bytes=size,
-                           dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
-                           time_us=t * 1e6, algbw_gbs=algbw,
-                           busbw_gbs=algbw * _busbw_factor(op, n),
-                           wrong=max(1, size // 4096) if corrupt else 0,
-                           redop=redop_for(op, spec.redop), timing=TIMING_MODEL)
+        m = Measurement(op=op, scope=spec.scope, members=list(spec.members), size_bytes=size,
+                        dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
+                        time_us=t * 1e6, algbw_gbs=algbw,
+                        busbw_gbs=algbw * _busbw_factor(op, n),
+                        wrong=max(1, size // 4096) if corrupt else 0,
+                        redop=redop_for(op, spec.redop), timing=TIMING_MODEL)
+        m.preset_gbs = self.expected_busbw(m)
+        return m
 
     def expected_busbw(self, m: Measurement) -> float | None:
         """The hardware preset for this measurement: fault-free, variation-free links."""

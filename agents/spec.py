@@ -155,11 +155,14 @@ class Measurement:
     redop: str = "sum"
     # How it was timed (agents.device.TIMINGS): cuda_graph, cuda_events, host or model.
     timing: str | None = None
+    # What the sender's hardware model says this measurement should reach (GB/s busbw),
+    # where it has one (the sim's modeled fabric): a floor under the peers' expectation.
+    preset_gbs: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()
-        for key in ("stats", "timing"):
+        for key in ("stats", "timing", "preset_gbs"):
             if d[key] is None:
                 del d[key]
         return d

@@ -40,6 +40,8 @@ class MeasurementIn(Strict):
     redop: RedOp = "sum"
     # How it was timed: CUDA graph replay, CUDA events, host wall clock, or the sim's model.
     timing: Literal["cuda_graph", "cuda_events", "host", "model"] | None = None
+    # The sender's hardware-model figure (busbw GB/s): a floor under the expectation.
+    preset_gbs: float | None = Field(default=None, ge=0, le=1e6)
 
     @field_validator("members")
     @classmethod
@@ -95,9 +97,13 @@ class IngestOut(BaseModel):
     created: bool
     run_id: int
     stored: int
+    # Incidents this batch opened (degradations; probe_findings: hangs, errors, wrong
+    # data) and closed, each a localized fault; findings: everything the batch's judgement
+    # localized, open incident or not yet.
     degraded: list[dict[str, Any]]
     recovered: list[dict[str, Any]]
     probe_findings: list[dict[str, Any]]
+    findings: list[dict[str, Any]] = []
 
 
 class GpuOut(BaseModel):

@@ -55,6 +55,7 @@ def random_scenario(rng: random.Random, nodes: int, n_faults: int, noise: float)
             "net_path": {"kind": "net_path", "nodes": sorted([a, b]), "factor": factor},
             "hang": {"kind": "hang", "node": a, "gpu": gpus[0]},
             "corrupt": {"kind": "corrupt", "node": a, "gpu": gpus[0]},
+            "error": {"kind": "error", "node": a, "gpu": gpus[0]},
             "pcie_only": {"kind": "pcie_only", "node": a, "gpus": gpus},
         }[kind])
     return {"nodes": nodes, "gpus_per_node": GPUS, "gpu": "H100-SXM", "noise": noise,
@@ -65,7 +66,8 @@ def matches(fault: dict[str, Any], f: dict[str, Any]) -> bool:
     """Found and localized: the right kind on the right node, GPU pair, GPU or node pair."""
     kind = fault["kind"]
     want = {"nvlink": "nvlink_degraded", "nic": "nic_degraded", "net_path": "net_path_degraded",
-            "hang": "hang", "corrupt": "data_corruption", "pcie_only": "topology_mismatch"}[kind]
+            "hang": "hang", "corrupt": "data_corruption", "pcie_only": "topology_mismatch",
+            "error": "probe_error"}[kind]
     if f["kind"] != want:
         return False
     if kind == "net_path":
@@ -74,7 +76,7 @@ def matches(fault: dict[str, Any], f: dict[str, Any]) -> bool:
         return False
     if kind in ("nvlink", "pcie_only"):
         return f.get("gpus") == sorted(fault["gpus"])
-    if kind in ("hang", "corrupt"):
+    if kind in ("hang", "corrupt", "error"):
         return f.get("gpu") == fault["gpu"]
     return True
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("probes", "nccl_path", "alerts", "detection")
+BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "monitoring")
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.analyzer.hysteresis import Policy
+
 # The project's own state folder (embedded Postgres, Ray temp dir, spool); ignored by git.
 STATE_DIR = Path(__file__).resolve().parents[1] / ".ringwatch"
 
@@ -32,18 +34,28 @@ class Settings(BaseSettings):
     webhook_max_age_s: float = Field(default=24 * 3600.0, gt=0)
     webhook_timeout_s: float = Field(default=5.0, gt=0)
     notifier_poll_s: float = Field(default=1.0, gt=0)
-    # Analyzer: busbw below this fraction of the peers' expected value is degraded.
-    degraded_ratio: float = Field(default=0.7, gt=0, lt=1)
-    # Hysteresis of scheduled health: k bad of the last n cycles degrade, m good recover.
-    hysteresis_k_bad: int = Field(default=2, ge=1)
-    hysteresis_n_window: int = Field(default=3, ge=1)
-    hysteresis_m_good: int = Field(default=2, ge=1)
+    # Analyzer: busbw below this fraction of its expectation is degraded. Unset: the
+    # analyzer's default for the backend (services.analyzer.assess.thresholds_for), the
+    # same for monitoring and preflight.
+    degraded_ratio: float | None = Field(default=None, gt=0, lt=1)
+    # Hysteresis of incidents: k bad of the last n cycles open one, m good in a row close
+    # it. Defaults: services.analyzer.hysteresis.Policy (the one place they are defined).
+    hysteresis_k_bad: int = Field(default=Policy.k_bad, ge=1)
+    hysteresis_n_window: int = Field(default=Policy.n_window, ge=1)
+    hysteresis_m_good: int = Field(default=Policy.m_good, ge=1)
     demo: bool = False
 
-    def hysteresis(self):  # -> services.analyzer.hysteresis.Policy
-        from services.analyzer.hysteresis import Policy
-
+    def hysteresis(self) -> Policy:
         return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)
+
+    def thresholds(self, backend: str):  # -> services.analyzer.assess.Thresholds
+        """The judgement's thresholds for results from ``backend``."""
+        from dataclasses import replace
+
+        from services.analyzer.assess import thresholds_for
+
+        t = thresholds_for(backend)
+        return t if self.degraded_ratio is None else replace(t, degraded_ratio=self.degraded_ratio)
 
     @property
     def spool_dir(self) -> Path:

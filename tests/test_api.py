@@ -150,18 +150,24 @@ def test_unknown_nodes_are_404s(api) -> None:
 
 
 def test_slow_node_degrades_then_recovers(api) -> None:
+    """A slow node shows in its own group and every node pair it is in: one incident,
+    localized to the node, and every link it slowed marked degraded for reading."""
     r = api.post("/v1/measurements", json=fleet_batch(slow_node="node-002"), headers=auth(api, "agent"))
     body = r.json()
-    degraded_groups = {",".join(d["members"]) for d in body["degraded"]}
-    assert degraded_groups and all("node-002" in g for g in degraded_groups)
+    assert [(d["kind"], d["node"]) for d in body["degraded"]] == [("nvlink_degraded", "node-002")]
+    evidence = body["degraded"][0]["evidence"]
+    assert evidence and all("node-002" in e["nodes"] for e in evidence)
     bad = api.get("/v1/links", params={"status": "degraded"}, headers=auth(api, "reader")).json()
     assert bad and all("node-002" in x["nodes"] for x in bad)
     assert api.get("/v1/health", headers=auth(api, "reader")).json()["status"] == "degraded"
+    open_ = api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json()
+    assert [(f["kind"], f["nodes"]) for f in open_] == [("nvlink_degraded", ["node-002"])]
 
     r = api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).json()
-    assert {",".join(d["members"]) for d in r["recovered"]} == degraded_groups
+    assert [(d["kind"], d["node"]) for d in r["recovered"]] == [("nvlink_degraded", "node-002")]
     assert api.get("/v1/links", params={"status": "degraded"}, headers=auth(api, "reader")).json() == []
     assert api.get("/v1/findings", params={"status": "open"}, headers=auth(api, "reader")).json() == []
+    assert api.get("/v1/health", headers=auth(api, "reader")).json()["status"] == "healthy"
 
 
 def test_preflight_from_fresh_results(api) -> None:

@@ -89,11 +89,28 @@ def test_history_expectation_from_median_and_mad():
 
 
 def test_noisy_history_widens_the_expectation():
-    noisy = [100.0, 60.0, 140.0, 80.0, 120.0, 100.0]
+    noisy = [100.0, 92.0, 108.0, 95.0, 105.0, 100.0]
     quiet = [100.0] * 6
     e_noisy = history_expected(noisy)
     e_quiet = history_expected(quiet)
     assert e_noisy is not None and e_quiet is not None and e_noisy < e_quiet
+
+
+@given(st.lists(st.floats(1e-3, 1e3), min_size=5, max_size=50))
+def test_a_history_never_yields_an_expectation_no_loss_could_miss(values):
+    """However noisy the history, an expectation is either None ("no baseline") or high
+    enough that losing half the median bandwidth reads as degraded."""
+    t = Thresholds()
+    e = history_expected(values, t)
+    median = float(np.median(values))
+    assert e is None or median * t.critical_ratio < e * t.degraded_ratio + 1e-9
+
+
+def test_a_link_too_noisy_for_a_baseline_says_so():
+    lone = meas(("node-000/0", "node-001/0"), 0.001, scope="world")
+    past = [100.0, 1.0, 300.0, 0.5, 150.0, 2.0, 90.0]
+    [a] = assess([lone], history={link_key(lone): past})
+    assert a.expected_gbs is None and a.ratio is None and a.source == "none"
 
 
 @given(st.lists(st.floats(0.1, 1000.0), min_size=2, max_size=30), st.floats(0.0, 1.0))

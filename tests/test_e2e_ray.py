@@ -40,9 +40,13 @@ def api(database_url, clean_db, tmp_path):
 def test_probe_cycle_reaches_postgres_and_reads_back(backend, api, tmp_path) -> None:
     cycle = run_cycle(backend, ProbeOptions(sizes=(1 << 18,), warmup=2, iters=5))
     ops = {(m.op, m.scope) for m in cycle.measurements}
-    # With two nodes the node pair is the whole set: no separate world group.
-    assert ops == {("allreduce", "intra_node"), ("alltoall", "intra_node"),
-                   ("allreduce", "inter_node"), ("alltoall", "inter_node")}
+    # With two nodes the node pair is the whole set: no separate world group. (A node whose
+    # intra-node group was slow twice on these shared cores is blamed, and then its network
+    # is not probed: it could not be told from its NVLink.)
+    want = {("allreduce", "intra_node"), ("alltoall", "intra_node")}
+    if not cycle.judged:
+        want |= {("allreduce", "inter_node"), ("alltoall", "inter_node")}
+    assert ops == want
     assert all(m.wrong == 0 and m.busbw_gbs > 0 for m in cycle.measurements)
     assert cycle.findings == []
 
@@ -55,15 +59,17 @@ def test_probe_cycle_reaches_postgres_and_reads_back(backend, api, tmp_path) -> 
     assert [(n["name"], [g["local_index"] for g in n["gpus"]]) for n in nodes] == [
         ("node-000", [0, 1]), ("node-001", [0, 1])]
     links = httpx.get(f"{api}/v1/links", headers=headers).json()
-    assert {(x["scope"], x["op"]) for x in links} >= {("intra_node", "allreduce"), ("inter_node", "alltoall")}
-    world = next(m for m in cycle.measurements if m.scope == "inter_node" and m.op == "allreduce")
+    assert {(x["scope"], x["op"]) for x in links} == {(scope, op) for op, scope in want}
+    world = next(m for m in cycle.measurements if m.op == "allreduce"
+                 and m.scope == ("intra_node" if cycle.judged else "inter_node"))
     series = httpx.get(f"{api}/v1/series", headers=headers,
                        params={"members": ",".join(world.members), "op": "allreduce"}).json()
     assert len(series["points"]) == 1
     point = series["points"][0]
     assert point["busbw_gbs"] == pytest.approx(world.busbw_gbs)
-    # nccl-tests: allreduce busbw = algbw * 2(n-1)/n, with n = 4 ranks here.
-    assert point["busbw_gbs"] == pytest.approx(point["algbw_gbs"] * 2 * 3 / 4)
+    # nccl-tests: allreduce busbw = algbw * 2(n-1)/n.
+    n = len(world.members)
+    assert point["busbw_gbs"] == pytest.approx(point["algbw_gbs"] * 2 * (n - 1) / n)
 
 
 def test_busy_node_is_skipped_and_said_to_be(backend, api, tmp_path) -> None:

@@ -43,13 +43,17 @@ def prolog(env: dict[str, str], nodelist: str) -> subprocess.CompletedProcess:
 
 def test_slurm_prolog_blocks_an_unhealthy_node_set(server) -> None:
     api, headers = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
-    httpx.post(f"{api}/v1/measurements", json=fleet_batch(slow_node="node-001"),
-               headers=headers).raise_for_status()
+    # A fault that lasts two cycles opens an incident (the default hysteresis) ...
+    for _ in range(2):
+        httpx.post(f"{api}/v1/measurements", json=fleet_batch(slow_node="node-001"),
+                   headers=headers).raise_for_status()
     r = prolog(server, "node-000,node-001,node-002,node-003")
     assert r.returncode == 1, r.stderr
     assert "exclude: node-001" in r.stderr and "job 42" in r.stderr
 
-    httpx.post(f"{api}/v1/measurements", json=fleet_batch(), headers=headers).raise_for_status()
+    # ... and two clean cycles close it.
+    for _ in range(2):
+        httpx.post(f"{api}/v1/measurements", json=fleet_batch(), headers=headers).raise_for_status()
     r = prolog(server, "node-000,node-001,node-002,node-003")
     assert r.returncode == 0, r.stderr
 

@@ -7,8 +7,9 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agents.matchings import circle_matching, matching_count
 from agents.spec import nodes_of
-from services.scheduler.planner import ALL_PAIRS_MAX, circle_matchings, plan_rounds
+from services.scheduler.planner import ALL_PAIRS_MAX, AdaptivePlanner, ProbeShape, circle_matchings
 
 
 def layout(n_nodes: int, gpus: int) -> dict[str, list[int]]:
@@ -34,10 +35,36 @@ def test_circle_matchings_cover_every_pair_once(n):
         assert len(flat) == len(set(flat))
 
 
+@given(st.integers(0, 40), st.integers(0, 100))
+def test_the_kth_matching_is_the_tournaments_kth(n, k):
+    rounds = circle_matchings(list(range(n)))
+    got = circle_matching(list(range(n)), k)
+    assert got == (rounds[k % len(rounds)] if rounds else [])
+    assert matching_count(n) == len(rounds)
+
+
+def healthy_plan(nodes, rotation=0, **shape):
+    """Every round the adaptive plan asks for when every result comes back healthy."""
+    from agents.spec import Measurement
+    from services.analyzer.assess import Thresholds, assess
+    from services.analyzer.localize import group_verdicts
+
+    planner = AdaptivePlanner(nodes, ProbeShape(**shape), rotation=rotation)
+    rounds, ms, verdicts = [], [], {}
+    while groups := planner.next_round(verdicts, set()):
+        rounds.append(groups)
+        ms += [Measurement(op=op, scope=g.scope, members=list(g.members),
+                           size_bytes=max(g.sizes), dtype="float32", warmup=1, iters=1,
+                           time_us=1.0, algbw_gbs=10.0, busbw_gbs=10.0, wrong=0)
+               for g in groups for op in g.ops]
+        verdicts = group_verdicts(assess(ms, Thresholds(), expected=lambda m: 10.0))
+    return rounds
+
+
 @settings(max_examples=60)
 @given(st.integers(1, 30), st.integers(1, 4))
-def test_static_plan_is_disjoint_and_scoped(n_nodes, gpus):
-    rounds = plan_rounds(layout(n_nodes, gpus), sizes=(1 << 20,))
+def test_healthy_plan_is_disjoint_and_scoped(n_nodes, gpus):
+    rounds = healthy_plan(layout(n_nodes, gpus), sizes=(1 << 20,))
     assert_disjoint(rounds)
     intra = [g for r in rounds for g in r if g.scope == "intra_node"]
     assert len(intra) == (n_nodes if gpus >= 2 else 0)
@@ -49,25 +76,35 @@ def test_static_plan_is_disjoint_and_scoped(n_nodes, gpus):
 
 @settings(max_examples=30)
 @given(st.integers(2, ALL_PAIRS_MAX))
-def test_small_fleet_static_plan_tests_every_node_pair(n_nodes):
-    rounds = plan_rounds(layout(n_nodes, 2))
+def test_small_fleet_plan_tests_every_node_pair(n_nodes):
+    rounds = healthy_plan(layout(n_nodes, 2))
     tested = {frozenset(nodes_of(g.members)) for r in rounds for g in r if g.scope == "inter_node"}
     assert tested == {frozenset(p) for p in combinations(layout(n_nodes, 2), 2)}
     assert len(rounds) <= 1 + n_nodes + 1
 
 
-def test_large_fleet_static_plan_runs_one_matching_per_rotation():
-    nodes = layout(20, 2)
-    a = plan_rounds(nodes, rotation=0)
-    b = plan_rounds(nodes, rotation=1)
-    assert len(a) == 3
-    pairs = lambda rounds: {frozenset(nodes_of(g.members)) for g in rounds[1]}  # noqa: E731
-    assert len(pairs(a)) == 10 and not pairs(a) & pairs(b)
+@settings(max_examples=10, deadline=None)
+@given(st.integers(ALL_PAIRS_MAX + 1, 24))
+def test_large_fleet_meets_every_pair_over_a_tournament_of_cycles(n_nodes):
+    """One matching per cycle, advanced by the rotation: after n - 1 cycles (n for odd n)
+    every node pair has been probed once, so a slow path anywhere is eventually seen."""
+    nodes = layout(n_nodes, 2)
+    seen: set[frozenset[str]] = set()
+    for rotation in range(matching_count(n_nodes)):
+        rounds = healthy_plan(nodes, rotation)
+        pairs = [frozenset(nodes_of(g.members)) for r in rounds for g in r
+                 if g.scope == "inter_node"]
+        # One matching per cycle; with an odd count the node sitting out is re-paired with
+        # a proven one, so every node has network evidence every cycle.
+        assert len(pairs) == (n_nodes + 1) // 2
+        assert set().union(*pairs) == set(nodes)
+        seen |= set(pairs)
+    assert len(seen) == n_nodes * (n_nodes - 1) // 2
 
 
 def test_plan_passes_probe_settings_through():
-    g = plan_rounds(layout(3, 2), ops=("alltoall",), sizes=(8,), dtype="bfloat16", warmup=1,
-                    iters=2)[0][0]
+    g = healthy_plan(layout(3, 2), ops=("alltoall",), sizes=(8,), dtype="bfloat16", warmup=1,
+                     iters=2)[0][0]
     assert (g.ops, g.sizes, g.dtype, g.warmup, g.iters) == (("alltoall",), (8,), "bfloat16", 1, 2)
 
 
@@ -79,8 +116,6 @@ from agents.spec import Measurement  # noqa: E402
 from services.analyzer.assess import Assessment  # noqa: E402
 from services.analyzer.localize import GroupVerdict  # noqa: E402
 from services.scheduler.planner import (  # noqa: E402
-    AdaptivePlanner,
-    ProbeShape,
     gpu_pair_rounds,
     pack,
     search_step,
@@ -192,7 +227,8 @@ def test_fault_free_plan_is_a_constant_number_of_rounds(n):
 
 def test_pack_keeps_rounds_disjoint():
     nodes = layout(4, 1)
-    groups = plan_rounds(nodes)[0] + plan_rounds(nodes)[1] + plan_rounds(nodes)[-1]
+    plan = healthy_plan(nodes)
+    groups = plan[0] + plan[1] + plan[-1]
     now, later = pack(groups)
     assert_disjoint([now]) is None and len(now) + len(later) == len(groups)
     assert later
@@ -218,3 +254,31 @@ def test_eight_gpus_give_seven_rounds_of_four_pairs() -> None:
     assert all(g.scope == "gpu_pair" for groups in rounds for g in groups)
     pairs = {g.members for groups in rounds for g in groups if g.members[0].startswith("node-000")}
     assert len(pairs) == 28
+
+
+def test_a_small_fleet_with_no_proven_node_still_probes_its_network():
+    """Two nodes whose intra-node results were both suspect: nobody is proven good to pair
+    with, so the two meet each other rather than leaving the network unprobed."""
+    nodes = layout(2, 2)
+    planner = AdaptivePlanner(nodes, ProbeShape())
+    intra = planner.next_round({}, set())
+    verdicts = _judged(intra, slow={"node-000", "node-001"})
+    seen = []
+    while groups := planner.next_round(verdicts, set()):
+        seen += groups
+        verdicts = _judged(intra + seen, slow={"node-000", "node-001"})
+    pairs = [g for g in seen if g.scope == "inter_node"]
+    assert [nodes_of(g.members) for g in pairs] == [["node-000", "node-001"]]
+
+
+def _judged(groups, slow):
+    from agents.spec import Measurement
+    from services.analyzer.assess import Thresholds, assess
+    from services.analyzer.localize import group_verdicts
+
+    ms = [Measurement(op=op, scope=g.scope, members=list(g.members), size_bytes=max(g.sizes),
+                      dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=10.0,
+                      busbw_gbs=4.0 if g.scope == "intra_node" and set(nodes_of(g.members)) <= slow
+                      else 10.0, wrong=0)
+          for g in groups for op in g.ops]
+    return group_verdicts(assess(ms, Thresholds(), expected=lambda m: 10.0))

@@ -131,7 +131,14 @@ def test_a_malformed_scheduler_verdict_is_refused(api) -> None:
     assert r.status_code == 422
 
 
-def test_one_noisy_cycle_makes_a_suspect_not_an_exclusion(api) -> None:
+def test_one_noisy_cycle_makes_a_suspect_not_an_exclusion(clean_db) -> None:
+    """With the default hysteresis (2 bad of 3 open an incident), one slow cycle makes a
+    suspect; a second confirms it: the stored preflight answers from the incidents."""
+    with api_client(clean_db, settings={}) as api:
+        _noisy_then_confirmed(api)
+
+
+def _noisy_then_confirmed(api) -> None:
     api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"])
     api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
     v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
@@ -143,3 +150,21 @@ def test_one_noisy_cycle_makes_a_suspect_not_an_exclusion(api) -> None:
     api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
     v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
     assert v["healthy"] is False and v["exclude"] == ["node-001"] and v["suspects"] == []
+
+
+def test_newer_degraded_results_at_a_smaller_size_are_not_hidden(clean_db) -> None:
+    """Clean results at 4 MiB, then two cycles where node-001 is slow at 1 MiB only: the
+    stored preflight must answer from the newer results (as /v1/health does), not let the
+    older, larger clean size stand for the link."""
+    with api_client(clean_db, settings={}) as api:
+        big = fleet_batch()
+        for m in big["measurements"]:
+            m.update(measurement(m["members"], m["busbw_gbs"], scope=m["scope"], size=4 << 20))
+        api.post("/v1/measurements", json=big, headers=api.h["agent"]).raise_for_status()
+        for _ in range(2):
+            api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"),
+                     headers=api.h["agent"]).raise_for_status()
+        health = api.get("/v1/health", headers=api.h["reader"]).json()
+        v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
+    assert health["status"] == "degraded"
+    assert v["healthy"] is False and v["exclude"] == ["node-001"]

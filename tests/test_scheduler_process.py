@@ -62,3 +62,60 @@ def test_preflight_of_a_dead_scheduler_completes_after_restart(server, tmp_path)
     assert body["status"] == "done" and body["attempts"] == 2
     assert body["healthy"] is False and body["exclude"] == ["node-002"]
     assert body["backend"] == "sim"
+
+
+def _scheduler_once(env: dict[str, str], fabric) -> str:
+    out = subprocess.run([sys.executable, "-m", "services.cli.main", "scheduler", "--fabric",
+                          str(fabric), "--once"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stderr
+
+
+def test_a_restarted_scheduler_goes_on_with_the_next_matching(server, tmp_path) -> None:
+    """Above 8 nodes each cycle probes one node-pair matching of the round-robin
+    tournament; its position is kept on disk, so three runs of `scheduler --once` (each a
+    restart) probe three different matchings, not the first one three times."""
+    api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    fabric = tmp_path / "fabric.json"
+    fabric.write_text(json.dumps({"nodes": 12, "gpus_per_node": 2, "seed": 3}))
+    for _ in range(3):
+        _scheduler_once(server, fabric)
+    links = httpx.get(f"{api}/v1/links", params={"scope": "inter_node"}, headers=h).json()
+    pairs = {tuple(x["nodes"]) for x in links if len(x["nodes"]) == 2}
+    assert len(pairs) == 3 * 6  # three matchings of six pairs each, none repeated
+    state = list((tmp_path / "scheduler").glob("rotation-*.json"))
+    assert len(state) == 1 and json.loads(state[0].read_text())["position"] == 3
+
+
+def test_monitoring_finds_what_preflight_finds(server, tmp_path) -> None:
+    """The issue's fleet, scaled to 16 x 8: a NIC at 0.55, one NVLink GPU pair at 0.5, one
+    node-pair path at 0.5. Default scheduled cycles open exactly one incident per fault,
+    named as `ringwatch preflight --fabric` names them, and the stored preflight agrees."""
+    api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    fabric = tmp_path / "fabric.json"
+    fabric.write_text(json.dumps({"nodes": 16, "gpus_per_node": 8, "seed": 5, "faults": [
+        {"kind": "nic", "node": "node-011", "factor": 0.55},
+        {"kind": "nvlink", "node": "node-003", "gpus": [2, 5], "factor": 0.5},
+        {"kind": "net_path", "nodes": ["node-004", "node-009"], "factor": 0.5}]}))
+    fresh = subprocess.run([sys.executable, "-m", "services.cli.main", "preflight", "--fabric",
+                            str(fabric), "--json"], env=server, capture_output=True, text=True,
+                           timeout=300)
+    assert fresh.returncode == 1, fresh.stderr[-2000:]
+
+    def place(f: dict) -> tuple:
+        return (f["kind"], f.get("node"), tuple(f.get("gpus") or ()), tuple(f.get("nodes") or ()))
+
+    want = sorted(place(f) for f in json.loads(fresh.stdout)["findings"])
+    assert want == [("net_path_degraded", None, (), ("node-004", "node-009")),
+                    ("nic_degraded", "node-011", (), ()),
+                    ("nvlink_degraded", "node-003", (2, 5), ())]
+    for _ in range(3):
+        _scheduler_once(server, fabric)
+    incidents = httpx.get(f"{api}/v1/findings", headers=h).json()
+    assert sorted(place(f["detail"]) for f in incidents) == want  # one each, all open
+    assert all(f["status"] == "open" and f["detail"]["evidence"] for f in incidents)
+    nodes = [f"node-{i:03d}" for i in range(16)]
+    stored = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes}, headers=h).json()
+    assert stored["healthy"] is False and stored["exclude"] == ["node-003", "node-011"]
+    assert sorted(place(f) for f in stored["findings"]) == want

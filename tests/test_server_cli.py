@@ -70,13 +70,15 @@ def test_preflight_cli_exit_codes_through_the_api(server) -> None:
     headers = {"Authorization": f"Bearer {ADMIN}"}
     api = server["RINGWATCH_API_URL"]
     nodes = "node-000,node-001,node-002,node-003"
-    httpx.post(f"{api}/v1/measurements", json=fleet_batch(slow_node="node-002"),
-               headers=headers).raise_for_status()
+    for _ in range(2):  # a fault that lasts two cycles (the default hysteresis)
+        httpx.post(f"{api}/v1/measurements", json=fleet_batch(slow_node="node-002"),
+                   headers=headers).raise_for_status()
     r = cli("preflight", "--nodes", nodes, "--json", env=server)
     assert r.returncode == 1, r.stderr
     assert json.loads(r.stdout)["exclude"] == ["node-002"]
 
-    httpx.post(f"{api}/v1/measurements", json=fleet_batch(), headers=headers).raise_for_status()
+    for _ in range(2):
+        httpx.post(f"{api}/v1/measurements", json=fleet_batch(), headers=headers).raise_for_status()
     r = cli("preflight", "--nodes", nodes, env=server)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("HEALTHY")

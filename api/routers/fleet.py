@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query
 
 from api.deps import ReaderDep, SessionDep
 from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
-from services.analyzer import fleet
+from services.monitor import fleet
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
 

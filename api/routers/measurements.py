@@ -4,8 +4,7 @@ from fastapi import APIRouter
 
 from api.deps import AgentDep, SessionDep, SettingsDep
 from api.schemas import IngestOut, MeasurementBatch
-from services.analyzer.assess import Thresholds
-from services.analyzer.ingest import ingest_batch
+from services.monitor.ingest import ingest_batch
 
 router = APIRouter(prefix="/v1", tags=["measurements"])
 
@@ -14,7 +13,7 @@ router = APIRouter(prefix="/v1", tags=["measurements"])
 def post_measurements(batch: MeasurementBatch, session: SessionDep, settings: SettingsDep,
                       _: AgentDep) -> dict:
     """Store a batch of probe results once (a retried ``batch_id`` is a no-op, ``created: false``)
-    and update link health from it."""
+    and fold its judgement into link health and fault incidents."""
     result = ingest_batch(
         session,
         batch_id=batch.batch_id,
@@ -24,7 +23,7 @@ def post_measurements(batch: MeasurementBatch, session: SessionDep, settings: Se
         findings=[f.model_dump(exclude_none=True) for f in batch.findings],
         duty_cycle=batch.duty_cycle,
         skipped=batch.skipped,
-        thresholds=Thresholds(degraded_ratio=settings.degraded_ratio),
+        thresholds=settings.thresholds(batch.backend),
         hysteresis=settings.hysteresis(),
         api_url=settings.api_url,
     )

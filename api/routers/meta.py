@@ -5,7 +5,7 @@ from fastapi.responses import PlainTextResponse
 from sqlalchemy import text
 
 from api.deps import SessionDep
-from services.analyzer import fleet
+from services.monitor import fleet
 
 router = APIRouter(tags=["meta"])
 

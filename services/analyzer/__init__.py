@@ -1,1 +1,2 @@
-"""Baselines, degradation, fault localization and health state, from measurements alone."""
+"""The judgement, from measurements alone: baselines, degradation, fault localization,
+fault keys and hysteresis. Pure functions: no database, no backend."""

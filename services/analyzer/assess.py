@@ -46,9 +46,18 @@ class Thresholds:
         return "critical" if ratio < self.critical_ratio else "warning"
 
 
-# Preflight re-tests every suspect before it blames anyone, so it can afford a tighter
-# threshold than continuous monitoring: 0.85 catches a 0.75-factor fault under 3 % noise.
+# Modeled and NCCL fabrics: every suspect is re-tested before anyone is blamed (in a
+# preflight and in each monitoring cycle alike), so 0.85 is affordable and catches a
+# 0.75-factor fault under 3 % noise.
 PREFLIGHT_THRESHOLDS = Thresholds(degraded_ratio=0.85)
+# gloo times CPU processes that share cores: tens of percent of jitter.
+GLOO_THRESHOLDS = Thresholds()
+
+
+def thresholds_for(backend: str) -> Thresholds:
+    """The one judgement's thresholds for a backend's results: monitoring, probe and
+    preflight (fresh or stored) all use these."""
+    return GLOO_THRESHOLDS if backend == "gloo" else PREFLIGHT_THRESHOLDS
 
 
 @dataclass
@@ -105,8 +114,12 @@ def history_expected(values: Sequence[float], t: Thresholds = Thresholds()) -> f
     # 1.4826 * MAD estimates a normal sigma; the floor keeps a too-quiet history usable.
     sigma = 1.4826 * b.mad
     floor = b.median - t.history_mad_k * sigma
+    if floor < t.critical_ratio * b.median:
+        # So noisy that even a critical loss would pass as its usual jitter: no baseline.
+        # Saying so beats an expectation near zero that no measurement can ever miss.
+        return None
     # Expressed as the expectation whose degraded threshold lands on ``floor``.
-    return min(b.median, max(floor, 1e-12) / t.degraded_ratio)
+    return min(b.median, floor / t.degraded_ratio)
 
 
 def leave_one_out_quantile(values: np.ndarray, q: float) -> np.ndarray:

@@ -12,9 +12,12 @@ DEGRADED = "degraded"
 
 @dataclass(frozen=True)
 class Policy:
-    k_bad: int = 3
-    n_window: int = 5
-    m_good: int = 3
+    """The one set of defaults (settings read theirs from here): 2 bad of the last 3
+    observations open an incident, 2 good in a row close it."""
+
+    k_bad: int = 2
+    n_window: int = 3
+    m_good: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.k_bad <= self.n_window:
@@ -29,6 +32,11 @@ class LinkState:
     # The last n_window verdicts, oldest first: True for a bad one.
     recent: tuple[bool, ...] = ()
     good_streak: int = 0
+
+
+# Faults the probes see themselves (a hang, a rank's error, wrong data) are not noise:
+# they open at once and close on the rank's first clean probe.
+AT_ONCE = Policy(1, 1, 1)
 
 
 def step(state: LinkState, bad: bool, policy: Policy = Policy()) -> LinkState:

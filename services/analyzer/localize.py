@@ -89,15 +89,39 @@ def p2p_link_types(ranks: Iterable[RankInfo] | None,
     return out
 
 
+# A finding lists at most this many of the slow results behind it.
+MAX_EVIDENCE = 8
+
+
+def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
+    """The slow results behind a finding, worst first: scope, op, size, nodes, figures."""
+    out = []
+    for a in sorted(assessments, key=lambda a: a.ratio or 0.0)[:MAX_EVIDENCE]:
+        m = a.measurement
+        nodes = _nodes_of(tuple(sorted(m.members)))
+        item: dict[str, object] = {"scope": m.scope, "op": m.op, "size_bytes": m.size_bytes,
+                                   "ranks": len(m.members), "measured_gbs": round(m.busbw_gbs, 3)}
+        if a.expected_gbs is not None:
+            item["expected_gbs"] = round(a.expected_gbs, 3)
+        item["nodes"] = list(nodes[:4]) + ([f"+{len(nodes) - 4} more"] if len(nodes) > 4 else [])
+        if len(m.members) <= 2:
+            item["members"] = sorted(m.members)
+        out.append(item)
+    return out
+
+
 def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], **where: object) -> Finding:
-    """A degradation finding with measured/expected figures from the worst evidence."""
+    """A degradation finding with measured/expected figures from the worst evidence and
+    the slow results it rests on."""
     verdicts = v if isinstance(v, list) else [v]
     worst = [w for w in (x.worst for x in verdicts) if w is not None]
     measured = statistics.median(a.measurement.busbw_gbs for a in worst) if worst else None
     expected = [a.expected_gbs for a in worst if a.expected_gbs is not None]
     severity = "critical" if any(a.severity == "critical" for a in worst) else "warning"
+    slow = [a for x in verdicts for items in x.by_op.values() for a in items if a.bad]
     return Finding(kind=kind, severity=severity, measured_gbs=measured,
                    expected_gbs=statistics.median(expected) if expected else None,
+                   detail={"evidence": evidence_of(slow or worst)},
                    **where)  # type: ignore[arg-type]
 
 
@@ -219,12 +243,15 @@ def localize(
     probe_findings: Iterable[Finding],
     nodes: list[str],
     ranks: Iterable[RankInfo] | None = None,
+    verdicts: dict[GroupKey, GroupVerdict] | None = None,
 ) -> list[Finding]:
     """Findings of DESIGN.md's kinds for these nodes (all nodes seen when ``nodes`` is empty).
 
     ``ranks`` (optional) carries telemetry: a P2P row tells a PCIe pair from a slow NVLink.
+    ``verdicts``: ``group_verdicts(assessments)`` where the caller has it already.
     """
-    verdicts = group_verdicts(assessments)
+    if verdicts is None:
+        verdicts = group_verdicts(assessments)
     slow_local = {v.nodes[0] for v in verdicts.values() if len(v.nodes) == 1 and v.bad}
     links = p2p_link_types(ranks, slow_local)
     findings = dedupe(probe_findings)

@@ -135,7 +135,7 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from services.scheduler.api_client import SchedulerApi
-    from services.scheduler.cycle import run_scheduler
+    from services.scheduler.cycle import Rotation, run_scheduler
     from services.scheduler.shipper import Shipper
 
     settings = get_settings()
@@ -146,10 +146,19 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
     api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
     with closing(make_backend(args, progress)) as backend, closing(shipper), closing(api):
+        rotation = Rotation(settings.state_dir / "scheduler" / f"rotation-{_fleet_id(backend)}.json")
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
                       once=args.once, api=api, progress=progress,
-                      max_duty=settings.max_duty_cycle)
+                      max_duty=settings.max_duty_cycle, rotation=rotation)
     return 0
+
+
+def _fleet_id(backend: Any) -> str:
+    """A short name for this fleet (its node set), so one state folder can serve several."""
+    import hashlib
+
+    names = sorted({r.node for r in backend.ranks()})
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
 
 
 # -- one-shot probes and checks ---------------------------------------------------------

@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import utcnow
-from services.analyzer.stored_verdict import verdict_from_store
 from services.errors import BadInput, NotFound
+from services.monitor.stored_verdict import verdict_from_store
 from services.store import db
 from services.store import health as health_store
 from services.store import preflight as store

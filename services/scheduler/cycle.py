@@ -1,23 +1,26 @@
-"""One probe cycle: plan the rounds for every rank, run them, package the results.
+"""One monitoring cycle: the adaptive check of a preflight, on the whole fleet, with the
+node-pair matching advanced each cycle; its results shipped as one batch.
 
-A cycle's results are shipped as one batch, so the analyzer compares every
-group with its peers of the same cycle.
+A cycle's results are shipped as one batch, so the analyzer compares every group with its
+peers of the same cycle and localizes exactly as the cycle did.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
+from agents.spec import Finding, Measurement, ProbeBackend, RankInfo
 from services.scheduler.api_client import SchedulerApi
-from services.scheduler.deadlines import group_deadline_s
-from services.scheduler.planner import layout_of, plan_rounds
+from services.scheduler.planner import DEFAULT_OPS, layout_of
+from services.scheduler.preflight import probe_shape, run_adaptive
 from services.scheduler.shipper import Shipper
 
 Progress = Callable[[str], None]
@@ -25,8 +28,10 @@ Progress = Callable[[str], None]
 
 @dataclass(frozen=True)
 class ProbeOptions:
-    ops: tuple[str, ...] = ("allreduce", "alltoall")
-    sizes: tuple[int, ...] = (1 << 20,)
+    ops: tuple[str, ...] = DEFAULT_OPS
+    # None: the backend's probe sizes (one latency, one bandwidth-bound size), the same a
+    # preflight uses, so the two judge alike.
+    sizes: tuple[int, ...] | None = None
     dtype: str = "float32"
     warmup: int = 5
     iters: int = 20
@@ -39,10 +44,15 @@ class CycleResult:
     backend: str
     ranks: list[RankInfo]
     measurements: list[Measurement] = field(default_factory=list)
+    # What the probes reported themselves (hangs, errors, wrong data): shipped.
     findings: list[Finding] = field(default_factory=list)
+    # The cycle's own judgement (localized faults): shown, not shipped; the API judges the
+    # batch the same way.
+    judged: list[Finding] = field(default_factory=list)
     rounds: int = 0
     fabric_time_s: float = 0.0
     wall_time_s: float = 0.0
+    rotation: int = 0
     injected: list[dict[str, Any]] = field(default_factory=list)
     # Nodes left out because other work held them, with the reason.
     skipped: dict[str, str] = field(default_factory=dict)
@@ -65,8 +75,11 @@ class CycleResult:
 
 
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
-              progress: Progress | None = None, skip_busy: bool = False) -> CycleResult:
-    started = time.monotonic()
+              progress: Progress | None = None, skip_busy: bool = False,
+              rotation: int = 0) -> CycleResult:
+    """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
+    node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
+    it is slow, the search for the slow path: the adaptive plan of a preflight."""
     ranks = backend.ranks()
     layout = layout_of(ranks, only)
     skipped = _busy(backend, layout) if skip_busy else {}
@@ -74,29 +87,41 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         if progress:
             progress(f"skipping {node}: {reason}")
         del layout[node]
-    deadline = group_deadline_s(backend.name, options.ops, options.sizes, warmup=options.warmup,
-                                iters=options.iters, repeats=getattr(backend, "repeats", 1))
-    rounds: list[list[GroupSpec]] = plan_rounds(
-        layout, ops=options.ops, sizes=options.sizes, dtype=options.dtype,
-        warmup=options.warmup, iters=options.iters, deadline_s=deadline, redop=options.redop,
-    )
-    result = CycleResult(backend=backend.name, ranks=ranks, skipped=skipped,
-                         injected=[f.to_dict() for f in getattr(backend, "injected", [])])
-    for i, groups in enumerate(rounds, 1):
-        if progress:
-            scopes = ", ".join(sorted({g.scope for g in groups}))
-            progress(f"round {i}/{len(rounds)}: {len(groups)} group(s) ({scopes})")
-        rr = backend.run_round(groups)
-        for g in groups:
-            for m in g.members:
-                held = rr.busy_s.get(m, rr.wall_time_s)
-                result.busy_s[m] = result.busy_s.get(m, 0.0) + held
-        result.measurements += rr.measurements
-        result.findings += rr.findings
-        result.fabric_time_s += rr.fabric_time_s
-    result.rounds = len(rounds)
-    result.wall_time_s = time.monotonic() - started
-    return result
+    shape = probe_shape(backend, options.ops, options.sizes, dtype=options.dtype,
+                        warmup=options.warmup, iters=options.iters, redop=options.redop)
+    run = run_adaptive(backend, layout, ranks, shape, rotation=rotation, progress=progress,
+                       label="round")
+    return CycleResult(
+        backend=backend.name, ranks=ranks, measurements=run.measurements,
+        findings=run.probe_findings, judged=run.judgement.findings, rounds=run.rounds,
+        fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
+        injected=[f.to_dict() for f in getattr(backend, "injected", [])], skipped=skipped,
+        busy_s=run.busy_s)
+
+
+class Rotation:
+    """Where the node-pair tournament stands, kept in a file so a restarted scheduler goes
+    on with the next matching instead of starting over (and never reaching the rest)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.position = 0
+        if path is not None and path.exists():
+            try:
+                self.position = int(json.loads(path.read_text()).get("position", 0))
+            except (ValueError, OSError, AttributeError):
+                self.position = 0  # an unreadable file: start over, never refuse to probe
+
+    def advance(self) -> int:
+        """The position for this cycle; the next cycle gets the one after it."""
+        current = self.position
+        self.position += 1
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"position": self.position}))
+            tmp.replace(self.path)  # atomic: a crash leaves the old or the new, never half
+        return current
 
 
 def _busy(backend: ProbeBackend, layout: dict[str, list[int]]) -> dict[str, str]:
@@ -104,6 +129,15 @@ def _busy(backend: ProbeBackend, layout: dict[str, list[int]]) -> dict[str, str]
     if busy_nodes is None:
         return {}
     return {n: r for n, r in busy_nodes().items() if n in layout}
+
+
+def _kinds(findings: list[Finding]) -> str:
+    if not findings:
+        return ""
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.kind] = counts.get(f.kind, 0) + 1
+    return "(" + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) + ")"
 
 
 class DutyCycle:
@@ -128,38 +162,13 @@ class DutyCycle:
         return {n: round(v, 6) for n, v in sorted(per_node.items())}
 
 
-class Recording:
-    """A backend seen through a recorder: every round's results are kept for shipping."""
-
-    def __init__(self, backend: ProbeBackend) -> None:
-        self.backend = backend
-        self.name = backend.name
-        self.measurements: list[Measurement] = []
-        self.findings: list[Finding] = []
-
-    def ranks(self) -> list[RankInfo]:
-        return self.backend.ranks()
-
-    def run_round(self, groups: list[GroupSpec]):  # -> RoundResult
-        result = self.backend.run_round(groups)
-        self.measurements += result.measurements
-        self.findings += result.findings
-        return result
-
-    def close(self) -> None:
-        """The recorder owns nothing; the backend is closed by whoever opened it."""
-
-    def __getattr__(self, name: str) -> Any:  # preflight_sizes, expected_busbw, repeats ...
-        return getattr(self.backend, name)
-
-
 def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                     options: ProbeOptions, *, lease_s: float = 300.0,
                     progress: Progress | None = None) -> bool:
-    """Claim one waiting preflight request, run a preflight on its nodes (suspects are
-    re-tested before anyone is blamed), ship what it measured, complete the request with
-    its verdict; False if nothing waits."""
-    from services.scheduler.preflight import run_preflight
+    """Claim one waiting preflight request, run the adaptive check on its nodes (suspects
+    are re-tested and localized before anyone is blamed), ship what it measured, complete
+    the request with its verdict; False if nothing waits."""
+    from services.analyzer.verdict import build_verdict
 
     req = api.claim_preflight(lease_s)
     if req is None:
@@ -171,10 +180,16 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
         return True
     if progress:
         progress(f"preflight {req['id'][:8]}: probing {len(req['nodes'])} node(s)")
-    recording = Recording(backend)
-    verdict = run_preflight(recording, req["nodes"], progress=progress)
-    batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in req["nodes"]],
-                        measurements=recording.measurements, findings=recording.findings,
+    layout = layout_of(ranks, req["nodes"])
+    shape = probe_shape(backend, options.ops, options.sizes, dtype=options.dtype,
+                        warmup=options.warmup, iters=options.iters, redop=options.redop)
+    run = run_adaptive(backend, layout, ranks, shape, progress=progress,
+                       label=f"preflight {req['id'][:8]} round")
+    verdict = build_verdict(backend=backend.name, nodes=list(layout),
+                            findings=run.judgement.findings, rounds=run.rounds,
+                            duration_s=run.fabric_s, extra={"wall_s": round(run.wall_s, 3)})
+    batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in layout],
+                        measurements=run.measurements, findings=run.probe_findings,
                         injected=[f.to_dict() for f in getattr(backend, "injected", [])])
     if shipper.ship(batch.to_batch()):
         # Results still spooled: leave the request to be claimed again once the API takes them.
@@ -188,7 +203,8 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
 def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
                   interval_s: float, once: bool, api: SchedulerApi | None = None,
                   stop: threading.Event | None = None, progress: Progress | None = None,
-                  jitter: float = 0.1, poll_s: float = 1.0, max_duty: float = 0.005) -> int:
+                  jitter: float = 0.1, poll_s: float = 1.0, max_duty: float = 0.005,
+                  rotation: Rotation | None = None) -> int:
     """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)
     and, between cycles, answer waiting preflight requests.
 
@@ -196,21 +212,24 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
     rank for B seconds is followed by a wait of at least B / max_duty - B, whatever the
     interval says, so a slow fabric or a large fleet cannot turn monitoring into load."""
     stop = stop or threading.Event()
+    rotation = rotation or Rotation(None)
     cycles = 0
     duty = DutyCycle()
     next_cycle = time.monotonic()
     while not stop.is_set():
         if time.monotonic() >= next_cycle:
             so_far = duty.fractions()
-            cycle = run_cycle(backend, options, progress=progress, skip_busy=True)
+            cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
+                              rotation=rotation.advance())
             cycle.duty_cycle = so_far
             duty.add(cycle)
             worst = max(so_far.values(), default=0.0)
             left = shipper.ship(cycle.to_batch())
             cycles += 1
             if progress:
-                progress(f"cycle {cycles}: {len(cycle.measurements)} measurements, "
-                         f"{len(cycle.findings)} findings, {len(cycle.skipped)} node(s) skipped, "
+                progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
+                         f"measurements, {len(cycle.judged)} finding(s) "
+                         f"{_kinds(cycle.judged)}, {len(cycle.skipped)} node(s) skipped, "
                          f"duty cycle {worst:.3%}, {left} batch(es) still spooled")
             if once:
                 break

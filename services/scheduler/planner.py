@@ -1,7 +1,9 @@
 """Plan probe rounds: which ranks form which groups, so that every round's groups are disjoint.
 
-Intra-node groups of every node run at once; node pairs follow perfect matchings from the
-circle method; a world group closes the plan.
+One adaptive plan serves a preflight and each monitoring cycle: intra-node groups of every
+node at once; GPU pairs of suspect nodes beside a node-pair matching of the others (all
+matchings for a small fleet, the ``rotation``-th for a large one); re-pairs; a world group;
+where that is slow, the search for the slow path.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from agents.matchings import circle_matchings
+from agents.matchings import circle_matching, circle_matchings
 from agents.spec import GroupSpec, RankInfo, member
 from services.analyzer.localize import GroupVerdict, nic_needs_more_partners
 
@@ -64,50 +66,7 @@ def world_group(nodes: Nodes, names: Sequence[str], shape: ProbeShape) -> GroupS
     return shape.group("world", node_members(nodes, sorted(names)))
 
 
-def node_pair_rounds(nodes: Nodes, shape: ProbeShape, *, matchings: int | None = None,
-                     rotation: int = 0) -> list[list[GroupSpec]]:
-    """Node pairs in perfect matchings: all of them for a small fleet, else ``matchings``
-    of them starting at ``rotation`` (so successive cycles cover every pair in turn)."""
-    names = sorted(nodes)
-    rounds = circle_matchings(names)
-    if not rounds:
-        return []
-    count = len(rounds) if matchings is None and len(names) <= ALL_PAIRS_MAX else (matchings or 1)
-    picked = [rounds[(rotation + k) % len(rounds)] for k in range(min(count, len(rounds)))]
-    return [[pair_group(nodes, a, b, shape) for a, b in pairs] for pairs in picked]
-
-
-def plan_rounds(
-    nodes: Nodes,
-    ops: Sequence[str] = DEFAULT_OPS,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    *,
-    dtype: str = "float32",
-    warmup: int = 5,
-    iters: int = 20,
-    deadline_s: float = 60.0,
-    matchings: int | None = None,
-    rotation: int = 0,
-    redop: str = "sum",
-) -> list[list[GroupSpec]]:
-    """The static plan: intra-node round, node-pair matchings, then one world group.
-
-    ``nodes`` maps a node to its local rank indices. With more than ``ALL_PAIRS_MAX``
-    nodes only ``matchings`` matchings run (default 1); ``rotation`` picks which.
-    """
-    shape = ProbeShape(tuple(ops), tuple(sizes), dtype, warmup, iters, deadline_s, redop)
-    plan: list[list[GroupSpec]] = []
-    intra = intra_round(nodes, shape)
-    if intra:
-        plan.append(intra)
-    plan += node_pair_rounds(nodes, shape, matchings=matchings, rotation=rotation)
-    # With two nodes the world is the one node pair already run; with one, the intra group.
-    if len(nodes) >= 3:
-        plan.append([world_group(nodes, list(nodes), shape)])
-    return plan
-
-
-# --- the adaptive preflight plan -------------------------------------------------------
+# --- the adaptive plan -------------------------------------------------------------------
 
 # A region of node pairs the path search still suspects: every pair inside ``a``
 # ("within"), or every pair with one node in ``a`` and one in ``b`` ("across").
@@ -243,8 +202,12 @@ class AdaptivePlanner:
     round count: O(g) + O(1) + O(log N) per slow path.
     """
 
-    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = 96) -> None:
+    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = 96,
+                 rotation: int = 0) -> None:
         self.nodes = nodes
+        # Which node-pair matching of the round-robin tournament a large fleet gets: a
+        # monitor advances it every cycle, so every pair of nodes meets in turn.
+        self.rotation = rotation
         self.shape = shape
         largest = (max(shape.sizes),)
         self.pair_shape = ProbeShape(("allreduce",), largest, shape.dtype, shape.warmup,
@@ -259,6 +222,10 @@ class AdaptivePlanner:
         self.pairs_retested = False
         self.matching_rounds: list[list[GroupSpec]] = []
         self.repairs = 0
+        # Nodes paired by the fallback for fleets with no proven node (once each), and
+        # every node pair issued so far (the fallback never repeats one).
+        self.lonely_paired: set[str] = set()
+        self.issued_pairs: set[frozenset[str]] = set()
         self.world: GroupSpec | None = None
         self.active: list[_Issued] = []
         self.search_started = False
@@ -321,10 +288,15 @@ class AdaptivePlanner:
                    for shape_group in intra_round({n: self.nodes[n]}, self.shape)]
         others = [n for n in sorted(self.nodes) if n not in blamed and n not in suspects]
         # A small fleet meets every pair (at most 7 rounds): one matching alone would leave
-        # a lone node-pair group with no peers to be judged against.
-        matchings = circle_matchings(others, limit=None if len(others) <= ALL_PAIRS_MAX else 1)
+        # a lone node-pair group with no peers to be judged against. A large one gets the
+        # ``rotation``-th matching of the tournament.
+        if len(others) <= ALL_PAIRS_MAX:
+            matchings = circle_matchings(others)
+        else:
+            matchings = [circle_matching(others, self.rotation)]
         self.matching_rounds = [[pair_group(self.nodes, a, b, self.shape) for a, b in pairs]
                                 for pairs in matchings]
+        self.issued_pairs |= {frozenset(p) for pairs in matchings for p in pairs}
         first = self.matching_rounds.pop(0) if self.matching_rounds else []
         return (self.pair_rounds.pop(0) if self.pair_rounds else []) + retests + first
 
@@ -373,6 +345,7 @@ class AdaptivePlanner:
                 a, b = sorted(pair)
                 groups.append(pair_group(self.nodes, a, b, self.shape))
         free = [p for p in good if p not in used]
+        lonely = []
         for n in sorted(live):
             if n in good or n in used or not nic_needs_more_partners(results[n]):
                 continue
@@ -381,6 +354,21 @@ class AdaptivePlanner:
                 free.remove(partner)
                 used |= {n, partner}
                 groups.append(pair_group(self.nodes, n, partner, self.shape))
+            elif not results[n] and n not in self.lonely_paired:
+                lonely.append(n)
+        # Nobody proven good yet (a small fleet whose intra-node results were all suspect):
+        # nodes with no node-pair result at all meet each other, so the network is probed.
+        while len(lonely) >= 2:
+            a = lonely.pop(0)
+            fresh = [x for x in lonely if frozenset((a, x)) not in self.issued_pairs]
+            if not fresh:
+                continue
+            b = fresh[0]
+            lonely.remove(b)
+            used |= {a, b}
+            self.lonely_paired |= {a, b}
+            groups.append(pair_group(self.nodes, a, b, self.shape))
+        self.issued_pairs |= {frozenset(nodes_of_members(g.members)) for g in groups}
         return groups
 
     def _search(self, v: Verdicts) -> list[GroupSpec]:

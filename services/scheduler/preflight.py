@@ -1,36 +1,100 @@
-"""The preflight driver: probe a set of nodes round by round and answer "may a job run here?".
+"""The adaptive check, round by round: what a preflight runs on a job's nodes and what each
+monitoring cycle runs on the fleet.
 
 Backend-agnostic: it sees only ``ProbeBackend`` (nccl, gloo, sim). Each round is planned
-from what the rounds before it showed, so suspects are re-tested before anyone is blamed.
+from what the rounds before it showed (``services.analyzer.judge``), so suspects are
+re-tested and localized before anyone is blamed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agents.collectives import default_sizes
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
-from services.analyzer.assess import PREFLIGHT_THRESHOLDS, Expected, Thresholds, assess
-from services.analyzer.localize import group_verdicts, localize
+from services.analyzer.assess import Expected, Thresholds, thresholds_for
+from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
 from services.scheduler.deadlines import group_deadline_s
-from services.scheduler.planner import (
-    DEFAULT_OPS,
-    DEFAULT_SIZES,
-    AdaptivePlanner,
-    ProbeShape,
-    layout_of,
-)
+from services.scheduler.planner import DEFAULT_OPS, AdaptivePlanner, ProbeShape, layout_of
 
 Progress = Callable[[str], None]
 
 
-def default_thresholds(backend_name: str) -> Thresholds:
-    """gloo times CPU processes that share cores: tens of percent of jitter, so it keeps the
-    looser monitoring threshold; modeled and NCCL fabrics get preflight's tighter one."""
-    return Thresholds() if backend_name == "gloo" else PREFLIGHT_THRESHOLDS
+def probe_sizes(backend: ProbeBackend) -> tuple[int, ...]:
+    """The sizes a cycle or preflight probes unless told: the backend's own choice where it
+    has one, else one latency and one bandwidth-bound size for its kind of fabric."""
+    return tuple(getattr(backend, "preflight_sizes", None) or default_sizes(backend.name))
+
+
+def probe_shape(backend: ProbeBackend, ops: Sequence[str] = DEFAULT_OPS,
+                sizes: Sequence[int] | None = None, *, dtype: str = "float32", warmup: int = 5,
+                iters: int = 20, redop: str = "sum", deadline_s: float | None = None) -> ProbeShape:
+    shape = ProbeShape(ops=tuple(ops), sizes=tuple(sizes or probe_sizes(backend)), dtype=dtype,
+                       warmup=warmup, iters=iters, redop=redop)
+    deadline = deadline_s or getattr(backend, "preflight_deadline_s", None) or group_deadline_s(
+        backend.name, shape.ops, shape.sizes, warmup=shape.warmup, iters=shape.iters,
+        repeats=getattr(backend, "repeats", 1))
+    return replace(shape, deadline_s=deadline)
+
+
+@dataclass
+class AdaptiveRun:
+    """What an adaptive check measured, and the judgement of all of it."""
+
+    judgement: Judgement
+    measurements: list[Measurement] = field(default_factory=list)
+    probe_findings: list[Finding] = field(default_factory=list)
+    rounds: int = 0
+    fabric_s: float = 0.0
+    wall_s: float = 0.0
+    # Seconds each rank spent inside probe groups.
+    busy_s: dict[str, float] = field(default_factory=dict)
+
+
+def run_adaptive(
+    backend: ProbeBackend,
+    layout: dict[str, list[int]],
+    ranks: Sequence[RankInfo],
+    shape: ProbeShape,
+    *,
+    thresholds: Thresholds | None = None,
+    expected: Expected | None = None,
+    rotation: int = 0,
+    max_rounds: int = 96,
+    progress: Progress | None = None,
+    label: str = "round",
+) -> AdaptiveRun:
+    """Plan a round from the judgement so far, run it, judge everything again; until the
+    planner has nothing left to ask. ``rotation`` picks the node-pair matching."""
+    started = time.perf_counter()
+    nodes = list(layout)
+    mine = [r for r in ranks if r.node in layout]
+    t = thresholds or thresholds_for(backend.name)
+    model = expected or getattr(backend, "expected_busbw", None)
+
+    def judged(run: AdaptiveRun) -> Judgement:
+        return judge(run.measurements, run.probe_findings, nodes, mine, thresholds=t,
+                     expected=model)
+
+    run = AdaptiveRun(judgement=judge([], [], nodes, mine, thresholds=t))
+    planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds, rotation=rotation)
+    while groups := planner.next_round(run.judgement.verdicts, run.judgement.blamed):
+        run.rounds += 1
+        _say(progress, label, run.rounds, groups)
+        result = backend.run_round(groups)
+        run.fabric_s += result.fabric_time_s
+        for g in groups:
+            for m in g.members:
+                run.busy_s[m] = run.busy_s.get(m, 0.0) + result.busy_s.get(m, result.wall_time_s)
+        run.measurements += result.measurements
+        run.probe_findings += result.findings
+        run.judgement = judged(run)
+    run.wall_s = time.perf_counter() - started
+    return run
 
 
 def run_preflight(
@@ -52,55 +116,18 @@ def run_preflight(
     Defaults come from the backend where it offers them (``preflight_sizes``,
     ``preflight_deadline_s``, ``expected_busbw``).
     """
-    started = time.perf_counter()
     ranks = backend.ranks()
     layout = layout_of(ranks, nodes)
-    backend_sizes: Sequence[int] = getattr(backend, "preflight_sizes", DEFAULT_SIZES)
-    shape = ProbeShape(ops=tuple(ops), sizes=tuple(sizes or backend_sizes))
-    backend_deadline: float = getattr(backend, "preflight_deadline_s", None) or group_deadline_s(
-        backend.name, shape.ops, shape.sizes, warmup=shape.warmup, iters=shape.iters,
-        repeats=getattr(backend, "repeats", 1))
-    shape = replace(shape, deadline_s=deadline_s or backend_deadline)
-    evidence = _Evidence(layout, ranks, thresholds or default_thresholds(backend.name),
-                         expected or getattr(backend, "expected_busbw", None))
-    planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds)
-    fabric_s = 0.0
-    rounds = 0
-    while groups := planner.next_round(evidence.verdicts, evidence.blamed):
-        rounds += 1
-        _say(progress, rounds, groups)
-        result = backend.run_round(groups)
-        fabric_s += result.fabric_time_s
-        evidence.add(result.measurements, result.findings)
+    shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
+    run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
+                       max_rounds=max_rounds, progress=progress, label="preflight round")
     return build_verdict(
-        backend=backend.name, nodes=list(layout), findings=evidence.findings, rounds=rounds,
-        duration_s=fabric_s, extra={"wall_s": round(time.perf_counter() - started, 3)},
+        backend=backend.name, nodes=list(layout), findings=run.judgement.findings,
+        rounds=run.rounds, duration_s=run.fabric_s, extra={"wall_s": round(run.wall_s, 3)},
     )
 
 
-class _Evidence:
-    """Everything measured so far, re-judged after each round (peers span all rounds)."""
-
-    def __init__(self, layout: dict[str, list[int]], ranks: Sequence[RankInfo],
-                 thresholds: Thresholds, expected: Expected | None) -> None:
-        self.nodes = list(layout)
-        self.ranks = [r for r in ranks if r.node in layout]
-        self.thresholds = thresholds
-        self.expected = expected
-        self.measurements: list[Measurement] = []
-        self.probe_findings: list[Finding] = []
-        self.add([], [])
-
-    def add(self, measurements: list[Measurement], findings: list[Finding]) -> None:
-        self.measurements += measurements
-        self.probe_findings += findings
-        assessments = assess(self.measurements, self.thresholds, self.expected)
-        self.verdicts = group_verdicts(assessments)
-        self.findings = localize(assessments, self.probe_findings, self.nodes, self.ranks)
-        self.blamed = {n for f in self.findings for n in f.blamed_nodes}
-
-
-def _say(progress: Progress | None, i: int, groups: list[GroupSpec]) -> None:
+def _say(progress: Progress | None, label: str, i: int, groups: list[GroupSpec]) -> None:
     if progress is not None:
         scopes = ", ".join(sorted({g.scope for g in groups}))
-        progress(f"preflight round {i}: {len(groups)} group(s) ({scopes})")
+        progress(f"{label} {i}: {len(groups)} group(s) ({scopes})")

@@ -1,4 +1,4 @@
-"""Link health, findings (incidents) and the event outbox."""
+"""Link health, fault states, findings (incidents) and the event outbox."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from services.store.models import Finding, LinkHealth, OutboxEvent
+from services.store.models import FaultState, Finding, LinkHealth, OutboxEvent
 
 OUTBOX_CHANNEL = "ringwatch_outbox"
 
@@ -53,18 +53,46 @@ def open_finding(session: Session, *, kind: str, group_key: str | None, op: str 
     return finding
 
 
-def open_finding_for(session: Session, group_key: str, op: str) -> Finding | None:
-    return session.scalar(
-        select(Finding).where(Finding.group_key == group_key, Finding.op == op,
-                              Finding.status == "open")
-    )
+def fault_states(session: Session) -> dict[str, FaultState]:
+    """Every fault being tracked (open, or seen within its window), locked for this
+    transaction: concurrent ingests fold them one after the other."""
+    rows = session.scalars(select(FaultState).order_by(FaultState.id).with_for_update()).all()
+    return {r.key: r for r in rows}
 
 
-def open_probe_findings(session: Session) -> list[Finding]:
-    """Open findings the probes raised themselves (hangs, wrong data), locked."""
+def add_fault_state(session: Session, *, key: str, kind: str, nodes: list[str],
+                    detail: dict[str, Any]) -> FaultState:
+    state = FaultState(key=key, kind=kind, nodes=nodes, detail=detail, status="ok", recent="",
+                       good_streak=0)
+    session.add(state)
+    return state
+
+
+def get_finding(session: Session, finding_id: int) -> Finding | None:
+    return session.get(Finding, finding_id)
+
+
+def touch_finding(session: Session, finding_id: int, at: datetime, detail: dict[str, Any]) -> None:
+    """An open incident seen again: its latest evidence, no new event."""
+    finding = session.get(Finding, finding_id)
+    if finding is not None:
+        finding.last_seen_at = at
+        finding.detail = {**detail, "fault": finding.detail.get("fault")}
+
+
+def open_findings_on(session: Session, nodes: Sequence[str]) -> list[Finding]:
+    """Open incidents that touch any of ``nodes``."""
     return list(session.scalars(
-        select(Finding).where(Finding.status == "open", Finding.group_key.is_(None))
-        .with_for_update()
+        select(Finding).where(Finding.status == "open", Finding.nodes.overlap(list(nodes)))
+        .order_by(Finding.id)
+    ))
+
+
+def pending_faults_on(session: Session, nodes: Sequence[str]) -> list[FaultState]:
+    """Faults seen recently that have not (yet) opened an incident, on any of ``nodes``."""
+    return list(session.scalars(
+        select(FaultState).where(FaultState.status == "ok", FaultState.nodes.overlap(list(nodes)))
+        .order_by(FaultState.id)
     ))
 
 

@@ -137,19 +137,20 @@ def stream_series(
     yield from session.scalars(q)
 
 
-def recent_for_nodes(session: Session, nodes: Sequence[str], since: datetime) -> list[Measurement]:
-    """Measurements since ``since`` whose groups lie wholly inside ``nodes``."""
-    q = (
-        select(Measurement)
-        .where(Measurement.time >= since, Measurement.nodes.contained_by(list(nodes)))
-        .order_by(Measurement.time)
-        .execution_options(yield_per=1000)
-    )
-    return list(session.scalars(q))
+def latest_backend(session: Session, nodes: Sequence[str]) -> str | None:
+    """The backend of the newest measurement on any of ``nodes``."""
+    return session.scalar(select(Measurement.backend)
+                          .where(Measurement.nodes.overlap(list(nodes)))
+                          .order_by(Measurement.time.desc()).limit(1))
 
 
-def runs_since(session: Session, since: datetime) -> list[ProbeRun]:
-    return list(session.scalars(select(ProbeRun).where(ProbeRun.received_at >= since)))
+def probed_nodes(session: Session, nodes: Sequence[str], since: datetime) -> set[str]:
+    """Which of ``nodes`` appear in a measurement taken since ``since``."""
+    wanted = list(nodes)
+    node = func.unnest(Measurement.nodes).label("node")
+    inner = (select(node).where(Measurement.time >= since, Measurement.nodes.overlap(wanted))
+             .subquery())
+    return set(session.scalars(select(inner.c.node).distinct())) & set(wanted)
 
 
 def history(session: Session, keys: Sequence[tuple[str, str, int, str]], *, before_run: int,

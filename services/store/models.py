@@ -115,6 +115,8 @@ class Measurement(Base):
     redop: Mapped[str] = mapped_column(String(8), default="sum", server_default="sum")
     # How it was timed (agents.spec.TIMINGS); None where the sender did not say.
     timing: Mapped[str | None] = mapped_column(String(16))
+    # The sender's hardware-model figure for it (GB/s busbw), where it had one.
+    preset_gbs: Mapped[float | None] = mapped_column(Float)
 
 
 class LinkHealth(Base):
@@ -159,6 +161,31 @@ class Finding(Base):
     opened_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     resolved_at: Mapped[datetime | None] = mapped_column(TZ)
+
+
+class FaultState(Base):
+    """One localized fault (kind and place, ``services.analyzer.faults.fault_key``) through
+    the hysteresis: its recent observations, and the incident it opened while it is open.
+
+    A row exists while the fault is open or has been seen in the window; a fault that is
+    ok with no bad observation left in its window is deleted.
+    """
+
+    __tablename__ = "fault_states"
+    __table_args__ = (UniqueConstraint("key", name="uq_fault_states_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(32))
+    nodes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    status: Mapped[str] = mapped_column(String(16), default="ok")
+    # The last observations, oldest first, "1" seen and "0" looked and not seen.
+    recent: Mapped[str] = mapped_column(String(64), default="")
+    good_streak: Mapped[int] = mapped_column(Integer, default=0)
+    # The finding as localized the last time it was seen.
+    detail: Mapped[dict[str, Any]] = mapped_column(JSONB, default=dict)
+    finding_id: Mapped[int | None] = mapped_column(ForeignKey("findings.id", ondelete="SET NULL"))
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
 class Webhook(Base):

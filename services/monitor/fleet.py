@@ -61,9 +61,11 @@ def series(session: Session, members: list[str], *, op: str | None, size_bytes: 
 def summary(session: Session) -> dict[str, Any]:
     counts = health_store.health_counts(session)
     open_findings = health_store.open_findings_count(session)
+    # One judgement: the fleet is degraded exactly when a localized fault has an open
+    # incident (what preflight and the webhooks go by), not when some link's own status is.
     if not counts and not open_findings:
         status = "unknown"
-    elif counts.get("degraded") or open_findings:
+    elif open_findings:
         status = "degraded"
     else:
         status = "healthy"

@@ -7,10 +7,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import nodes_of, utcnow
-from services.analyzer.assess import Thresholds
-from services.analyzer.health import HealthChanges, apply_round
+from agents.spec import RankInfo, nodes_of, utcnow
+from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.hysteresis import Policy
+from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
 
 
@@ -27,6 +27,7 @@ class IngestResult:
             "batch_id": self.batch_id, "created": self.created, "run_id": self.run_id,
             "stored": self.stored, "degraded": self.changes.degraded,
             "recovered": self.changes.recovered, "probe_findings": self.changes.probe_findings,
+            "findings": self.changes.findings,
         }
 
 
@@ -44,7 +45,8 @@ def ingest_batch(
     hysteresis: Policy | None = None,
     api_url: str = "",
 ) -> IngestResult:
-    """Store a batch exactly once (by ``batch_id``) and apply it to link health."""
+    """Store a batch exactly once (by ``batch_id``) and apply its judgement to link health
+    and incidents."""
     run = store.claim_batch(session, batch_id, backend)
     if run is None:
         previous = store.find_run(session, batch_id)
@@ -62,6 +64,8 @@ def ingest_batch(
     objs = store.add_measurements(session, run, rows)
     run.findings = list(findings or [])
     changes = apply_round(session, objs, list(findings or []), at=seen_at,
-                          thresholds=thresholds, hysteresis=hysteresis, api_url=api_url)
+                          thresholds=thresholds or thresholds_for(backend),
+                          hysteresis=hysteresis, api_url=api_url,
+                          ranks=[RankInfo(**r) for r in ranks or []])
     return IngestResult(batch_id, True, run.id, len(objs), changes)
 

@@ -1,0 +1,83 @@
+"""Faults as incidents are keyed: a localized finding's kind and where it is, and whether a
+cycle's results could have shown it (so a cycle that did not look is no evidence either way).
+
+Pure: findings and assessments in, keys and booleans out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from agents.spec import Finding, member, split_member
+from services.analyzer.assess import Assessment
+from services.analyzer.hysteresis import AT_ONCE, Policy
+
+# Faults the probes report themselves, per rank.
+RANK_KINDS = frozenset({"hang", "probe_error", "data_corruption"})
+# Faults inside one node (NVLink, topology): seen by its intra-node and GPU-pair groups.
+NODE_KINDS = frozenset({"nvlink_degraded", "topology_mismatch"})
+
+
+def fault_key(f: Finding) -> str:
+    """One incident per key: the kind and the narrowest place the evidence names."""
+    if f.kind in RANK_KINDS:
+        where = member(f.node, f.gpu) if f.node is not None and f.gpu is not None else f.node
+        return f"{f.kind}:{where}"
+    parts = [f.kind]
+    if f.nodes:
+        parts.append(",".join(sorted(f.nodes)))
+    if f.node is not None:
+        parts.append(f.node)
+    if f.gpus:
+        parts.append("gpus=" + ",".join(str(g) for g in sorted(f.gpus)))
+    elif f.gpu is not None:
+        parts.append(f"gpu={f.gpu}")
+    return ":".join(parts)
+
+
+def fault_nodes(f: Finding) -> list[str]:
+    return sorted({f.node} if f.node else set(f.nodes or ()))
+
+
+def policy_for(kind: str, policy: Policy) -> Policy:
+    """Rank faults open at once; degradations go through the hysteresis ``policy``."""
+    return AT_ONCE if kind in RANK_KINDS else policy
+
+
+class Coverage:
+    """What one cycle's results looked at: which ranks ran clean, which nodes had their
+    NVLink, their NIC or a path to each other judged."""
+
+    def __init__(self, assessments: Iterable[Assessment]) -> None:
+        self.clean_ranks: set[str] = set()
+        self.local: set[str] = set()
+        self.nic: set[str] = set()
+        self._groups_of: dict[str, set[int]] = defaultdict(set)
+        for i, a in enumerate(assessments):
+            m = a.measurement
+            if m.wrong == 0:
+                self.clean_ranks.update(m.members)
+            if not a.judged or a.ratio is None:
+                continue
+            nodes = {split_member(x)[0] for x in m.members}
+            if m.scope in ("intra_node", "gpu_pair"):
+                self.local.update(nodes)
+            elif len(nodes) >= 2:
+                if len(nodes) == 2:
+                    self.nic.update(nodes)
+                for n in nodes:
+                    self._groups_of[n].add(i)
+
+    def covers(self, f: Finding) -> bool:
+        """Whether this cycle could have shown ``f``: if it did not find it, it is clear."""
+        if f.kind in RANK_KINDS:
+            return f.node is not None and f.gpu is not None and member(f.node, f.gpu) in self.clean_ranks
+        if f.kind in NODE_KINDS:
+            return f.node in self.local
+        if f.kind == "nic_degraded":
+            return f.node in self.nic
+        if f.kind == "net_path_degraded" and f.nodes and len(f.nodes) == 2:
+            a, b = f.nodes
+            return bool(self._groups_of.get(a, set()) & self._groups_of.get(b, set()))
+        return False

@@ -1,0 +1,57 @@
+"""The one judgement: measurements and the probes' own findings in, localized findings out.
+
+Monitoring (each ingested cycle), ``ringwatch probe``, preflight from fresh runs (after
+every round) and the scheduler's cycles all call ``judge``; preflight from stored results
+reads the incidents it produced. So all of them name the same fault the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from agents.spec import Finding, Measurement, RankInfo
+from services.analyzer.assess import Assessment, Expected, LinkKey, Thresholds, assess
+from services.analyzer.faults import Coverage
+from services.analyzer.localize import GroupKey, GroupVerdict, group_verdicts, localize
+
+
+def preset_of(m: Measurement) -> float | None:
+    """The sender's hardware-model figure carried on the measurement (None where it had none)."""
+    return m.preset_gbs
+
+
+@dataclass
+class Judgement:
+    assessments: list[Assessment]
+    verdicts: dict[GroupKey, GroupVerdict]
+    findings: list[Finding]
+
+    @property
+    def blamed(self) -> set[str]:
+        return {n for f in self.findings for n in f.blamed_nodes}
+
+    def coverage(self) -> Coverage:
+        return Coverage(self.assessments)
+
+
+def judge(
+    measurements: Iterable[Measurement],
+    probe_findings: Iterable[Finding],
+    nodes: Sequence[str] = (),
+    ranks: Iterable[RankInfo] | None = None,
+    *,
+    thresholds: Thresholds,
+    expected: Expected | None = None,
+    history: Mapping[LinkKey, Sequence[float]] | None = None,
+) -> Judgement:
+    """Assess every measurement (peers first, the link's own history next, the hardware
+    model as a floor), fold them per group and localize: GPU pair, GPU, node, NIC, path.
+
+    ``nodes``: limit the findings to these nodes (all when empty). ``expected``: a hardware
+    model; by default the figure each measurement carries (``preset_gbs``).
+    """
+    assessments = assess(list(measurements), thresholds, expected or preset_of, history)
+    verdicts = group_verdicts(assessments)
+    findings = localize(assessments, list(probe_findings), list(nodes), ranks, verdicts)
+    return Judgement(assessments, verdicts, findings)

@@ -1,0 +1,197 @@
+"""Fold one ingested batch into link health and fault incidents, in the caller's transaction.
+
+The batch is judged by ``services.analyzer.judge`` (the same judgement a preflight makes).
+Each localized fault (``fault_key``: kind and place) goes through the hysteresis: seen in a
+cycle is a bad observation, looked at and not seen a good one, not looked at none. A fault
+opens one incident however many links, ops and sizes show it, and resolves when its
+evidence has cleared. Every incident change and its outbox event are written together, so
+an event exists exactly when the change it announces does.
+
+Link health (``GET /v1/links``) is kept beside it per link and op, for reading; it opens
+no incident of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from agents.spec import Finding, RankInfo
+from agents.spec import Measurement as ProbeMeasurement
+from services.analyzer.assess import Assessment, Thresholds, link_key
+from services.analyzer.faults import RANK_KINDS, fault_key, fault_nodes, policy_for
+from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, step
+from services.analyzer.judge import Judgement, judge
+from services.store import health as store
+from services.store import measurements as measurement_store
+from services.store.models import FaultState
+from services.store.models import Measurement as MeasurementRow
+
+# The webhook event of an incident opening, by kind; the rest are health.degraded.
+OPEN_EVENTS = {"hang": "probe.hang", "probe_error": "probe.error"}
+
+
+@dataclass
+class HealthChanges:
+    degraded: list[dict[str, Any]] = field(default_factory=list)
+    recovered: list[dict[str, Any]] = field(default_factory=list)
+    probe_findings: list[dict[str, Any]] = field(default_factory=list)
+    # Everything the batch's judgement localized.
+    findings: list[dict[str, Any]] = field(default_factory=list)
+
+
+def to_probe_measurement(row: MeasurementRow) -> ProbeMeasurement:
+    return ProbeMeasurement(
+        op=row.op, scope=row.scope, members=list(row.members), size_bytes=row.size_bytes,
+        dtype=row.dtype, warmup=row.warmup, iters=row.iters, time_us=row.time_us,
+        algbw_gbs=row.algbw_gbs, busbw_gbs=row.busbw_gbs, wrong=row.wrong, time=row.time,
+        redop=row.redop, timing=row.timing, preset_gbs=row.preset_gbs,
+    )
+
+
+def _history(session: Session, rows: list[MeasurementRow]) -> dict[tuple, list[float]]:
+    """Each link's own past busbw, keyed as ``assess`` wants it: the baseline for groups
+    that have no peers in their round (the world group)."""
+    if not rows:
+        return {}
+    keys = {(r.group_key, r.op, r.size_bytes, r.dtype): r for r in rows}
+    past = measurement_store.history(session, list(keys), before_run=rows[0].run_id)
+    return {link_key(to_probe_measurement(keys[k])): values for k, values in past.items()}
+
+
+def apply_round(
+    session: Session,
+    rows: list[MeasurementRow],
+    probe_findings: list[dict[str, Any]],
+    *,
+    at: datetime,
+    thresholds: Thresholds,
+    hysteresis: Policy | None = None,
+    api_url: str = "",
+    ranks: list[RankInfo] | None = None,
+) -> HealthChanges:
+    policy = hysteresis or Policy()
+    changes = HealthChanges()
+    j = judge([to_probe_measurement(r) for r in rows],
+              [Finding.from_dict(f) for f in probe_findings], (), ranks,
+              thresholds=thresholds, history=_history(session, rows))
+    changes.findings = [f.to_dict() for f in j.findings]
+    _link_health(session, j, at, policy)
+    _faults(session, j, at, policy, api_url, changes)
+    return changes
+
+
+# ---- incidents: one per localized fault ---------------------------------------------------
+
+
+def _faults(session: Session, j: Judgement, at: datetime, policy: Policy, api_url: str,
+            changes: HealthChanges) -> None:
+    found: dict[str, Finding] = {}
+    for f in j.findings:
+        found.setdefault(fault_key(f), f)
+    states = store.fault_states(session)
+    coverage = j.coverage()
+    for key, state in list(states.items()):
+        if key not in found and not coverage.covers(Finding.from_dict(state.detail)):
+            del states[key]  # not looked at this cycle: no evidence either way
+    for key, f in found.items():
+        if key not in states:
+            states[key] = store.add_fault_state(session, key=key, kind=f.kind,
+                                                nodes=fault_nodes(f), detail=f.to_dict())
+    for key, state in states.items():
+        seen = key in found
+        if seen:
+            state.detail = found[key].to_dict()
+        before = state.status
+        after = step(LinkState(before, tuple(c == "1" for c in state.recent), state.good_streak),
+                     seen, policy_for(state.kind, policy))
+        state.status, state.good_streak = after.status, after.good_streak
+        state.recent = "".join("1" if bad else "0" for bad in after.recent)
+        state.updated_at = at
+        if before == OK and after.status == DEGRADED:
+            _open(session, state, api_url, changes)
+        elif before == DEGRADED and after.status == OK:
+            _resolve(session, state, at, api_url, changes)
+        elif seen and state.finding_id is not None:
+            store.touch_finding(session, state.finding_id, at, state.detail)
+        if state.status == OK and "1" not in state.recent:
+            session.delete(state)
+
+
+def _open(session: Session, state: FaultState, api_url: str, changes: HealthChanges) -> None:
+    detail = {**state.detail, "fault": state.key}
+    finding = store.open_finding(session, kind=state.kind, group_key=None, op=None,
+                                 nodes=list(state.nodes), severity=detail.get("severity", "critical"),
+                                 detail=detail)
+    state.finding_id = finding.id
+    store.enqueue_event(session, OPEN_EVENTS.get(state.kind, "health.degraded"), {
+        "finding": detail, "finding_id": finding.id, "nodes": list(state.nodes),
+        "links": detail.get("evidence", []), "url": f"{api_url}/v1/findings/{finding.id}",
+    })
+    (changes.probe_findings if state.kind in RANK_KINDS else changes.degraded).append(detail)
+
+
+def _resolve(session: Session, state: FaultState, at: datetime, api_url: str,
+             changes: HealthChanges) -> None:
+    finding = store.get_finding(session, state.finding_id) if state.finding_id else None
+    detail = dict(finding.detail) if finding is not None else {**state.detail, "fault": state.key}
+    if finding is not None:
+        store.resolve_finding(session, finding, at)
+    state.finding_id = None
+    store.enqueue_event(session, "health.recovered", {
+        "finding": detail, "finding_id": finding.id if finding else None,
+        "nodes": list(state.nodes), "links": [],
+        "url": f"{api_url}/v1/findings/{finding.id}" if finding else f"{api_url}/v1/findings",
+    })
+    changes.recovered.append(detail)
+
+
+# ---- link health: per link and op, for reading --------------------------------------------
+
+
+def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assessment]:
+    """A link's health is judged at its largest probed size (small ones are latency)."""
+    best: dict[tuple[str, str], Assessment] = {}
+    for a in assessments:
+        m = a.measurement
+        key = (",".join(sorted(m.members)), m.op)
+        if key not in best or m.size_bytes > best[key].measurement.size_bytes:
+            best[key] = a
+    return best
+
+
+def _link_health(session: Session, j: Judgement, at: datetime, policy: Policy) -> None:
+    latest = _largest_size(j.assessments)
+    links = store.get_links(session, list(latest))
+    for key, a in sorted(latest.items()):
+        link = links.get(key) or _new_link(session, key, a)
+        _update_link(link, a, at, policy)
+
+
+def _new_link(session: Session, key: tuple[str, str], a: Assessment):
+    m = a.measurement
+    return store.add_link(
+        session, group_key=key[0], op=key[1], scope=m.scope, members=sorted(m.members),
+        nodes=sorted({x.split("/")[0] for x in m.members}), status="ok", size_bytes=m.size_bytes,
+        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0, recent="",
+    )
+
+
+def _update_link(link, a: Assessment, at: datetime, policy: Policy) -> None:
+    """Fold one assessment into the link through the hysteresis policy."""
+    link.size_bytes = a.measurement.size_bytes
+    link.busbw_gbs = a.measurement.busbw_gbs
+    link.expected_gbs = a.expected_gbs
+    link.ratio = a.ratio
+    link.updated_at = at
+    link.bad_streak = (link.bad_streak or 0) + 1 if a.bad else 0
+    previous = link.status
+    state = step(LinkState(previous, tuple(c == "1" for c in link.recent or ""), link.good_streak or 0),
+                 a.bad, policy)
+    link.status, link.good_streak = state.status, state.good_streak
+    link.recent = "".join("1" if bad else "0" for bad in state.recent)
+    if link.status != previous:
+        link.changed_at = at
