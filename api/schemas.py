@@ -125,6 +125,9 @@ class NodeOut(BaseModel):
 
 
 class LinkOut(BaseModel):
+    # The series key: members comma-joined, or "sha256:..." for a group too large for that
+    # (GET /v1/series?group=KEY reads it).
+    group_key: str
     scope: str
     op: str
     members: list[str]

@@ -139,6 +139,30 @@ def test_how_a_measurement_was_timed_is_kept_and_checked(api) -> None:
     assert r.status_code == 422 and "timing" in r.text
 
 
+def test_a_world_group_of_8192_ranks_is_stored_and_read_back(api) -> None:
+    """A 1024 x 8 world group: its member list is too long for a btree key, so the series
+    is keyed by a hash; it must be accepted, judged and readable like any other."""
+    world = [f"node-{n:04d}/{g}" for n in range(1024) for g in range(8)]
+    batch = fleet_batch()
+    batch["measurements"].append(measurement(world, 40.0, scope="world", size=1 << 28))
+    r = api.post("/v1/measurements", json=batch, headers=auth(api, "agent"))
+    assert r.status_code == 200, r.text
+    links = api.get("/v1/links", params={"scope": "world"}, headers=auth(api, "reader")).json()
+    assert len(links) == 1 and len(links[0]["members"]) == 8192
+    key = links[0]["group_key"]
+    assert key.startswith("sha256:") and len(key) < 100
+    got = api.get("/v1/series", params={"group": key}, headers=auth(api, "reader")).json()
+    assert got["members"] == sorted(world)
+    assert [p["busbw_gbs"] for p in got["points"]] == [pytest.approx(40.0)]
+    # A small group is still addressed by its members, and its key is them.
+    pair = api.get("/v1/links", params={"scope": "intra_node"}, headers=auth(api, "reader")).json()
+    assert pair[0]["group_key"] == ",".join(pair[0]["members"])
+    r = api.get("/v1/series", headers=auth(api, "reader"))
+    assert r.status_code == 422 and "members" in r.json()["message"]
+    r = api.get("/v1/series", params={"group": "sha256:nope"}, headers=auth(api, "reader"))
+    assert r.status_code == 404
+
+
 def test_unknown_nodes_are_404s(api) -> None:
     api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).raise_for_status()
     r = api.get("/v1/links", params={"node": "node-999"}, headers=auth(api, "reader"))

@@ -112,6 +112,9 @@ def test_monitoring_finds_what_preflight_finds(server, tmp_path) -> None:
                     ("nvlink_degraded", "node-003", (2, 5), ())]
     for _ in range(3):
         _scheduler_once(server, fabric)
+    # Sizes that reveal: at defaults every link was judged at a bandwidth-bound size.
+    links = httpx.get(f"{api}/v1/links", headers=h).json()
+    assert links and {x["size_bytes"] for x in links} == {1 << 28}
     incidents = httpx.get(f"{api}/v1/findings", headers=h).json()
     assert sorted(place(f["detail"]) for f in incidents) == want  # one each, all open
     assert all(f["status"] == "open" and f["detail"]["evidence"] for f in incidents)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Query
 
 from api.deps import ReaderDep, SessionDep
 from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
+from services.errors import BadInput
 from services.monitor import fleet
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
@@ -34,16 +35,23 @@ def get_links(
 def get_series(
     session: SessionDep,
     _: ReaderDep,
-    members: str = Query(description="the group's members, comma-separated NODE/INDEX"),
+    members: str | None = Query(default=None,
+                                description="the group's members, comma-separated NODE/INDEX"),
+    group: str | None = Query(default=None, max_length=600,
+                              description="the group's key as GET /v1/links gives it "
+                                          "(for groups too large to list in a URL)"),
     op: str | None = None,
     size_bytes: int | None = Query(default=None, gt=0),
     since: datetime | None = None,
     until: datetime | None = None,
     limit: int = Query(default=10_000, gt=0, le=100_000),
 ) -> dict:
-    """The time series of one link or group: busbw, algbw and time per probe."""
-    return fleet.series(session, members.split(","), op=op, size_bytes=size_bytes,
-                        since=since, until=until, limit=limit)
+    """The time series of one link or group (by ``members`` or ``group``): busbw, algbw and
+    time per probe."""
+    if (members is None) == (group is None):
+        raise BadInput("give the group's members or its key (group), not both or neither")
+    return fleet.series(session, members.split(",") if members else None, group=group, op=op,
+                        size_bytes=size_bytes, since=since, until=until, limit=limit)
 
 
 @router.get("/health", response_model=HealthOut)

@@ -63,12 +63,15 @@ def _check_redop(args: argparse.Namespace, ops: tuple[str, ...], redop: str) -> 
             raise CliError(f"--redop {redop}: {exc}") from None
 
 
-def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...]:
+def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The sweep of --preset; None without one: the backend's probe sizes (one latency,
+    one bandwidth-bound size), the same a preflight uses."""
     if not args.preset:
-        return (1 << 20,)
+        return None
     from agents import collectives
 
-    return tuple(collectives.preset_sizes(args.preset, args.backend or "gloo"))
+    backend = args.backend or ("sim" if getattr(args, "fabric", None) else "gloo")
+    return tuple(collectives.preset_sizes(args.preset, backend))
 
 
 # -- database and tokens ----------------------------------------------------------------

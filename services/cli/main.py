@@ -48,7 +48,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_probe_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default="allreduce,alltoall", help="comma-separated ops")
-    p.add_argument("--sizes", type=_sizes, help="comma-separated sizes, e.g. 1M,16M")
+    p.add_argument("--sizes", type=_sizes,
+                   help="comma-separated sizes, e.g. 1M,16M (default: one latency size and one "
+                        "bandwidth-bound size for the backend, as a preflight probes)")
     p.add_argument("--preset", choices=("quick", "full"), help="a size sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from agents.spec import split_member
-from services.errors import BadInput, NodeNotFound
+from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
 from services.store import measurements as store
 
@@ -34,28 +34,36 @@ def links(session: Session, *, status: str | None, scope: str | None, node: str 
     if node:
         require_nodes(session, [node])
     return [
-        {c: getattr(link, c) for c in ("scope", "op", "members", "nodes", "status", "size_bytes",
+        {c: getattr(link, c) for c in ("group_key", "scope", "op", "members", "nodes", "status",
+                                        "size_bytes",
                                         "busbw_gbs", "expected_gbs", "ratio", "updated_at",
                                         "changed_at")}
         for link in health_store.list_links(session, status=status, scope=scope, node=node)
     ]
 
 
-def series(session: Session, members: list[str], *, op: str | None, size_bytes: int | None,
-           since: datetime | None, until: datetime | None, limit: int) -> dict[str, Any]:
+def series(session: Session, members: list[str] | None, *, op: str | None,
+           size_bytes: int | None, since: datetime | None, until: datetime | None, limit: int,
+           group: str | None = None) -> dict[str, Any]:
+    if members is None:
+        link = health_store.link_by_key(session, group or "")
+        if link is None:
+            raise NotFound(f"no link or group with key {group!r} (see GET /v1/links)")
+        members = list(link.members)
     try:
         node_names = sorted({split_member(m.strip())[0] for m in members})
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     require_nodes(session, node_names)
-    key = store.group_key([m.strip() for m in members])
+    wanted = sorted(m.strip() for m in members)
+    key = store.group_key(wanted)
     points = [
         {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
          "redop": m.redop, "timing": m.timing, "time_us": m.time_us, "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
         for m in store.stream_series(session, key, op=op, size_bytes=size_bytes, since=since,
                                      until=until, limit=limit)
     ]
-    return {"members": key.split(","), "points": points}
+    return {"members": wanted, "points": points}
 
 
 def summary(session: Session) -> dict[str, Any]:

@@ -157,7 +157,7 @@ def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assess
     best: dict[tuple[str, str], Assessment] = {}
     for a in assessments:
         m = a.measurement
-        key = (",".join(sorted(m.members)), m.op)
+        key = (measurement_store.group_key(m.members), m.op)
         if key not in best or m.size_bytes > best[key].measurement.size_bytes:
             best[key] = a
     return best

@@ -26,6 +26,10 @@ def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[s
     return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in wanted}
 
 
+def link_by_key(session: Session, group_key: str) -> LinkHealth | None:
+    return session.scalar(select(LinkHealth).where(LinkHealth.group_key == group_key).limit(1))
+
+
 def add_link(session: Session, **fields: Any) -> LinkHealth:
     link = LinkHealth(**fields)
     session.add(link)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -12,10 +13,17 @@ from sqlalchemy.orm import Session
 
 from services.store.models import Gpu, Measurement, Node, ProbeRun
 
+# Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
+MAX_PLAIN_KEY = 512
+
 
 def group_key(members: Sequence[str]) -> str:
-    """The series key of a group: its members, sorted, comma-joined."""
-    return ",".join(sorted(members))
+    """The series key of a group: its members, sorted, comma-joined; for a group too large
+    to index that way (a world group), ``sha256:`` and the hash of that same text."""
+    canonical = ",".join(sorted(members))
+    if len(canonical) <= MAX_PLAIN_KEY:
+        return canonical
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def claim_batch(session: Session, batch_id: str, backend: str) -> ProbeRun | None:
