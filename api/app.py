@@ -7,6 +7,8 @@ keeps a slow query from blocking the event loop.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,6 +24,8 @@ from services.config import Settings
 from services.errors import RingwatchError
 from services.store import db
 from services.store import tokens as token_store
+
+log = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (401, 403, 404, 422)
@@ -80,6 +84,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         # number out of range) are the client's input, not a server fault.
         reason = str(exc.orig).splitlines()[0] if exc.orig else "value out of range"
         return _error(422, "invalid_input", f"the database cannot store this input: {reason}")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Whatever went wrong, the client gets the JSON error shape and a reference to find
+        # the traceback in the server log, never a plain-text 500.
+        reference = uuid.uuid4().hex[:12]
+        log.error("unexpected error (reference %s)", reference, exc_info=exc)
+        return _error(500, "internal", f"unexpected server error (reference {reference}); "
+                                       "the server log has the details")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

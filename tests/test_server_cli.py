@@ -115,3 +115,74 @@ def test_token_create_and_db_upgrade(env) -> None:
         assert no.status_code == 403
     finally:
         stop_server(proc)
+
+
+def test_a_batch_the_api_keeps_failing_moves_aside_and_the_rest_flow(tmp_path) -> None:
+    """The API answering 500 for one batch (a bug it has with that batch) while it takes
+    the others: that batch is tried a bounded number of times, then kept on disk under
+    failed/, and the batches behind it arrive meanwhile. The receiving end is a local HTTP
+    server that fails exactly one batch, since the real API cannot be made to on demand."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    got: list[str] = []
+
+    class Api(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            code = 500 if body["batch_id"] == "poison" else 200
+            if code == 200:
+                got.append(body["batch_id"])
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": "internal", "message": "boom"}' if code == 500 else b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        shipper = Shipper(f"http://127.0.0.1:{server.server_port}", "t", tmp_path / "spool",
+                          max_failures=3)
+        shipper.ship({"batch_id": "poison", "measurements": []})
+        for i in range(3):
+            shipper.ship({"batch_id": f"b{i}", "measurements": []})
+        shipper.close()
+    finally:
+        server.shutdown()
+    assert got == ["b0", "b1", "b2"]
+    assert [p.name.split("-", 1)[1] for p in (tmp_path / "spool" / "failed").glob("*.json")] == [
+        "poison.json"]
+    assert shipper.pending() == [] and shipper.moved_aside == 1
+
+
+def test_an_unexpected_server_error_is_json_with_a_reference(admin_url) -> None:
+    """Whatever breaks inside, the client sees the JSON error shape, not a plain-text 500.
+    A database of its own, broken on purpose (a table dropped under the running app)."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy import text
+
+    from api.app import create_app
+    from services.config import Settings
+    from services.store import db, tokens
+
+    name = f"rw_broken_{uuid.uuid4().hex[:8]}"
+    url = db.create_database(admin_url, name)
+    engine = db.make_engine(url)
+    try:
+        db.upgrade(url)
+        factory = db.make_session_factory(engine)
+        with db.transaction(factory) as s:
+            token = tokens.create_token(s, "reader")
+            s.execute(text("DROP TABLE link_health CASCADE"))
+        app = create_app(Settings(database_url="unused"), factory)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            r = client.get("/v1/links", headers={"Authorization": f"Bearer {token}"})
+    finally:
+        engine.dispose()
+        db.drop_database(admin_url, name)
+    assert r.status_code == 500
+    body = r.json()
+    assert body["error"] == "internal" and "reference" in body["message"]

@@ -230,7 +230,8 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
                          f"measurements, {len(cycle.judged)} finding(s) "
                          f"{_kinds(cycle.judged)}, {len(cycle.skipped)} node(s) skipped, "
-                         f"duty cycle {worst:.3%}, {left} batch(es) still spooled")
+                         f"duty cycle {worst:.3%}, {left} batch(es) still spooled"
+                         + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
             if once:
                 break
             wait = interval_s * (1 + random.uniform(-jitter, jitter))

@@ -4,6 +4,12 @@ Every batch is written to the spool before the first send attempt and removed
 only once the API has stored it, so a scheduler that dies mid-send, or an API
 that is down for an hour, loses nothing: the next ``flush`` sends what is left.
 The API stores a ``batch_id`` once, so sending a batch twice is harmless.
+
+A batch the API cannot take now (unreachable, 429, 503) stops the queue until the API's
+``Retry-After`` has passed. A batch the API fails on with another 5xx while it takes the
+batches behind it is poisoned: after ``max_failures`` tries it moves to ``spool/failed/``
+(kept for a human, counted) so later batches still flow. A 4xx moves to
+``spool/rejected/`` at once.
 """
 
 from __future__ import annotations
@@ -20,13 +26,22 @@ import httpx
 log = logging.getLogger(__name__)
 
 
+# Status codes that mean "not now" for every batch: wait, then send the same batch again.
+BUSY = frozenset({408, 429, 502, 503, 504})
+
+
 class Shipper:
-    def __init__(self, api_url: str, token: str, spool_dir: Path, timeout_s: float = 10.0) -> None:
+    def __init__(self, api_url: str, token: str, spool_dir: Path, timeout_s: float = 10.0,
+                 max_failures: int = 5) -> None:
         self.api_url = api_url.rstrip("/")
         self.spool_dir = spool_dir
         self.rejected_dir = spool_dir / "rejected"
+        self.failed_dir = spool_dir / "failed"
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
+        self.max_failures = max_failures
+        self._failures: dict[str, int] = {}
+        self._not_before = 0.0
 
     def ship(self, batch: dict[str, Any]) -> int:
         """Spool ``batch``, then send everything spooled; return how many batches remain."""
@@ -47,18 +62,39 @@ class Shipper:
         return sorted(self.spool_dir.glob("*.json"))
 
     def flush(self) -> int:
-        """Send spooled batches in order; stop at the first that the API cannot take now."""
+        """Send spooled batches in order; stop when the API cannot take any now."""
+        if time.monotonic() < self._not_before:
+            return len(self.pending())
         for path in self.pending():
             outcome = self._send(path)
-            if outcome == "retry":
+            if outcome == "busy":
                 break
             if outcome == "rejected":
                 # The API will never take it (4xx): keep it for a human, out of the queue.
-                self.rejected_dir.mkdir(exist_ok=True)
-                path.rename(self.rejected_dir / path.name)
+                self._move(path, self.rejected_dir)
+            elif outcome == "failed":
+                tries = self._failures.get(path.name, 0) + 1
+                self._failures[path.name] = tries
+                if tries >= self.max_failures:
+                    log.error("API failed %s %d times; moved to %s", path.name, tries,
+                              self.failed_dir)
+                    self._move(path, self.failed_dir)
+                # else: left in the queue for the next flush; the batches behind it go on
             else:
+                self._failures.pop(path.name, None)
                 path.unlink()
         return len(self.pending())
+
+    @property
+    def moved_aside(self) -> int:
+        """Batches kept out of the queue for a human: rejected (4xx) or failed (5xx)."""
+        return sum(len(list(d.glob("*.json"))) for d in (self.rejected_dir, self.failed_dir)
+                   if d.exists())
+
+    def _move(self, path: Path, where: Path) -> None:
+        where.mkdir(exist_ok=True)
+        path.rename(where / path.name)
+        self._failures.pop(path.name, None)
 
     def _send(self, path: Path) -> str:
         try:
@@ -66,14 +102,29 @@ class Shipper:
                                     headers={"Content-Type": "application/json"})
         except httpx.HTTPError as exc:
             log.warning("API unreachable (%s); %s stays spooled", exc, path.name)
-            return "retry"
+            return "busy"
         if resp.status_code < 300:
             return "sent"
-        if resp.status_code in (401, 403, 408, 429) or resp.status_code >= 500:
+        if resp.status_code in BUSY:
+            self._not_before = time.monotonic() + _retry_after(resp)
             log.warning("API answered %s; %s stays spooled", resp.status_code, path.name)
-            return "retry"
+            return "busy"
+        if resp.status_code in (401, 403) or resp.status_code >= 500:
+            # A bad token is the operator's to fix and every batch would fail alike; a 500
+            # may be this batch alone: the batches behind it are tried.
+            log.warning("API answered %s for %s: %s", resp.status_code, path.name,
+                        resp.text[:300])
+            return "busy" if resp.status_code in (401, 403) else "failed"
         log.error("API rejected %s: %s", path.name, resp.text[:500])
         return "rejected"
 
     def close(self) -> None:
         self.client.close()
+
+
+def _retry_after(resp: httpx.Response, default_s: float = 1.0, cap_s: float = 300.0) -> float:
+    """Seconds from a Retry-After header (delta-seconds form), else ``default_s``."""
+    try:
+        return min(cap_s, max(0.0, float(resp.headers.get("Retry-After", default_s))))
+    except ValueError:
+        return default_s
