@@ -18,6 +18,7 @@ from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.limits import BodyLimit
 from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
 from api.schemas import ErrorOut
 from services.config import Settings
@@ -44,6 +45,8 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
               rankmaps.router, webhooks.router, tokens.router):
         app.include_router(r)
     _install_error_handlers(app)
+    # Outermost: a body over the limit is refused before routing, auth or parsing read it.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
 
 

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     hysteresis_k_bad: int = Field(default=Policy.k_bad, ge=1)
     hysteresis_n_window: int = Field(default=Policy.n_window, ge=1)
     hysteresis_m_good: int = Field(default=Policy.m_good, ge=1)
+    # The largest request body the API reads (a 1024 x 8 cycle's batch is a few MB).
+    max_body_bytes: int = Field(default=64 << 20, ge=1024)
     demo: bool = False
 
     def hysteresis(self) -> Policy:

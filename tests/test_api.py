@@ -163,6 +163,26 @@ def test_a_world_group_of_8192_ranks_is_stored_and_read_back(api) -> None:
     assert r.status_code == 404
 
 
+def test_a_body_over_the_limit_is_a_413_before_anything_reads_it(clean_db) -> None:
+    with api_client(clean_db, settings={"max_body_bytes": 4096}) as small:
+        big = fleet_batch(nodes=8)
+        r = small.post("/v1/measurements", json=big, headers=auth(small, "agent"))
+        assert r.status_code == 413
+        assert r.json()["error"] == "too_large" and "4096" in r.json()["message"]
+        # Refused before the token is looked at: no token, same answer.
+        r = small.post("/v1/measurements", content=b"x" * 10_000)
+        assert r.status_code == 413
+
+        def chunks():  # no Content-Length: cut off as the stream passes the limit
+            for _ in range(10):
+                yield b"y" * 1000
+
+        r = small.post("/v1/measurements", content=chunks(), headers=auth(small, "agent"))
+        assert r.status_code == 413
+        assert small.post("/v1/measurements", json=fleet_batch(nodes=2),
+                          headers=auth(small, "agent")).status_code == 200
+
+
 def test_unknown_nodes_are_404s(api) -> None:
     api.post("/v1/measurements", json=fleet_batch(), headers=auth(api, "agent")).raise_for_status()
     r = api.get("/v1/links", params={"node": "node-999"}, headers=auth(api, "reader"))
