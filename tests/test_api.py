@@ -337,3 +337,15 @@ def test_a_group_without_peers_is_judged_by_its_own_history(api) -> None:
     cycle(4.0)
     link = api.get("/v1/links", params={"scope": "world"}, headers=auth(api, "reader")).json()[0]
     assert link["status"] == "degraded" and link["ratio"] < 0.5
+
+
+def test_a_noisy_history_gives_no_baseline_not_one_near_zero(api) -> None:
+    """A link whose own history swings wildly must say it has no baseline, never carry an
+    expectation so low that it can no longer be degraded."""
+    world = [f"node-00{i}/{g}" for i in range(4) for g in range(2)]
+    for bw in (10.0, 0.2, 25.0, 0.5, 14.0, 0.1, 30.0, 0.3):
+        batch = {"batch_id": str(uuid.uuid4()), "backend": "gloo",
+                 "measurements": [measurement(world, bw, scope="world")]}
+        api.post("/v1/measurements", json=batch, headers=auth(api, "agent")).raise_for_status()
+        link = api.get("/v1/links", params={"scope": "world"}, headers=auth(api, "reader")).json()[0]
+        assert link["expected_gbs"] is None or link["expected_gbs"] > 1.0, link

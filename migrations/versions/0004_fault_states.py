@@ -1,5 +1,5 @@
 """fault states: incidents keyed by the localized fault; measurements carry the sender's
-hardware-model figure
+hardware-model figure; each link keeps its own recent busbw (its baseline)
 
 Revision ID: 0004
 Revises: 0003
@@ -17,6 +17,8 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("measurements", sa.Column("preset_gbs", sa.Float(), nullable=True))
+    op.add_column("link_health", sa.Column("recent_busbw", postgresql.ARRAY(sa.Float()),
+                                           server_default="{}", nullable=False))
     op.create_table(
         "fault_states",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -44,4 +46,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("fault_states")
+    op.drop_column("link_health", "recent_busbw")
     op.drop_column("measurements", "preset_gbs")

@@ -52,14 +52,20 @@ def to_probe_measurement(row: MeasurementRow) -> ProbeMeasurement:
     )
 
 
-def _history(session: Session, rows: list[MeasurementRow]) -> dict[tuple, list[float]]:
-    """Each link's own past busbw, keyed as ``assess`` wants it: the baseline for groups
-    that have no peers in their round (the world group)."""
-    if not rows:
-        return {}
-    keys = {(r.group_key, r.op, r.size_bytes, r.dtype): r for r in rows}
-    past = measurement_store.history(session, list(keys), before_run=rows[0].run_id)
-    return {link_key(to_probe_measurement(keys[k])): values for k, values in past.items()}
+# A link's baseline is its last this many busbw values at its judged size.
+HISTORY_WINDOW = 50
+
+
+def _history(probes: list[ProbeMeasurement], links: dict[tuple[str, str], Any]
+             ) -> dict[tuple, list[float]]:
+    """Each link's own past busbw, keyed as ``assess`` wants it, from the running values
+    kept in its row: the baseline for groups that have no peers (the world group)."""
+    out: dict[tuple, list[float]] = {}
+    for m in probes:
+        link = links.get((measurement_store.group_key(m.members), m.op))
+        if link is not None and link.recent_busbw and link.size_bytes == m.size_bytes:
+            out[link_key(m)] = list(link.recent_busbw)
+    return out
 
 
 def apply_round(
@@ -75,11 +81,13 @@ def apply_round(
 ) -> HealthChanges:
     policy = hysteresis or Policy()
     changes = HealthChanges()
-    j = judge([to_probe_measurement(r) for r in rows],
-              [Finding.from_dict(f) for f in probe_findings], (), ranks,
-              thresholds=thresholds, history=_history(session, rows))
+    probes = [to_probe_measurement(r) for r in rows]
+    links = store.get_links(session, list({(measurement_store.group_key(m.members), m.op)
+                                           for m in probes}))
+    j = judge(probes, [Finding.from_dict(f) for f in probe_findings], (), ranks,
+              thresholds=thresholds, history=_history(probes, links))
     changes.findings = [f.to_dict() for f in j.findings]
-    _link_health(session, j, at, policy)
+    _link_health(session, j, links, at, policy)
     _faults(session, j, at, policy, api_url, changes)
     return changes
 
@@ -163,9 +171,9 @@ def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assess
     return best
 
 
-def _link_health(session: Session, j: Judgement, at: datetime, policy: Policy) -> None:
+def _link_health(session: Session, j: Judgement, links: dict[tuple[str, str], Any],
+                 at: datetime, policy: Policy) -> None:
     latest = _largest_size(j.assessments)
-    links = store.get_links(session, list(latest))
     for key, a in sorted(latest.items()):
         link = links.get(key) or _new_link(session, key, a)
         _update_link(link, a, at, policy)
@@ -176,12 +184,16 @@ def _new_link(session: Session, key: tuple[str, str], a: Assessment):
     return store.add_link(
         session, group_key=key[0], op=key[1], scope=m.scope, members=sorted(m.members),
         nodes=sorted({x.split("/")[0] for x in m.members}), status="ok", size_bytes=m.size_bytes,
-        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0, recent="",
+        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0, recent="", recent_busbw=[],
     )
 
 
 def _update_link(link, a: Assessment, at: datetime, policy: Policy) -> None:
-    """Fold one assessment into the link through the hysteresis policy."""
+    """Fold one assessment into the link through the hysteresis policy, and its busbw into
+    the link's running baseline (restarted when the judged size changes)."""
+    same_size = link.size_bytes == a.measurement.size_bytes
+    past = list(link.recent_busbw or []) if same_size else []
+    link.recent_busbw = [*past, a.measurement.busbw_gbs][-HISTORY_WINDOW:]
     link.size_bytes = a.measurement.size_bytes
     link.busbw_gbs = a.measurement.busbw_gbs
     link.expected_gbs = a.expected_gbs

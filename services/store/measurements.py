@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -159,34 +159,3 @@ def probed_nodes(session: Session, nodes: Sequence[str], since: datetime) -> set
     inner = (select(node).where(Measurement.time >= since, Measurement.nodes.overlap(wanted))
              .subquery())
     return set(session.scalars(select(inner.c.node).distinct())) & set(wanted)
-
-
-def history(session: Session, keys: Sequence[tuple[str, str, int, str]], *, before_run: int,
-            window: int = 50, max_age: timedelta = timedelta(days=7),
-            ) -> dict[tuple[str, str, int, str], list[float]]:
-    """The last ``window`` busbw values of each (group_key, op, size_bytes, dtype) series
-    from runs before ``before_run`` and younger than ``max_age``, oldest first."""
-    if not keys:
-        return {}
-    rank = func.row_number().over(
-        partition_by=(Measurement.group_key, Measurement.op, Measurement.size_bytes,
-                      Measurement.dtype),
-        order_by=Measurement.time.desc(),
-    ).label("rank")
-    inner = (
-        select(Measurement.group_key, Measurement.op, Measurement.size_bytes, Measurement.dtype,
-               Measurement.time, Measurement.busbw_gbs, rank)
-        .where(Measurement.group_key.in_({k[0] for k in keys}), Measurement.run_id < before_run,
-               Measurement.time >= func.now() - max_age)
-        .subquery()
-    )
-    rows = session.execute(
-        select(inner.c.group_key, inner.c.op, inner.c.size_bytes, inner.c.dtype, inner.c.busbw_gbs)
-        .where(inner.c.rank <= window).order_by(inner.c.time)
-    ).tuples()
-    wanted = set(keys)
-    out: dict[tuple[str, str, int, str], list[float]] = {}
-    for group, op, size, dtype, busbw in rows:
-        if (group, op, size, dtype) in wanted:
-            out.setdefault((group, op, size, dtype), []).append(busbw)
-    return out

@@ -140,6 +140,10 @@ class LinkHealth(Base):
     good_streak: Mapped[int] = mapped_column(Integer, default=0)
     # The last verdicts, oldest first, "1" bad and "0" good: the hysteresis window.
     recent: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    # The link's own last busbw values at ``size_bytes`` (oldest first, at most 50): its
+    # baseline, kept on ingest so judging never rescans the measurement history.
+    recent_busbw: Mapped[list[float]] = mapped_column(ARRAY(Float), default=list,
+                                                      server_default="{}")
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     changed_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
