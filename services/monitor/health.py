@@ -28,7 +28,6 @@ from services.analyzer.judge import Judgement, judge
 from services.store import health as store
 from services.store import measurements as measurement_store
 from services.store.models import FaultState
-from services.store.models import Measurement as MeasurementRow
 
 # The webhook event of an incident opening, by kind; the rest are health.degraded.
 OPEN_EVENTS = {"hang": "probe.hang", "probe_error": "probe.error"}
@@ -43,12 +42,15 @@ class HealthChanges:
     findings: list[dict[str, Any]] = field(default_factory=list)
 
 
-def to_probe_measurement(row: MeasurementRow) -> ProbeMeasurement:
+def to_probe_measurement(row: dict[str, Any]) -> ProbeMeasurement:
+    """A stored measurement (the dict ``add_measurements`` took) as the analyzer reads it."""
     return ProbeMeasurement(
-        op=row.op, scope=row.scope, members=list(row.members), size_bytes=row.size_bytes,
-        dtype=row.dtype, warmup=row.warmup, iters=row.iters, time_us=row.time_us,
-        algbw_gbs=row.algbw_gbs, busbw_gbs=row.busbw_gbs, wrong=row.wrong, time=row.time,
-        redop=row.redop, timing=row.timing, preset_gbs=row.preset_gbs,
+        op=row["op"], scope=row["scope"], members=list(row["members"]),
+        size_bytes=row["size_bytes"], dtype=row["dtype"], warmup=row["warmup"],
+        iters=row["iters"], time_us=row["time_us"], algbw_gbs=row["algbw_gbs"],
+        busbw_gbs=row["busbw_gbs"], wrong=row["wrong"], time=row["time"],
+        redop=row.get("redop", "sum"), timing=row.get("timing"),
+        preset_gbs=row.get("preset_gbs"),
     )
 
 
@@ -70,7 +72,7 @@ def _history(probes: list[ProbeMeasurement], links: dict[tuple[str, str], Any]
 
 def apply_round(
     session: Session,
-    rows: list[MeasurementRow],
+    rows: list[dict[str, Any]],
     probe_findings: list[dict[str, Any]],
     *,
     at: datetime,

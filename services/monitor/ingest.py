@@ -61,11 +61,11 @@ def ingest_batch(
     store.upsert_ranks(session, ranks or [])
     probed = sorted({n for r in rows for n in r["nodes"]})
     store.record_scheduling(session, duty_cycle or {}, skipped or {}, probed)
-    objs = store.add_measurements(session, run, rows)
+    stored = store.add_measurements(session, run, rows)
     run.findings = list(findings or [])
-    changes = apply_round(session, objs, list(findings or []), at=seen_at,
+    changes = apply_round(session, rows, list(findings or []), at=seen_at,
                           thresholds=thresholds or thresholds_for(backend),
                           hysteresis=hysteresis, api_url=api_url,
                           ranks=[RankInfo(**r) for r in ranks or []])
-    return IngestResult(batch_id, True, run.id, len(objs), changes)
+    return IngestResult(batch_id, True, run.id, stored, changes)
 

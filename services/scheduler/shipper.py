@@ -31,7 +31,7 @@ BUSY = frozenset({408, 429, 502, 503, 504})
 
 
 class Shipper:
-    def __init__(self, api_url: str, token: str, spool_dir: Path, timeout_s: float = 10.0,
+    def __init__(self, api_url: str, token: str, spool_dir: Path, timeout_s: float = 60.0,
                  max_failures: int = 5) -> None:
         self.api_url = api_url.rstrip("/")
         self.spool_dir = spool_dir

@@ -75,11 +75,13 @@ def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
     """Record rank identities (node, local_index, GPU UUID, PCI bus id, telemetry)."""
     if not ranks:
         return
-    ids = dict(session.execute(select(Node.name, Node.id).where(
-        Node.name.in_({r["node"] for r in ranks}))).tuples().all())
+    nodes = {n.name: n for n in session.scalars(
+        select(Node).where(Node.name.in_({r["node"] for r in ranks})))}
     for r in ranks:
-        if r["node"] in ids and r.get("hostname"):
-            session.get(Node, ids[r["node"]]).hostname = r["hostname"]  # type: ignore[union-attr]
+        node = nodes.get(r["node"])
+        if node is not None and r.get("hostname") and node.hostname != r["hostname"]:
+            node.hostname = r["hostname"]
+    ids = {name: n.id for name, n in nodes.items()}
     rows = [
         {"node_id": ids[r["node"]], "local_index": r["local_index"], "uuid": r.get("gpu_uuid"),
          "pci_bus_id": r.get("pci_bus_id"), "numa_node": r.get("numa_node"),
@@ -88,24 +90,24 @@ def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
     ]
     if not rows:
         return
-    stmt = insert(Gpu).values(rows)
+    stmt = insert(Gpu)
     stmt = stmt.on_conflict_do_update(
         constraint="uq_gpus_node_local",
         set_={c: stmt.excluded[c] for c in ("uuid", "pci_bus_id", "numa_node", "name", "telemetry")}
         | {"updated_at": func.now()},
     )
-    session.execute(stmt)
+    # executemany: one statement compiled once, sent in pages (not one giant VALUES list).
+    session.execute(stmt, rows)
 
 
-def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, Any]]) -> list[Measurement]:
-    objs = [
-        Measurement(run_id=run.id, backend=run.backend, group_key=group_key(r["members"]), **r)
-        for r in rows
-    ]
-    session.add_all(objs)
-    run.measurement_count = len(objs)
-    session.flush()
-    return objs
+def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, Any]]) -> int:
+    """Store a batch's measurements: one statement, executemany in pages, no ORM objects."""
+    if rows:
+        session.execute(insert(Measurement), [
+            {**r, "run_id": run.id, "backend": run.backend, "group_key": group_key(r["members"])}
+            for r in rows])
+    run.measurement_count = len(rows)
+    return len(rows)
 
 
 def known_nodes(session: Session, names: Sequence[str]) -> set[str]:
