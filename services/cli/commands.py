@@ -17,15 +17,12 @@ import httpx
 
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
+from services.cli.output import print_json, print_verdict
 from services.config import get_settings
 
 
 def progress(message: str) -> None:
     print(f"  .. {message}", file=sys.stderr, flush=True)
-
-
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
 
 
 def _probe_options(args: argparse.Namespace):
@@ -175,7 +172,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     with closing(make_backend(args, progress)) as backend:
         cycle = run_cycle(backend, options, progress=progress)
     if args.json:
-        _print_json({"backend": cycle.backend,
+        print_json({"backend": cycle.backend,
                      "measurements": [m.to_dict() for m in cycle.measurements],
                      "findings": [f.to_dict() for f in cycle.findings],
                      "injected": cycle.injected})
@@ -240,7 +237,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             note = f"could not run: {exc}"
     if args.json:
-        _print_json(report.as_json(result, comparison, note))
+        print_json(report.as_json(result, comparison, note))
     else:
         print(report.format_text(result, comparison, note))
     return 0 if report.passed(result) else 1
@@ -274,7 +271,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         if not nodes:
             raise CliError("name the job's nodes with --nodes, or probe with --local/--address/--fabric")
         verdict = _api_preflight(nodes, args.max_age, args.timeout, args.confirm)
-    _print_verdict(verdict, args.json)
+    print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
 
 
@@ -315,28 +312,6 @@ def _api_message(resp: httpx.Response) -> str:
         return str(resp.json().get("message", resp.text))
     except ValueError:
         return resp.text
-
-
-def _print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        _print_json(verdict)
-        return
-    state = "HEALTHY" if verdict["healthy"] else "UNHEALTHY"
-    print(f"{state}: {verdict['nodes_checked']} node(s) checked on {verdict['backend']}, "
-          f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing")
-    if verdict.get("exclude"):
-        print(f"exclude: {', '.join(verdict['exclude'])}")
-    for f in verdict.get("findings", []):
-        where = f.get("node") or ",".join(f.get("nodes") or [])
-        gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
-        bw = (f" {f['measured_gbs']} GB/s vs {f['expected_gbs']} expected"
-              if f.get("expected_gbs") is not None and f.get("measured_gbs") is not None else "")
-        print(f"  {f['kind']:<18} {where}{gpus}{bw} [{f.get('severity', '')}]")
-    if verdict.get("suspects"):
-        print(f"suspects (slow in the latest cycle only; --confirm re-probes them): "
-              f"{', '.join(verdict['suspects'])}")
-    if verdict.get("unprobed"):
-        print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
 
 
 def cmd_check_rankmap(args: argparse.Namespace) -> int:
@@ -396,7 +371,7 @@ def _api_rankmap_check(entries: list) -> dict[str, Any] | None:
 
 def _print_rankmap(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
-        _print_json(result)
+        print_json(result)
         return
     state = "OK" if result["ok"] else "PROBLEMS"
     print(f"{state}: {result['ranks']} rank(s) on {result['hosts']} host(s), "

@@ -19,8 +19,8 @@ import httpx
 
 from agents.spec import InjectedFault
 from services.cli import api_process
-from services.cli.commands import _print_verdict
 from services.cli.errors import CliError
+from services.cli.output import print_verdict
 from services.config import Settings, get_settings
 from services.notifier.receiver import WebhookReceiver
 from services.scheduler.cycle import ProbeOptions, run_cycle
@@ -80,7 +80,7 @@ def run_demo(args: argparse.Namespace) -> int:
         resp = client.post("/v1/preflight", headers=_auth(admin), json={"nodes": nodes})
         resp.raise_for_status()
         verdict = resp.json()
-        _print_verdict(verdict, as_json=False)
+        print_verdict(verdict, as_json=False)
 
         step("webhooks received")
         # One health.degraded per degraded link; the notifier is woken at commit.

@@ -1,0 +1,32 @@
+"""What the CLI prints: JSON for machines, a verdict for people."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(verdict)
+        return
+    state = "HEALTHY" if verdict["healthy"] else "UNHEALTHY"
+    print(f"{state}: {verdict['nodes_checked']} node(s) checked on {verdict['backend']}, "
+          f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing")
+    if verdict.get("exclude"):
+        print(f"exclude: {', '.join(verdict['exclude'])}")
+    for f in verdict.get("findings", []):
+        where = f.get("node") or ",".join(f.get("nodes") or [])
+        gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
+        bw = (f" {f['measured_gbs']} GB/s vs {f['expected_gbs']} expected"
+              if f.get("expected_gbs") is not None and f.get("measured_gbs") is not None else "")
+        print(f"  {f['kind']:<18} {where}{gpus}{bw} [{f.get('severity', '')}]")
+    if verdict.get("suspects"):
+        print(f"suspects (slow in the latest cycle only; --confirm re-probes them): "
+              f"{', '.join(verdict['suspects'])}")
+    if verdict.get("unprobed"):
+        print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
