@@ -8,13 +8,15 @@ keeps a slow query from blocking the event loop.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,7 +24,7 @@ from api.limits import BodyLimit
 from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
 from api.schemas import ErrorOut
 from services.config import Settings
-from services.errors import RingwatchError
+from services.errors import Busy, RingwatchError
 from services.store import db
 from services.store import tokens as token_store
 
@@ -40,6 +42,8 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
         session_factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
     app.state.settings = settings
     app.state.session_factory = session_factory
+    # Batches stored at once; more wait up to ingest_wait_s, then get a 503 with Retry-After.
+    app.state.ingest_slots = threading.BoundedSemaphore(settings.max_concurrent_ingests)
     _bootstrap_admin(settings, session_factory)
     for r in (meta.router, measurements.router, fleet.router, preflight.router,
               rankmaps.router, webhooks.router, tokens.router):
@@ -69,7 +73,26 @@ def _error(status: int, code: str, message: str, detail: list | None = None) -> 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RingwatchError)
     async def ringwatch_error(_: Request, exc: RingwatchError) -> JSONResponse:
-        return _error(exc.status_code, exc.code, exc.message)
+        resp = _error(exc.status_code, exc.code, exc.message)
+        if isinstance(exc, Busy):
+            resp.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return resp
+
+    @app.exception_handler(PoolTimeout)
+    async def pool_exhausted(_: Request, exc: PoolTimeout) -> JSONResponse:
+        # Every database connection is busy: back off, do not pile on.
+        resp = _error(503, "busy", "the database is busy (no free connection); retry later")
+        resp.headers["Retry-After"] = "5"
+        return resp
+
+    @app.exception_handler(OperationalError)
+    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
+        reason = str(exc.orig).splitlines()[0] if exc.orig else "unavailable"
+        log.warning("database unavailable: %s", reason)
+        resp = _error(503, "database_unavailable",
+                      f"the database is unavailable or too slow ({reason}); retry later")
+        resp.headers["Retry-After"] = "10"
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -78,10 +78,19 @@ class FindingIn(BaseModel):
     node: NodeName | None = None
 
 
+class ShipperState(Strict):
+    """What the sender's spool held when it wrote this batch."""
+
+    host: str = Field(default="", max_length=255)
+    pending: int = Field(default=0, ge=0)
+    failed: int = Field(default=0, ge=0)
+    rejected: int = Field(default=0, ge=0)
+
+
 class MeasurementBatch(Strict):
     batch_id: str = Field(min_length=1, max_length=128)
     backend: BackendT
-    measurements: list[MeasurementIn] = Field(max_length=100_000)
+    measurements: list[MeasurementIn] = Field(max_length=1_000_000)
     ranks: list[RankIn] = Field(default_factory=list)
     findings: list[FindingIn] = Field(default_factory=list)
     # Accepted for symmetry with `ringwatch probe --json`; not stored.
@@ -90,6 +99,7 @@ class MeasurementBatch(Strict):
     skipped: dict[NodeName, str] = Field(default_factory=dict)
     # Fraction of each node's GPU time spent probing.
     duty_cycle: dict[NodeName, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
+    shipper: ShipperState | None = None
 
 
 class IngestOut(BaseModel):
@@ -142,20 +152,29 @@ class LinkOut(BaseModel):
 
 
 class SeriesPoint(BaseModel):
+    """A raw probe, or (resolution 1h/1d) a bucket: ``time`` its start, busbw/algbw/time
+    its medians, ``count`` probes, busbw min/max/mean, ``wrong`` summed."""
+
     time: datetime
     op: str
     size_bytes: int
-    dtype: str
-    redop: str
+    dtype: str | None = None
+    redop: str | None = None
     timing: str | None = None
     time_us: float
     algbw_gbs: float
     busbw_gbs: float
     wrong: int
+    count: int | None = None
+    busbw_min: float | None = None
+    busbw_max: float | None = None
+    busbw_mean: float | None = None
 
 
 class SeriesOut(BaseModel):
     members: list[str]
+    group_key: str
+    resolution: Literal["raw", "1h", "1d"]
     points: list[SeriesPoint]
 
 

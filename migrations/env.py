@@ -3,10 +3,15 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from services.store.models import Base
+from services.store.models import Base, is_partition
 
 config = context.config
 target_metadata = Base.metadata
+
+
+def _not_a_partition(name: str | None, type_: str, _parent: object) -> bool:
+    """The day partitions of the measurements are made at run time, not by migrations."""
+    return not (type_ == "table" and name is not None and is_partition(name))
 
 
 def run_migrations_offline() -> None:
@@ -19,7 +24,8 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=target_metadata)
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          include_name=_not_a_partition)
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -45,7 +45,25 @@ class Settings(BaseSettings):
     hysteresis_m_good: int = Field(default=Policy.m_good, ge=1)
     # The largest request body the API reads (a 1024 x 8 cycle's batch is a few MB).
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
+    # Backpressure: batches stored at once, how long another waits for a turn before a 503
+    # with Retry-After, and the most measurements one batch may carry (413 beyond).
+    max_concurrent_ingests: int = Field(default=2, ge=1)
+    ingest_wait_s: float = Field(default=10.0, ge=0)
+    max_batch_measurements: int = Field(default=200_000, ge=1)
+    # Days each resolution of the time series is kept: raw probes, hourly and daily rollups.
+    retention_raw_days: float = Field(default=14.0, gt=0)
+    retention_hourly_days: float = Field(default=90.0, gt=0)
+    retention_daily_days: float = Field(default=730.0, gt=0)
+    # Seconds between maintenance passes in `ringwatch serve` (partitions, rollups,
+    # retention); 0 leaves them to `ringwatch maintain`.
+    maintenance_interval_s: float = Field(default=60.0, ge=0)
     demo: bool = False
+
+    def retention(self):  # -> services.store.timeseries.Retention
+        from services.store.timeseries import Retention
+
+        return Retention(self.retention_raw_days, self.retention_hourly_days,
+                         self.retention_daily_days)
 
     def hysteresis(self) -> Policy:
         return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)

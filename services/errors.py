@@ -32,3 +32,19 @@ class Unauthorized(RingwatchError):
 class Forbidden(RingwatchError):
     status_code = 403
     code = "forbidden"
+
+
+class TooLarge(RingwatchError):
+    status_code = 413
+    code = "too_large"
+
+
+class Busy(RingwatchError):
+    """The service cannot take this now; the client should retry after ``retry_after_s``."""
+
+    status_code = 503
+    code = "busy"
+
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -7,7 +7,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 from services.store import db
-from services.store.models import Base
+from services.store.models import Base, is_partition
 
 
 def test_upgrade_matches_models_and_downgrade_empties(admin_url: str) -> None:
@@ -17,7 +17,9 @@ def test_upgrade_matches_models_and_downgrade_empties(admin_url: str) -> None:
         db.upgrade(url)
         engine = create_engine(url)
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+            ctx = MigrationContext.configure(conn, opts={"include_name": (
+                lambda name, type_, _: not (type_ == "table" and is_partition(name)))})
+            diff = compare_metadata(ctx, Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
         assert "measurements" in inspect(engine).get_table_names()
 

@@ -5,7 +5,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Query
 
-from api.deps import ReaderDep, SessionDep
+from api.deps import ReaderDep, SessionDep, SettingsDep
 from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
 from services.errors import BadInput
 from services.monitor import fleet
@@ -34,6 +34,7 @@ def get_links(
 @router.get("/series", response_model=SeriesOut)
 def get_series(
     session: SessionDep,
+    settings: SettingsDep,
     _: ReaderDep,
     members: str | None = Query(default=None,
                                 description="the group's members, comma-separated NODE/INDEX"),
@@ -45,13 +46,17 @@ def get_series(
     since: datetime | None = None,
     until: datetime | None = None,
     limit: int = Query(default=10_000, gt=0, le=100_000),
+    resolution: Literal["auto", "raw", "1h", "1d"] = Query(
+        default="auto", description="raw probes, hourly or daily rollups; auto: raw for up "
+                                    "to 3 days still held raw, hourly up to 90 days, else daily"),
 ) -> dict:
     """The time series of one link or group (by ``members`` or ``group``): busbw, algbw and
-    time per probe."""
+    time per probe, or per hour or day (median, min, max, count)."""
     if (members is None) == (group is None):
         raise BadInput("give the group's members or its key (group), not both or neither")
     return fleet.series(session, members.split(",") if members else None, group=group, op=op,
-                        size_bytes=size_bytes, since=since, until=until, limit=limit)
+                        size_bytes=size_bytes, since=since, until=until, limit=limit,
+                        resolution=resolution, retention=settings.retention())
 
 
 @router.get("/health", response_model=HealthOut)

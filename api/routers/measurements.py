@@ -1,19 +1,42 @@
 """Probe results in: ``POST /v1/measurements``."""
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 
 from api.deps import AgentDep, SessionDep, SettingsDep
 from api.schemas import IngestOut, MeasurementBatch
-from services.monitor.ingest import ingest_batch
+from services.errors import Busy, TooLarge
+from services.monitor.ingest import IngestResult, ingest_batch
 
 router = APIRouter(prefix="/v1", tags=["measurements"])
 
 
 @router.post("/measurements", response_model=IngestOut)
-def post_measurements(batch: MeasurementBatch, session: SessionDep, settings: SettingsDep,
-                      _: AgentDep) -> dict:
+def post_measurements(batch: MeasurementBatch, request: Request, response: Response,
+                      session: SessionDep, settings: SettingsDep, _: AgentDep) -> dict:
     """Store a batch of probe results once (a retried ``batch_id`` is a no-op, ``created: false``)
-    and fold its judgement into link health and fault incidents."""
+    and fold its judgement into link health and fault incidents.
+
+    At most ``max_concurrent_ingests`` batches are stored at once; one that waits longer
+    than ``ingest_wait_s`` for its turn is a 503 with Retry-After (the shipper keeps it
+    spooled and sends it then)."""
+    if len(batch.measurements) > settings.max_batch_measurements:
+        raise TooLarge(f"{len(batch.measurements)} measurements in one batch; the limit is "
+                       f"{settings.max_batch_measurements} (RINGWATCH_MAX_BATCH_MEASUREMENTS)")
+    slots = request.app.state.ingest_slots
+    if not slots.acquire(timeout=settings.ingest_wait_s):
+        raise Busy(f"{settings.max_concurrent_ingests} batch(es) are being stored; "
+                   "retry after the interval given", retry_after_s=5.0)
+    try:
+        result = _ingest(batch, session, settings)
+    finally:
+        slots.release()
+    # Where the time went (store: nodes, groups, COPY; judge: health and incidents).
+    response.headers["Server-Timing"] = ", ".join(
+        f"{k};dur={v * 1000:.1f}" for k, v in result.timings.items())
+    return result.to_dict()
+
+
+def _ingest(batch: MeasurementBatch, session: SessionDep, settings: SettingsDep) -> IngestResult:
     result = ingest_batch(
         session,
         batch_id=batch.batch_id,
@@ -26,5 +49,6 @@ def post_measurements(batch: MeasurementBatch, session: SessionDep, settings: Se
         thresholds=settings.thresholds(batch.backend),
         hysteresis=settings.hysteresis(),
         api_url=settings.api_url,
+        shipper=batch.shipper.model_dump() if batch.shipper else None,
     )
-    return result.to_dict()
+    return result

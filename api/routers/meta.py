@@ -46,4 +46,15 @@ def metrics(session: SessionDep) -> str:
     for node in fleet.nodes(session):
         if node["duty_cycle"] is not None:
             lines.append(f'ringwatch_node_duty_cycle{{node="{node["name"]}"}} {node["duty_cycle"]:.6g}')
+    lines += ["# HELP ringwatch_shipper_batches Batches in each scheduler's spool as its last "
+              "batch reported: pending, failed (moved aside after repeated 5xx), rejected (4xx).",
+              "# TYPE ringwatch_shipper_batches gauge"]
+    for host, state in fleet.shipper_states(session).items():
+        for key in ("pending", "failed", "rejected"):
+            lines.append(f'ringwatch_shipper_batches{{host="{_label(host)}",state="{key}"}} '
+                         f'{int(state.get(key, 0))}')
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

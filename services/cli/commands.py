@@ -77,7 +77,17 @@ def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
 def cmd_db(args: argparse.Namespace) -> int:
     from services.store import db
 
-    url = db.resolve_database_url(get_settings())
+    settings = get_settings()
+    url = db.resolve_database_url(settings)
+    if args.db_command == "maintain":
+        from services.store import timeseries
+
+        engine = db.make_engine(url)
+        try:
+            print_json(timeseries.maintain(engine, settings.retention()).to_dict())
+        finally:
+            engine.dispose()
+        return 0
     db.upgrade(url)
     print("database at head")
     return 0
@@ -119,11 +129,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         notifier = _notifier(settings)
         threading.Thread(target=notifier.run_forever, args=(settings.notifier_poll_s, stop),
                          daemon=True, name="notifier").start()
+    if settings.maintenance_interval_s > 0:
+        threading.Thread(target=_maintain_forever, args=(settings, stop), daemon=True,
+                         name="maintenance").start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         stop.set()
     return 0
+
+
+def _maintain_forever(settings, stop: threading.Event) -> None:
+    """Partitions ahead, rollups and retention, every ``maintenance_interval_s``; one
+    replica at a time does the work (an advisory lock), the others skip."""
+    import logging
+
+    from services.store import db, timeseries
+
+    log = logging.getLogger("ringwatch.maintenance")
+    engine = db.make_engine(db.resolve_database_url(settings))
+    while not stop.is_set():
+        try:
+            report = timeseries.maintain(engine, settings.retention())
+            if report.dropped or report.created:
+                log.info("maintenance: %s", report.to_dict())
+        except Exception:  # the API keeps serving; the next pass tries again
+            log.exception("maintenance pass failed")
+        stop.wait(settings.maintenance_interval_s)
+    engine.dispose()
 
 
 def cmd_notifier(args: argparse.Namespace) -> int:

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("db", help="database")
     dsub = p.add_subparsers(dest="db_command", required=True)
     dsub.add_parser("upgrade", help="apply migrations")
+    dsub.add_parser("maintain", help="one maintenance pass: partitions ahead, rollups, "
+                                     "retention (`serve` runs one every minute)")
     return parser
 
 

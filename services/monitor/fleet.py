@@ -11,6 +11,7 @@ from agents.spec import split_member
 from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
 from services.store import measurements as store
+from services.store import timeseries
 
 
 def nodes(session: Session) -> list[dict[str, Any]]:
@@ -44,26 +45,52 @@ def links(session: Session, *, status: str | None, scope: str | None, node: str 
 
 def series(session: Session, members: list[str] | None, *, op: str | None,
            size_bytes: int | None, since: datetime | None, until: datetime | None, limit: int,
-           group: str | None = None) -> dict[str, Any]:
+           group: str | None = None, resolution: str = "auto",
+           retention: timeseries.Retention | None = None) -> dict[str, Any]:
+    """One link's or group's series, raw or rolled up (``resolution``: raw, 1h, 1d, or auto
+    to choose from the range asked)."""
+    if since and until and since > until:
+        raise BadInput("since is after until")
     if members is None:
-        link = health_store.link_by_key(session, group or "")
-        if link is None:
+        found = store.group_by_key(session, group or "")
+        if found is None:
             raise NotFound(f"no link or group with key {group!r} (see GET /v1/links)")
-        members = list(link.members)
+        members = list(found.members)
     try:
         node_names = sorted({split_member(m.strip())[0] for m in members})
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     require_nodes(session, node_names)
     wanted = sorted(m.strip() for m in members)
-    key = store.group_key(wanted)
-    points = [
-        {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
-         "redop": m.redop, "timing": m.timing, "time_us": m.time_us, "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
-        for m in store.stream_series(session, key, op=op, size_bytes=size_bytes, since=since,
-                                     until=until, limit=limit)
-    ]
-    return {"members": wanted, "points": points}
+    resolution = timeseries.pick_resolution(resolution, since, until,
+                                            retention or timeseries.Retention())
+    out: dict[str, Any] = {"members": wanted, "group_key": store.group_key(wanted),
+                           "resolution": resolution, "points": []}
+    found = store.group_by_key(session, out["group_key"])
+    if found is None:
+        return out
+    if resolution == "raw":
+        out["points"] = [
+            {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
+             "redop": m.redop, "timing": m.timing, "time_us": m.time_us,
+             "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
+            for m in store.raw_points(session, found.id, op=op, size_bytes=size_bytes,
+                                      since=since, until=until, limit=limit)]
+    else:
+        out["points"] = [
+            {"time": r.bucket, "op": r.op, "size_bytes": r.size_bytes, "count": r.count,
+             "time_us": r.time_us_median, "algbw_gbs": r.algbw_median,
+             "busbw_gbs": r.busbw_median, "busbw_min": r.busbw_min, "busbw_max": r.busbw_max,
+             "busbw_mean": r.busbw_mean, "wrong": r.wrong}
+            for r in timeseries.rollup_points(session, timeseries.ROLLUPS[resolution], found.id,
+                                              op=op, size_bytes=size_bytes, since=since,
+                                              until=until, limit=limit)]
+    return out
+
+
+def shipper_states(session: Session) -> dict[str, dict[str, Any]]:
+    """Each sending host's spool as its newest batch of the last day reported it."""
+    return store.shipper_states(session)
 
 
 def summary(session: Session) -> dict[str, Any]:

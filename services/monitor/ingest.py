@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from agents.spec import RankInfo, nodes_of, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.hysteresis import Policy
+from services.errors import BadInput
 from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
+from services.store import timeseries
+
+# How far ahead of the server's clock a measurement's time may be (clock skew); beyond
+# it, "latest" would be pinned by a time that has not come.
+MAX_CLOCK_SKEW = timedelta(minutes=10)
 
 
 @dataclass
@@ -21,6 +30,8 @@ class IngestResult:
     run_id: int
     stored: int
     changes: HealthChanges = field(default_factory=HealthChanges)
+    # Seconds spent storing (nodes, ranks, groups, COPY) and judging (health, incidents).
+    timings: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,28 +55,45 @@ def ingest_batch(
     thresholds: Thresholds | None = None,
     hysteresis: Policy | None = None,
     api_url: str = "",
+    shipper: dict[str, Any] | None = None,
 ) -> IngestResult:
     """Store a batch exactly once (by ``batch_id``) and apply its judgement to link health
     and incidents."""
+    started = time.perf_counter()
     run = store.claim_batch(session, batch_id, backend)
     if run is None:
         previous = store.find_run(session, batch_id)
         assert previous is not None
         return IngestResult(batch_id, False, previous.id, previous.measurement_count)
-    rows = [{**m, "nodes": nodes_of(m["members"])} for m in measurements]
-    seen_at = max((m["time"] for m in rows), default=utcnow())
+    rows = [{**m, "nodes": nodes_of(m["members"]),
+             "time": m["time"] if isinstance(m["time"], datetime)
+             else datetime.fromisoformat(m["time"])} for m in measurements]
+    now = utcnow()
+    if any(r["time"] > now + MAX_CLOCK_SKEW for r in rows):
+        raise BadInput(f"measurement time more than {MAX_CLOCK_SKEW} ahead of the server's "
+                       f"clock ({now.isoformat()}): check the agents' clocks")
+    seen_at = max((m["time"] for m in rows), default=now)
     node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in ranks or []}
     node_names |= {f["node"] for f in findings or [] if f.get("node")}
     node_names |= set(skipped or {})
-    store.upsert_nodes(session, sorted(node_names), backend, seen_at)
-    store.upsert_ranks(session, ranks or [])
     probed = sorted({n for r in rows for n in r["nodes"]})
+    store.upsert_nodes(session, sorted(node_names), backend, seen_at, probed)
+    store.upsert_ranks(session, ranks or [])
     store.record_scheduling(session, duty_cycle or {}, skipped or {}, probed)
+    if rows:
+        bind = session.get_bind()
+        assert isinstance(bind, Engine)
+        timeseries.ensure_partitions(bind, {r["time"] for r in rows})
+        timeseries.note_ingest(session, min(r["time"] for r in rows))
     stored = store.add_measurements(session, run, rows)
     run.findings = list(findings or [])
+    run.shipper = shipper
+    judging = time.perf_counter()
     changes = apply_round(session, rows, list(findings or []), at=seen_at,
                           thresholds=thresholds or thresholds_for(backend),
                           hysteresis=hysteresis, api_url=api_url,
                           ranks=[RankInfo(**r) for r in ranks or []])
-    return IngestResult(batch_id, True, run.id, stored, changes)
+    done = time.perf_counter()
+    return IngestResult(batch_id, True, run.id, stored, changes,
+                        {"store": judging - started, "judge": done - judging})
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,19 @@ class Shipper:
         self._not_before = 0.0
 
     def ship(self, batch: dict[str, Any]) -> int:
-        """Spool ``batch``, then send everything spooled; return how many batches remain."""
-        self.spool(batch)
+        """Spool ``batch``, then send everything spooled; return how many batches remain.
+
+        The batch carries what the spool holds (``shipper``), so the API's ``/metrics``
+        shows batches waiting or moved aside on each host."""
+        self.spool({**batch, "shipper": self.state()})
         return self.flush()
+
+    def state(self) -> dict[str, Any]:
+        def count(d: Path) -> int:
+            return len(list(d.glob("*.json"))) if d.exists() else 0
+
+        return {"host": socket.gethostname(), "pending": len(self.pending()),
+                "failed": count(self.failed_dir), "rejected": count(self.rejected_dir)}
 
     def spool(self, batch: dict[str, Any]) -> Path:
         # Nanosecond prefix keeps send order; write-then-rename keeps half-written files out.

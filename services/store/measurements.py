@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from services.store.models import Gpu, Measurement, Node, ProbeRun
+from services.store.models import Gpu, Group, Node, ProbeRun, measurements
 
 # Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
 MAX_PLAIN_KEY = 512
@@ -44,15 +44,21 @@ def find_run(session: Session, batch_id: str) -> ProbeRun | None:
     return session.scalar(select(ProbeRun).where(ProbeRun.batch_id == batch_id))
 
 
-def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: datetime) -> None:
+def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: datetime,
+                 probed: Sequence[str] = ()) -> None:
+    """Create or touch nodes; ``probed`` ones were measured at ``seen_at``."""
     if not names:
         return
+    was_probed = set(probed)
     stmt = insert(Node).values(
-        [{"name": n, "backend": backend, "last_seen_at": seen_at} for n in sorted(set(names))]
+        [{"name": n, "backend": backend, "last_seen_at": seen_at,
+          "last_probed_at": seen_at if n in was_probed else None} for n in sorted(set(names))]
     )
     stmt = stmt.on_conflict_do_update(
         index_elements=["name"],
         set_={"last_seen_at": func.greatest(Node.last_seen_at, stmt.excluded.last_seen_at),
+              # greatest() skips NULLs: a node only mentioned keeps its last probe time.
+              "last_probed_at": func.greatest(Node.last_probed_at, stmt.excluded.last_probed_at),
               "backend": stmt.excluded.backend},
     )
     session.execute(stmt)
@@ -100,12 +106,52 @@ def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
     session.execute(stmt, rows)
 
 
+def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dict[str, int]:
+    """The id of each group (key -> (scope, members)), creating those first seen."""
+    if not groups:
+        return {}
+    keys = list(groups)
+    ids = {k: i for k, i in session.execute(select(Group.key, Group.id).where(Group.key.in_(keys)))}
+    new = [k for k in keys if k not in ids]
+    if new:
+        rows = [{"key": k, "scope": groups[k][0], "members": sorted(groups[k][1]),
+                 "nodes": sorted({m.split("/")[0] for m in groups[k][1]})} for k in new]
+        session.execute(insert(Group).on_conflict_do_nothing(index_elements=["key"]), rows)
+        # Those a concurrent ingest created first are read back like the rest.
+        ids.update({k: i for k, i in session.execute(
+            select(Group.key, Group.id).where(Group.key.in_(new)))})
+    return ids
+
+
+COPY_COLUMNS = ("time", "size_bytes", "time_us", "algbw_gbs", "busbw_gbs", "preset_gbs",
+                "group_id", "run_id", "warmup", "iters", "wrong", "op", "backend", "dtype",
+                "redop", "timing")
+COPY_TYPES = ("timestamptz", "int8", "float8", "float8", "float8", "float8", "int4", "int4",
+              "int4", "int4", "int4", "text", "text", "text", "text", "text")
+
+
+def _as_time(t: datetime | str) -> datetime:
+    return t if isinstance(t, datetime) else datetime.fromisoformat(t)
+
+
 def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, Any]]) -> int:
-    """Store a batch's measurements: one statement, executemany in pages, no ORM objects."""
+    """Store a batch's measurements by binary COPY into the day partitions, each row naming
+    its group by id (the members are stored once, in ``groups``). The partitions must
+    exist (``services.store.timeseries.ensure_partitions``)."""
     if rows:
-        session.execute(insert(Measurement), [
-            {**r, "run_id": run.id, "backend": run.backend, "group_key": group_key(r["members"])}
-            for r in rows])
+        keyed = [group_key(r["members"]) for r in rows]
+        ids = group_ids(session, {k: (r["scope"], r["members"]) for k, r in zip(keyed, rows, strict=True)})
+        dbapi = session.connection().connection.driver_connection
+        assert dbapi is not None
+        with dbapi.cursor() as cur, cur.copy(
+                f"COPY measurements ({', '.join(COPY_COLUMNS)}) FROM STDIN (FORMAT BINARY)") as cp:
+            cp.set_types(COPY_TYPES)
+            for k, r in zip(keyed, rows, strict=True):
+                cp.write_row((
+                    _as_time(r["time"]), r["size_bytes"], r["time_us"], r["algbw_gbs"],
+                    r["busbw_gbs"], r.get("preset_gbs"), ids[k], run.id, r.get("warmup", 0),
+                    r["iters"], r.get("wrong", 0), r["op"], run.backend,
+                    r.get("dtype", "float32"), r.get("redop") or "sum", r.get("timing")))
     run.measurement_count = len(rows)
     return len(rows)
 
@@ -123,41 +169,54 @@ def list_nodes(session: Session) -> list[tuple[Node, list[Gpu]]]:
     return [(n, by_node.get(n.id, [])) for n in nodes]
 
 
-def stream_series(
-    session: Session,
-    key: str,
-    *,
-    op: str | None = None,
-    size_bytes: int | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    limit: int = 10_000,
-) -> Iterator[Measurement]:
-    """One link's or group's measurements in time order, streamed."""
-    q = select(Measurement).where(Measurement.group_key == key)
+def group_by_key(session: Session, key: str) -> Group | None:
+    return session.scalar(select(Group).where(Group.key == key))
+
+
+def raw_points(session: Session, group_id: int, *, op: str | None = None,
+               size_bytes: int | None = None, since: datetime | None = None,
+               until: datetime | None = None, limit: int = 10_000) -> Sequence[Any]:
+    """One group's raw measurements in time order."""
+    c = measurements.c
+    q = measurements.select().where(c.group_id == group_id)
     if op:
-        q = q.where(Measurement.op == op)
+        q = q.where(c.op == op)
     if size_bytes:
-        q = q.where(Measurement.size_bytes == size_bytes)
+        q = q.where(c.size_bytes == size_bytes)
     if since:
-        q = q.where(Measurement.time >= since)
+        q = q.where(c.time >= since)
     if until:
-        q = q.where(Measurement.time <= until)
-    q = q.order_by(Measurement.time).limit(limit).execution_options(yield_per=500)
-    yield from session.scalars(q)
+        q = q.where(c.time <= until)
+    return session.execute(q.order_by(c.time, c.op, c.size_bytes).limit(limit)).all()
 
 
 def latest_backend(session: Session, nodes: Sequence[str]) -> str | None:
-    """The backend of the newest measurement on any of ``nodes``."""
-    return session.scalar(select(Measurement.backend)
-                          .where(Measurement.nodes.overlap(list(nodes)))
-                          .order_by(Measurement.time.desc()).limit(1))
+    """The backend of the most recently probed of ``nodes``."""
+    return session.scalar(select(Node.backend)
+                          .where(Node.name.in_(list(nodes)), Node.last_probed_at.is_not(None))
+                          .order_by(Node.last_probed_at.desc()).limit(1))
 
 
 def probed_nodes(session: Session, nodes: Sequence[str], since: datetime) -> set[str]:
     """Which of ``nodes`` appear in a measurement taken since ``since``."""
-    wanted = list(nodes)
-    node = func.unnest(Measurement.nodes).label("node")
-    inner = (select(node).where(Measurement.time >= since, Measurement.nodes.overlap(wanted))
-             .subquery())
-    return set(session.scalars(select(inner.c.node).distinct())) & set(wanted)
+    return set(session.scalars(select(Node.name).where(
+        Node.name.in_(list(nodes)), Node.last_probed_at >= since)))
+
+
+def storage_bytes(session: Session) -> dict[str, int]:
+    """On-disk bytes (heap, indexes, TOAST) of the measurements and each rollup."""
+    sql = text("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_inherits i "
+               "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'measurements'::regclass")
+    out = {"measurements": int(session.execute(sql).scalar() or 0)}
+    for name in ("series_1h", "series_1d", "groups"):
+        out[name] = int(session.execute(text(f"SELECT pg_total_relation_size('{name}')")).scalar() or 0)
+    return out
+
+
+def shipper_states(session: Session) -> dict[str, dict[str, Any]]:
+    """Each host's spool state from its newest batch received in the last day."""
+    rows = session.execute(text(
+        "SELECT DISTINCT ON (shipper->>'host') shipper->>'host', shipper FROM probe_runs "
+        "WHERE shipper IS NOT NULL AND received_at > now() - interval '1 day' "
+        "ORDER BY shipper->>'host', received_at DESC"))
+    return {host or "": state for host, state in rows}

@@ -8,12 +8,15 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Column,
     Float,
     ForeignKey,
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
+    Table,
     Text,
     UniqueConstraint,
     func,
@@ -50,6 +53,8 @@ class Node(Base):
     skipped_reason: Mapped[str | None] = mapped_column(Text)
     first_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    # Time of its newest measurement: "was it probed since T" without scanning them.
+    last_probed_at: Mapped[datetime | None] = mapped_column(TZ)
 
     gpus: Mapped[list[Gpu]] = relationship(back_populates="node", lazy="raise")
 
@@ -84,39 +89,97 @@ class ProbeRun(Base):
     received_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     measurement_count: Mapped[int] = mapped_column(Integer, default=0)
     findings: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, default=list)
+    # The sender's spool when it wrote the batch (host, pending, failed, rejected).
+    shipper: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
 
 
-class Measurement(Base):
-    __tablename__ = "measurements"
-    __table_args__ = (
-        Index("ix_measurements_series", "group_key", "op", "size_bytes", "time"),
-        Index("ix_measurements_time", "time"),
-    )
+class Group(Base):
+    """A link or group that was probed: its members stored once, its compact key (the
+    members comma-joined, or ``sha256:`` of that for a large group) and a small id that
+    every measurement of it carries."""
 
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("probe_runs.id", ondelete="CASCADE"), index=True)
-    time: Mapped[datetime] = mapped_column(TZ)
-    backend: Mapped[str] = mapped_column(String(16))
-    op: Mapped[str] = mapped_column(String(32))
+    __tablename__ = "groups"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str] = mapped_column(Text, unique=True)
     scope: Mapped[str] = mapped_column(String(16))
-    # Canonical "a/0,a/1,b/0": the series key of a link or group.
-    group_key: Mapped[str] = mapped_column(Text)
     members: Mapped[list[str]] = mapped_column(ARRAY(Text))
     nodes: Mapped[list[str]] = mapped_column(ARRAY(Text))
-    size_bytes: Mapped[int] = mapped_column(BigInteger)
-    dtype: Mapped[str] = mapped_column(String(16))
-    warmup: Mapped[int] = mapped_column(Integer)
-    iters: Mapped[int] = mapped_column(Integer)
-    time_us: Mapped[float] = mapped_column(Float)
-    algbw_gbs: Mapped[float] = mapped_column(Float)
-    busbw_gbs: Mapped[float] = mapped_column(Float)
-    wrong: Mapped[int] = mapped_column(Integer)
-    # nccl-tests' redop of a reducing op; "sum" for ops that do not reduce.
-    redop: Mapped[str] = mapped_column(String(8), default="sum", server_default="sum")
-    # How it was timed (agents.spec.TIMINGS); None where the sender did not say.
-    timing: Mapped[str | None] = mapped_column(String(16))
+    first_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+# The raw time series, partitioned by day on ``time`` (services.store.timeseries makes and
+# drops the partitions). No primary key and no per-row foreign keys: a row is written once
+# by COPY and leaves with its whole partition. Columns are ordered 8-byte first so rows
+# carry no alignment padding; the one index serves every series query.
+measurements = Table(
+    "measurements",
+    Base.metadata,
+    Column("time", TZ, nullable=False),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("time_us", Float, nullable=False),
+    Column("algbw_gbs", Float, nullable=False),
+    Column("busbw_gbs", Float, nullable=False),
     # The sender's hardware-model figure for it (GB/s busbw), where it had one.
-    preset_gbs: Mapped[float | None] = mapped_column(Float)
+    Column("preset_gbs", Float),
+    Column("group_id", Integer, nullable=False),
+    Column("run_id", Integer, nullable=False),
+    Column("warmup", Integer, nullable=False),
+    Column("iters", Integer, nullable=False),
+    Column("wrong", Integer, nullable=False),
+    Column("op", String(32), nullable=False),
+    Column("backend", String(16), nullable=False),
+    Column("dtype", String(16), nullable=False),
+    # nccl-tests' redop of a reducing op; "sum" for ops that do not reduce.
+    Column("redop", String(8), nullable=False, server_default="sum"),
+    # How it was timed (agents.spec.TIMINGS); None where the sender did not say.
+    Column("timing", String(16)),
+    Index("ix_measurements_series", "group_id", "op", "size_bytes", "time"),
+    postgresql_partition_by="RANGE (time)",
+)
+
+
+def _rollup_table(name: str) -> Table:
+    """Per link, op and size, per time bucket: how many probes and their busbw spread."""
+    return Table(
+        name,
+        Base.metadata,
+        Column("bucket", TZ, nullable=False),
+        Column("group_id", Integer, nullable=False),
+        Column("op", String(32), nullable=False),
+        Column("size_bytes", BigInteger, nullable=False),
+        Column("count", Integer, nullable=False),
+        Column("busbw_min", Float, nullable=False),
+        Column("busbw_median", Float, nullable=False),
+        Column("busbw_max", Float, nullable=False),
+        Column("busbw_mean", Float, nullable=False),
+        Column("algbw_median", Float, nullable=False),
+        Column("time_us_median", Float, nullable=False),
+        Column("wrong", BigInteger, nullable=False),
+        # A series query walks one link's buckets in order; retention deletes by bucket.
+        PrimaryKeyConstraint("group_id", "op", "size_bytes", "bucket"),
+        Index(f"ix_{name}_bucket", "bucket"),
+    )
+
+
+series_1h = _rollup_table("series_1h")
+series_1d = _rollup_table("series_1d")
+
+
+class RollupState(Base):
+    """How far each rollup has been computed, and the oldest bucket a late batch touched
+    since (recomputed on the next pass)."""
+
+    __tablename__ = "rollup_state"
+
+    resolution: Mapped[str] = mapped_column(String(8), primary_key=True)
+    rolled_until: Mapped[datetime | None] = mapped_column(TZ)
+    dirty_from: Mapped[datetime | None] = mapped_column(TZ)
+
+
+def is_partition(name: str) -> bool:
+    """A day's partition of the measurements (``measurements_pYYYYMMDD``)."""
+    return name.startswith("measurements_p") and name[len("measurements_p"):].isdigit()
 
 
 class LinkHealth(Base):
