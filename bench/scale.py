@@ -165,9 +165,9 @@ def whole_path(nodes: int, cycles: int, state: Path) -> dict[str, Any]:
             scopes = dict(s.execute(text(
                 "SELECT g.scope, count(*) FROM measurements m JOIN groups g ON g.id = m.group_id "
                 "GROUP BY 1")).tuples().all())
-        # Roll everything up (as of an hour from now) to size the rollup rows.
+        # Roll everything up (as of tomorrow, an hour in) to size the rollup rows.
         timeseries.maintain(svc.engine, Settings().retention(),
-                            now=datetime.now(UTC) + timedelta(hours=1, minutes=10))
+                            now=timeseries.day_of(datetime.now(UTC)) + timedelta(days=1, hours=1))
         with db.transaction(db.make_session_factory(svc.engine)) as s:
             after = storage_bytes(s)
             hourly_rows = s.execute(text("SELECT count(*) FROM series_1h")).scalar() or 1

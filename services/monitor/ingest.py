@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from agents.spec import RankInfo, nodes_of, utcnow
+from agents.spec import RankInfo, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.hysteresis import Policy
 from services.errors import BadInput
@@ -21,6 +21,11 @@ from services.store import timeseries
 # How far ahead of the server's clock a measurement's time may be (clock skew); beyond
 # it, "latest" would be pinned by a time that has not come.
 MAX_CLOCK_SKEW = timedelta(minutes=10)
+
+
+def _nodes(members: list[str]) -> list[str]:
+    """The nodes of members already validated as NODE/INDEX, in first-seen order."""
+    return list(dict.fromkeys(m.rpartition("/")[0] for m in members))
 
 
 @dataclass
@@ -65,7 +70,7 @@ def ingest_batch(
         previous = store.find_run(session, batch_id)
         assert previous is not None
         return IngestResult(batch_id, False, previous.id, previous.measurement_count)
-    rows = [{**m, "nodes": nodes_of(m["members"]),
+    rows = [{**m, "nodes": _nodes(m["members"]),
              "time": m["time"] if isinstance(m["time"], datetime)
              else datetime.fromisoformat(m["time"])} for m in measurements]
     now = utcnow()
@@ -77,9 +82,9 @@ def ingest_batch(
     node_names |= {f["node"] for f in findings or [] if f.get("node")}
     node_names |= set(skipped or {})
     probed = sorted({n for r in rows for n in r["nodes"]})
-    store.upsert_nodes(session, sorted(node_names), backend, seen_at, probed)
+    store.upsert_nodes(session, sorted(node_names), backend, seen_at, probed,
+                       duty_cycle=duty_cycle, skipped=skipped)
     store.upsert_ranks(session, ranks or [])
-    store.record_scheduling(session, duty_cycle or {}, skipped or {}, probed)
     if rows:
         bind = session.get_bind()
         assert isinstance(bind, Engine)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -44,66 +44,75 @@ def find_run(session: Session, batch_id: str) -> ProbeRun | None:
     return session.scalar(select(ProbeRun).where(ProbeRun.batch_id == batch_id))
 
 
+def _copy_into_temp(session: Session, table: str, columns: str, types: Sequence[str],
+                    rows: Sequence[Sequence[Any]]) -> None:
+    """Binary COPY ``rows`` into a temporary table private to this transaction."""
+    session.execute(text(f"CREATE TEMP TABLE IF NOT EXISTS {table} ({columns}) "
+                         "ON COMMIT DELETE ROWS"))
+    session.execute(text(f"TRUNCATE {table}"))
+    dbapi = session.connection().connection.driver_connection
+    assert dbapi is not None
+    with dbapi.cursor() as cur, cur.copy(f"COPY {table} FROM STDIN (FORMAT BINARY)") as cp:
+        cp.set_types(list(types))
+        for row in rows:
+            cp.write_row(row)
+
+
 def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: datetime,
-                 probed: Sequence[str] = ()) -> None:
-    """Create or touch nodes; ``probed`` ones were measured at ``seen_at``."""
+                 probed: Sequence[str] = (), duty_cycle: dict[str, float] | None = None,
+                 skipped: dict[str, str] | None = None) -> None:
+    """Create or touch nodes in one statement: ``probed`` ones were measured at ``seen_at``;
+    each node's duty cycle, and why it was skipped (cleared once it is probed)."""
     if not names:
         return
-    was_probed = set(probed)
-    stmt = insert(Node).values(
-        [{"name": n, "backend": backend, "last_seen_at": seen_at,
-          "last_probed_at": seen_at if n in was_probed else None} for n in sorted(set(names))]
-    )
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["name"],
-        set_={"last_seen_at": func.greatest(Node.last_seen_at, stmt.excluded.last_seen_at),
-              # greatest() skips NULLs: a node only mentioned keeps its last probe time.
-              "last_probed_at": func.greatest(Node.last_probed_at, stmt.excluded.last_probed_at),
-              "backend": stmt.excluded.backend},
-    )
-    session.execute(stmt)
-
-
-def record_scheduling(session: Session, duty_cycle: dict[str, float], skipped: dict[str, str],
-                      probed: Sequence[str]) -> None:
-    """Store each node's duty cycle and why it was skipped (cleared once it is probed)."""
-    names = set(duty_cycle) | set(skipped) | set(probed)
-    for node in session.scalars(select(Node).where(Node.name.in_(names))):
-        if node.name in duty_cycle:
-            node.duty_cycle = duty_cycle[node.name]
-        if node.name in skipped:
-            node.skipped_reason = skipped[node.name]
-        elif node.name in probed:
-            node.skipped_reason = None
+    was_probed, duty, skip = set(probed), duty_cycle or {}, skipped or {}
+    rows = [(n, backend, seen_at, seen_at if n in was_probed else None, duty.get(n),
+             skip.get(n), n in skip or n in was_probed) for n in sorted(set(names))]
+    _copy_into_temp(session, "nodes_in", "name text, backend text, seen_at timestamptz, "
+                    "probed_at timestamptz, duty_cycle float8, skipped text, set_skip bool",
+                    ("text", "text", "timestamptz", "timestamptz", "float8", "text", "bool"), rows)
+    # greatest() skips NULLs: a node only mentioned keeps its last probe time.
+    session.execute(text("""
+        INSERT INTO nodes (name, backend, last_seen_at, last_probed_at, duty_cycle,
+                           skipped_reason)
+        SELECT name, backend, seen_at, probed_at, duty_cycle, skipped FROM nodes_in
+        ON CONFLICT (name) DO UPDATE SET
+          last_seen_at = greatest(nodes.last_seen_at, excluded.last_seen_at),
+          last_probed_at = greatest(nodes.last_probed_at, excluded.last_probed_at),
+          backend = excluded.backend,
+          duty_cycle = coalesce(excluded.duty_cycle, nodes.duty_cycle)"""))
+    session.execute(text("""
+        UPDATE nodes SET skipped_reason = i.skipped FROM nodes_in i
+        WHERE i.set_skip AND nodes.name = i.name
+          AND nodes.skipped_reason IS DISTINCT FROM i.skipped"""))
 
 
 def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
-    """Record rank identities (node, local_index, GPU UUID, PCI bus id, telemetry)."""
+    """Record rank identities (node, local_index, GPU UUID, PCI bus id, telemetry) and the
+    nodes' hostnames: one COPY and two statements, whatever the fleet's size."""
     if not ranks:
         return
-    nodes = {n.name: n for n in session.scalars(
-        select(Node).where(Node.name.in_({r["node"] for r in ranks})))}
-    for r in ranks:
-        node = nodes.get(r["node"])
-        if node is not None and r.get("hostname") and node.hostname != r["hostname"]:
-            node.hostname = r["hostname"]
-    ids = {name: n.id for name, n in nodes.items()}
-    rows = [
-        {"node_id": ids[r["node"]], "local_index": r["local_index"], "uuid": r.get("gpu_uuid"),
-         "pci_bus_id": r.get("pci_bus_id"), "numa_node": r.get("numa_node"),
-         "name": r.get("gpu_name"), "telemetry": r.get("telemetry") or {}}
-        for r in ranks if r["node"] in ids
-    ]
-    if not rows:
-        return
-    stmt = insert(Gpu)
-    stmt = stmt.on_conflict_do_update(
-        constraint="uq_gpus_node_local",
-        set_={c: stmt.excluded[c] for c in ("uuid", "pci_bus_id", "numa_node", "name", "telemetry")}
-        | {"updated_at": func.now()},
-    )
-    # executemany: one statement compiled once, sent in pages (not one giant VALUES list).
-    session.execute(stmt, rows)
+    from psycopg.types.json import Jsonb
+
+    rows = [(r["node"], r["local_index"], r.get("gpu_uuid"), r.get("pci_bus_id"),
+             r.get("numa_node"), r.get("gpu_name"), Jsonb(r.get("telemetry") or {}),
+             r.get("hostname") or None) for r in ranks]
+    _copy_into_temp(session, "ranks_in", "node text, local_index int4, uuid text, "
+                    "pci_bus_id text, numa_node int4, name text, telemetry jsonb, hostname text",
+                    ("text", "int4", "text", "text", "int4", "text", "jsonb", "text"), rows)
+    session.execute(text("""
+        INSERT INTO gpus (node_id, local_index, uuid, pci_bus_id, numa_node, name, telemetry)
+        SELECT n.id, r.local_index, r.uuid, r.pci_bus_id, r.numa_node, r.name, r.telemetry
+        FROM ranks_in r JOIN nodes n ON n.name = r.node
+        ON CONFLICT ON CONSTRAINT uq_gpus_node_local DO UPDATE SET
+          uuid = excluded.uuid, pci_bus_id = excluded.pci_bus_id,
+          numa_node = excluded.numa_node, name = excluded.name,
+          telemetry = excluded.telemetry, updated_at = now()"""))
+    session.execute(text("""
+        UPDATE nodes SET hostname = r.hostname
+        FROM (SELECT DISTINCT ON (node) node, hostname FROM ranks_in
+              WHERE hostname IS NOT NULL ORDER BY node) r
+        WHERE nodes.name = r.node AND nodes.hostname IS DISTINCT FROM r.hostname"""))
 
 
 def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dict[str, int]:
