@@ -180,19 +180,23 @@ def whole_path(nodes: int, cycles: int, state: Path) -> dict[str, Any]:
     first, lastb = sent[0], sent[-1]
     rate = sum(s["stored"] for s in sent) / sum(s["total"] for s in sent)
     store_rate = sum(s["stored"] for s in sent) / sum(s.get("store", 0) for s in sent)
+    rows_rate = sum(s["stored"] for s in sent) / sum(s.get("measurements", 0) for s in sent)
     print(f"\n{nodes} x 8, {len(sent)} cycles of the real scheduler loop into the real API "
           f"({wall:.0f} s; {len(incidents)} incident(s) open at the end, "
           f"{len(sc['faults'])} faults injected)")
     print(f"  per batch: {per_cycle:.0f} measurements, {statistics.median(s['bytes'] for s in sent) / 1e6:.1f} MB "
           f"of JSON; POST {statistics.median(s['total'] for s in sent):.2f} s median "
-          f"(API store {statistics.median(s.get('store', 0) for s in sent):.2f} s, "
+          f"(API store {statistics.median(s.get('store', 0) for s in sent):.2f} s, of which "
+          f"the measurements' groups and COPY "
+          f"{statistics.median(s.get('measurements', 0) for s in sent):.2f} s; "
           f"judge {statistics.median(s.get('judge', 0) for s in sent):.2f} s, "
           f"the rest parsing JSON and HTTP)")
     print(f"  time per batch: first {first['total']:.2f} s, last {lastb['total']:.2f} s "
           f"(x{lastb['total'] / first['total']:.2f})")
-    print(f"  ingest end to end {rate:,.0f} measurements/s; storing stage alone "
-          f"{store_rate:,.0f}/s; raw COPY of the same rows {copy:,.0f} rows/s: "
-          f"COPY ratio {rate / copy:.2f} end to end, {store_rate / copy:.2f} storing")
+    print(f"  raw COPY of the same rows into the same server: {copy:,.0f} rows/s; in the API: "
+          f"measurements (groups + COPY) {rows_rate:,.0f}/s (ratio {rows_rate / copy:.2f}), "
+          f"whole storing stage {store_rate:,.0f}/s ({store_rate / copy:.2f}), end to end with "
+          f"parsing and judging {rate:,.0f}/s ({rate / copy:.2f})")
     raw_b = sizes["measurements"] / max(rows, 1)
     hourly_b = after["series_1h"] / hourly_rows
     daily_b = after["series_1d"] / daily_rows

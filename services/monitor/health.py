@@ -175,37 +175,40 @@ def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assess
 
 def _link_health(session: Session, j: Judgement, links: dict[tuple[str, str], Any],
                  at: datetime, policy: Policy) -> None:
+    """Fold the batch into every link's row: new rows inserted, the rest written in one
+    bulk update."""
     latest = _largest_size(j.assessments)
+    inserts, updates = [], []
     for key, a in sorted(latest.items()):
-        link = links.get(key) or _new_link(session, key, a)
-        _update_link(link, a, at, policy)
+        link = links.get(key)
+        values = _folded(link, a, at, policy)
+        if link is None:
+            m = a.measurement
+            inserts.append({"group_key": key[0], "op": key[1], "scope": m.scope,
+                            "members": sorted(m.members),
+                            "nodes": sorted({x.split("/")[0] for x in m.members}), **values})
+        else:
+            updates.append({"id": link.id, **values})
+    store.write_links(session, inserts, updates)
 
 
-def _new_link(session: Session, key: tuple[str, str], a: Assessment):
+def _folded(link: Any, a: Assessment, at: datetime, policy: Policy) -> dict[str, Any]:
+    """One assessment folded into a link (None: a new one) through the hysteresis policy,
+    and its busbw into the link's running baseline (restarted when the judged size
+    changes): the link's new column values."""
     m = a.measurement
-    return store.add_link(
-        session, group_key=key[0], op=key[1], scope=m.scope, members=sorted(m.members),
-        nodes=sorted({x.split("/")[0] for x in m.members}), status="ok", size_bytes=m.size_bytes,
-        busbw_gbs=m.busbw_gbs, bad_streak=0, good_streak=0, recent="", recent_busbw=[],
-    )
-
-
-def _update_link(link, a: Assessment, at: datetime, policy: Policy) -> None:
-    """Fold one assessment into the link through the hysteresis policy, and its busbw into
-    the link's running baseline (restarted when the judged size changes)."""
-    same_size = link.size_bytes == a.measurement.size_bytes
+    same_size = link is not None and link.size_bytes == m.size_bytes
     past = list(link.recent_busbw or []) if same_size else []
-    link.recent_busbw = [*past, a.measurement.busbw_gbs][-HISTORY_WINDOW:]
-    link.size_bytes = a.measurement.size_bytes
-    link.busbw_gbs = a.measurement.busbw_gbs
-    link.expected_gbs = a.expected_gbs
-    link.ratio = a.ratio
-    link.updated_at = at
-    link.bad_streak = (link.bad_streak or 0) + 1 if a.bad else 0
-    previous = link.status
-    state = step(LinkState(previous, tuple(c == "1" for c in link.recent or ""), link.good_streak or 0),
+    previous = link.status if link is not None else "ok"
+    recent = tuple(c == "1" for c in (link.recent or "")) if link is not None else ()
+    state = step(LinkState(previous, recent, (link.good_streak or 0) if link is not None else 0),
                  a.bad, policy)
-    link.status, link.good_streak = state.status, state.good_streak
-    link.recent = "".join("1" if bad else "0" for bad in state.recent)
-    if link.status != previous:
-        link.changed_at = at
+    return {
+        "status": state.status, "size_bytes": m.size_bytes, "busbw_gbs": m.busbw_gbs,
+        "expected_gbs": a.expected_gbs, "ratio": a.ratio,
+        "bad_streak": ((link.bad_streak or 0) if link is not None else 0) + 1 if a.bad else 0,
+        "good_streak": state.good_streak,
+        "recent": "".join("1" if bad else "0" for bad in state.recent),
+        "recent_busbw": [*past, m.busbw_gbs][-HISTORY_WINDOW:], "updated_at": at,
+        "changed_at": at if link is None or state.status != previous else link.changed_at,
+    }

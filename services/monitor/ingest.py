@@ -35,7 +35,8 @@ class IngestResult:
     run_id: int
     stored: int
     changes: HealthChanges = field(default_factory=HealthChanges)
-    # Seconds spent storing (nodes, ranks, groups, COPY) and judging (health, incidents).
+    # Seconds spent storing (nodes, ranks, groups, COPY), of which on the measurements
+    # themselves (their groups and the COPY), and judging (health, incidents).
     timings: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,7 +91,9 @@ def ingest_batch(
         assert isinstance(bind, Engine)
         timeseries.ensure_partitions(bind, {r["time"] for r in rows})
         timeseries.note_ingest(session, min(r["time"] for r in rows))
+    copying = time.perf_counter()
     stored = store.add_measurements(session, run, rows)
+    copied = time.perf_counter()
     run.findings = list(findings or [])
     run.shipper = shipper
     judging = time.perf_counter()
@@ -100,5 +103,6 @@ def ingest_batch(
                           ranks=[RankInfo(**r) for r in ranks or []])
     done = time.perf_counter()
     return IngestResult(batch_id, True, run.id, stored, changes,
-                        {"store": judging - started, "judge": done - judging})
+                        {"store": judging - started, "measurements": copied - copying,
+                         "judge": done - judging})
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, insert, select, text
 from sqlalchemy.orm import Session
 
 from services.store.models import FaultState, Finding, LinkHealth, OutboxEvent
@@ -14,13 +14,17 @@ from services.store.models import FaultState, Finding, LinkHealth, OutboxEvent
 OUTBOX_CHANNEL = "ringwatch_outbox"
 
 
-def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], LinkHealth]:
-    """Current health rows for (group_key, op) pairs, locked for this transaction."""
+def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """Current health of (group_key, op) pairs, as rows of what folding a batch reads (not
+    the member lists), locked for this transaction."""
     if not keys:
         return {}
     group_keys = {k for k, _ in keys}
-    rows = session.scalars(
-        select(LinkHealth).where(LinkHealth.group_key.in_(group_keys)).with_for_update()
+    c = LinkHealth
+    rows = session.execute(
+        select(c.id, c.group_key, c.op, c.status, c.size_bytes, c.bad_streak, c.good_streak,
+               c.recent, c.recent_busbw, c.changed_at)
+        .where(c.group_key.in_(group_keys)).with_for_update()
     ).all()
     wanted = set(keys)
     return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in wanted}
@@ -30,10 +34,34 @@ def link_by_key(session: Session, group_key: str) -> LinkHealth | None:
     return session.scalar(select(LinkHealth).where(LinkHealth.group_key == group_key).limit(1))
 
 
-def add_link(session: Session, **fields: Any) -> LinkHealth:
-    link = LinkHealth(**fields)
-    session.add(link)
-    return link
+LINK_COLUMNS = ("status", "size_bytes", "busbw_gbs", "expected_gbs", "ratio", "bad_streak",
+                "good_streak", "recent", "recent_busbw", "updated_at", "changed_at")
+_LINK_TYPES = ("int4", "text", "int8", "float8", "float8", "float8", "int4", "int4", "text",
+               "float8[]", "timestamptz", "timestamptz")
+
+
+def write_links(session: Session, inserts: Sequence[dict[str, Any]],
+                updates: Sequence[dict[str, Any]]) -> None:
+    """New link rows by executemany; changed ones by one COPY and one UPDATE ... FROM."""
+    if inserts:
+        session.execute(insert(LinkHealth.metadata.tables["link_health"]), list(inserts))
+    if not updates:
+        return
+    session.execute(text(
+        "CREATE TEMP TABLE IF NOT EXISTS links_in (id int4, status text, size_bytes int8, "
+        "busbw_gbs float8, expected_gbs float8, ratio float8, bad_streak int4, "
+        "good_streak int4, recent text, recent_busbw float8[], updated_at timestamptz, "
+        "changed_at timestamptz) ON COMMIT DELETE ROWS"))
+    session.execute(text("TRUNCATE links_in"))
+    dbapi = session.connection().connection.driver_connection
+    assert dbapi is not None
+    with dbapi.cursor() as cur, cur.copy("COPY links_in FROM STDIN (FORMAT BINARY)") as cp:
+        cp.set_types(list(_LINK_TYPES))
+        for u in updates:
+            cp.write_row((u["id"], *(u[c] for c in LINK_COLUMNS)))
+    assignments = ", ".join(f"{c} = i.{c}" for c in LINK_COLUMNS)
+    session.execute(text(f"UPDATE link_health l SET {assignments} FROM links_in i "
+                         "WHERE l.id = i.id"))
 
 
 def list_links(session: Session, status: str | None = None, scope: str | None = None,
