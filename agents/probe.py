@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from agents import device as device_seam
-from agents import telemetry
+from agents import profiles, telemetry
 from agents.collectives import (
     Buffers,
     check_redop,
@@ -361,6 +361,11 @@ def _origin(exc: BaseException) -> str:
     return "local"
 
 
+def _active_nvlinks(tel: dict[str, Any]) -> int | None:
+    active = tel.get("nvlinks_active") if isinstance(tel, dict) else None
+    return int(active) if isinstance(active, int) else None
+
+
 class ProbeAgent:
     """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too
     (nothing here imports ray unless it is already loaded)."""
@@ -423,6 +428,10 @@ class ProbeAgent:
             numa_node=gpu.get("numa_node"),
             gpu_name=gpu.get("name"),
             telemetry=gpu.get("telemetry", {}),
+            # A CPU slot (gloo) has no hardware profile; a GPU's comes from its NVML name
+            # and NVLink count, or RINGWATCH_PROFILE.
+            profile=profiles.detect(gpu.get("name"), _active_nvlinks(gpu.get("telemetry", {})))
+            if self.backend == "nccl" else None,
         )
         return info.to_dict()
 

@@ -383,7 +383,7 @@ class SimBackend:
         return RankInfo(node=node_name(i), local_index=g, hostname=node_name(i),
                         gpu_uuid=f"GPU-sim-{i:05d}-{g}", pci_bus_id=f"0000:{0x18 + g:02x}:00.0",
                         numa_node=g * 2 // max(f.g, 1), gpu_name=f.hw.name,
-                        telemetry={"p2p": p2p, "sim": True})
+                        telemetry={"p2p": p2p, "sim": True}, profile=f.hw.name)
 
     def _group(self, members: tuple[str, ...] | list[str]) -> _Group:
         nodes = np.empty(len(members), dtype=np.int64)
@@ -466,7 +466,8 @@ class SimBackend:
 
 
 def _nominal_fabric(s: Scenario) -> Fabric:
-    """The same hardware with every link at its published rate: no variation, no faults."""
+    """The named hardware profile with every link at its rated rate: no variation, no
+    faults, and none of the scenario's own link rates (a fleet built slower than its
+    hardware is rated, `nvlink_gbs` or `net_gbs` below the profile's, must look slow)."""
     return Fabric(Scenario(nodes=s.nodes, gpus_per_node=s.gpus_per_node, gpu=s.gpu,
-                           nvlink_gbs=s.nvlink_gbs, net_gbs=s.net_gbs, noise=0.0,
-                           variation=0.0, seed=s.seed, faults=[]))
+                           noise=0.0, variation=0.0, seed=s.seed, faults=[]))

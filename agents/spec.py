@@ -100,6 +100,8 @@ class RankInfo:
     gpu_name: str | None = None
     # Free-form NVML facts (NVLink state, error counters, P2P row); empty without NVML.
     telemetry: dict[str, Any] = field(default_factory=dict)
+    # The node's hardware profile (agents.profiles), detected or configured; None unknown.
+    profile: str | None = None
 
     @property
     def member(self) -> str:
@@ -158,11 +160,15 @@ class Measurement:
     # What the sender's hardware model says this measurement should reach (GB/s busbw),
     # where it has one (the sim's modeled fabric): a floor under the peers' expectation.
     preset_gbs: float | None = None
+    # The rated busbw of the node type's hardware profile (agents.profiles), at
+    # bandwidth-bound sizes: below a fraction of it the link is degraded whatever its
+    # peers do.
+    rated_gbs: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()
-        for key in ("stats", "timing", "preset_gbs"):
+        for key in ("stats", "timing", "preset_gbs", "rated_gbs"):
             if d[key] is None:
                 del d[key]
         return d

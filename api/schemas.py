@@ -42,6 +42,8 @@ class MeasurementIn(Strict):
     timing: Literal["cuda_graph", "cuda_events", "host", "model"] | None = None
     # The sender's hardware-model figure (busbw GB/s): a floor under the expectation.
     preset_gbs: float | None = Field(default=None, ge=0, le=1e6)
+    # The hardware profile's rated busbw for it (GB/s), at bandwidth-bound sizes.
+    rated_gbs: float | None = Field(default=None, gt=0, le=1e6)
 
     @field_validator("members")
     @classmethod
@@ -69,12 +71,14 @@ class RankIn(BaseModel):
     numa_node: int | None = None
     gpu_name: str | None = None
     telemetry: dict[str, Any] = Field(default_factory=dict)
+    profile: str | None = Field(default=None, max_length=64)
 
 
 class FindingIn(BaseModel):
     model_config = ConfigDict(extra="allow")
     kind: Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
-                  "data_corruption", "topology_mismatch", "rank_mapping", "probe_error"]
+                  "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
+                  "fabric_below_rated"]
     node: NodeName | None = None
 
 
@@ -128,6 +132,8 @@ class NodeOut(BaseModel):
     name: str
     hostname: str | None
     backend: str | None
+    # Hardware profile (agents.profiles): what its links are rated for.
+    profile: str | None = None
     duty_cycle: float | None
     skipped_reason: str | None
     last_seen_at: datetime

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     # analyzer's default for the backend (services.analyzer.assess.thresholds_for), the
     # same for monitoring and preflight.
     degraded_ratio: float | None = Field(default=None, gt=0, lt=1)
+    # Below this share of its hardware profile's rated busbw a link is degraded even when
+    # every peer is as slow (agents.profiles; docs/profiles.md).
+    rated_floor: float = Field(default=0.5, gt=0, lt=1)
     # Hysteresis of incidents: k bad of the last n cycles open one, m good in a row close
     # it. Defaults: services.analyzer.hysteresis.Policy (the one place they are defined).
     hysteresis_k_bad: int = Field(default=Policy.k_bad, ge=1)
@@ -74,7 +77,7 @@ class Settings(BaseSettings):
 
         from services.analyzer.assess import thresholds_for
 
-        t = thresholds_for(backend)
+        t = replace(thresholds_for(backend), rated_floor=self.rated_floor)
         return t if self.degraded_ratio is None else replace(t, degraded_ratio=self.degraded_ratio)
 
     @property

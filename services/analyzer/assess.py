@@ -41,6 +41,9 @@ class Thresholds:
     # are all slow together (one bad node in every group of a search) can't vouch for
     # each other. Below 1 because real links reach a little less than their datasheet.
     preset_floor: float = 0.9
+    # Below this share of its hardware profile's rated busbw a measurement is degraded
+    # whatever its peers and history say (agents.profiles; RINGWATCH_RATED_FLOOR).
+    rated_floor: float = 0.5
 
     def severity(self, ratio: float) -> str:
         return "critical" if ratio < self.critical_ratio else "warning"
@@ -68,7 +71,8 @@ class Assessment:
     expected_gbs: float | None
     ratio: float | None
     bad: bool
-    # "peers", "history", "preset", "latency" (small size, not judged) or "none".
+    # "peers", "history", "preset", "rated" (below the profile's floor), "latency" (small
+    # size, not judged) or "none".
     source: str
     severity: str | None = None
     # False for latency-bound sizes: their ratio is informative, never a verdict.
@@ -204,6 +208,10 @@ def assess(
         value, source = _choose(peer, hist, preset, t)
         ratio = m.busbw_gbs / value if value else None
         bad = is_judged and ratio is not None and ratio < t.degraded_ratio
+        rated = m.rated_gbs
+        if is_judged and not bad and rated and m.busbw_gbs < t.rated_floor * rated:
+            # Peers and history may all be slow alike: the hardware's rating is not.
+            value, source, ratio, bad = rated, "rated", m.busbw_gbs / rated, True
         out.append(Assessment(
             measurement=m, expected_gbs=value, ratio=ratio, bad=bad,
             source=source if is_judged else "latency",

@@ -15,6 +15,7 @@ from services.analyzer.hysteresis import AT_ONCE, Policy
 
 # Faults the probes report themselves, per rank.
 RANK_KINDS = frozenset({"hang", "probe_error", "data_corruption"})
+FLEET_KIND = "fabric_below_rated"
 # Faults inside one node (NVLink, topology): seen by its intra-node and GPU-pair groups.
 NODE_KINDS = frozenset({"nvlink_degraded", "topology_mismatch"})
 
@@ -24,6 +25,8 @@ def fault_key(f: Finding) -> str:
     if f.kind in RANK_KINDS:
         where = member(f.node, f.gpu) if f.node is not None and f.gpu is not None else f.node
         return f"{f.kind}:{where}"
+    if f.kind == FLEET_KIND:  # one per scope, whichever nodes it reaches this cycle
+        return f"{f.kind}:{f.detail.get('scope', '')}"
     parts = [f.kind]
     if f.nodes:
         parts.append(",".join(sorted(f.nodes)))
@@ -73,6 +76,8 @@ class Coverage:
         """Whether this cycle could have shown ``f``: if it did not find it, it is clear."""
         if f.kind in RANK_KINDS:
             return f.node is not None and f.gpu is not None and member(f.node, f.gpu) in self.clean_ranks
+        if f.kind == FLEET_KIND:
+            return bool(self.local) if f.detail.get("scope") == "nvlink" else bool(self.nic)
         if f.kind in NODE_KINDS:
             return f.node in self.local
         if f.kind == "nic_degraded":

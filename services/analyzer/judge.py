@@ -14,6 +14,7 @@ from agents.spec import Finding, Measurement, RankInfo
 from services.analyzer.assess import Assessment, Expected, LinkKey, Thresholds, assess
 from services.analyzer.faults import Coverage
 from services.analyzer.localize import GroupKey, GroupVerdict, group_verdicts, localize
+from services.analyzer.shortfall import fleet_shortfall
 
 
 def preset_of(m: Measurement) -> float | None:
@@ -51,7 +52,15 @@ def judge(
     ``nodes``: limit the findings to these nodes (all when empty). ``expected``: a hardware
     model; by default the figure each measurement carries (``preset_gbs``).
     """
-    assessments = assess(list(measurements), thresholds, expected or preset_of, history)
+    assessed = assess(list(measurements), thresholds, expected or preset_of, history)
+    # A shortfall shared by most of the fleet is one finding, not a fault per node.
+    assessments, fleet = fleet_shortfall(assessed)
     verdicts = group_verdicts(assessments)
     findings = localize(assessments, list(probe_findings), list(nodes), ranks, verdicts)
-    return Judgement(assessments, verdicts, findings)
+    wanted = set(nodes)
+    for f in fleet:
+        if wanted:
+            f.nodes = [n for n in f.nodes or () if n in wanted]
+        if f.nodes:
+            findings.append(f)
+    return Judgement(assessed, verdicts, findings)

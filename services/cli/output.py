@@ -20,6 +20,9 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
     if verdict.get("exclude"):
         print(f"exclude: {', '.join(verdict['exclude'])}")
     for f in verdict.get("findings", []):
+        if f["kind"] == "fabric_below_rated":  # the fleet's, not a node's: say how far
+            print(f"  {f['kind']:<18} {f.get('scope')}: {f.get('reason', '')} [{f.get('severity', '')}]")
+            continue
         where = f.get("node") or ",".join(f.get("nodes") or [])
         gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
         bw = (f" {f['measured_gbs']} GB/s vs {f['expected_gbs']} expected"

@@ -16,7 +16,7 @@ from services.store import timeseries
 
 def nodes(session: Session) -> list[dict[str, Any]]:
     return [
-        {"name": n.name, "hostname": n.hostname, "backend": n.backend,
+        {"name": n.name, "hostname": n.hostname, "backend": n.backend, "profile": n.profile,
          "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
          "last_seen_at": n.last_seen_at,
          "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,

@@ -50,7 +50,7 @@ def to_probe_measurement(row: dict[str, Any]) -> ProbeMeasurement:
         iters=row["iters"], time_us=row["time_us"], algbw_gbs=row["algbw_gbs"],
         busbw_gbs=row["busbw_gbs"], wrong=row["wrong"], time=row["time"],
         redop=row.get("redop", "sum"), timing=row.get("timing"),
-        preset_gbs=row.get("preset_gbs"),
+        preset_gbs=row.get("preset_gbs"), rated_gbs=row.get("rated_gbs"),
     )
 
 

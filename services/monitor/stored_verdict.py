@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from agents.spec import Finding, utcnow
+from services.analyzer.faults import FLEET_KIND
 from services.analyzer.verdict import build_verdict, exclude_of
 from services.monitor.fleet import require_nodes
 from services.store import health as health_store
@@ -54,4 +55,6 @@ def _inside(f: Finding, wanted: set[str]) -> bool:
     """A finding concerns the job when its node is one of them, or (a path) both ends are."""
     if f.node is not None:
         return f.node in wanted
+    if f.kind == FLEET_KIND:  # the fleet's shortfall concerns a job on any node it reaches
+        return bool(set(f.nodes or ()) & wanted)
     return set(f.nodes or ()) <= wanted if f.nodes else False

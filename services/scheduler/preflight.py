@@ -13,11 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agents import profiles
 from agents.collectives import default_sizes
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
-from services.analyzer.assess import Expected, Thresholds, thresholds_for
+from services.analyzer.assess import Expected, Thresholds
 from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
+from services.config import get_settings
 from services.scheduler.deadlines import group_deadline_s
 from services.scheduler.planner import DEFAULT_OPS, AdaptivePlanner, ProbeShape, layout_of
 
@@ -73,8 +75,10 @@ def run_adaptive(
     started = time.perf_counter()
     nodes = list(layout)
     mine = [r for r in ranks if r.node in layout]
-    t = thresholds or thresholds_for(backend.name)
+    # The settings' thresholds, as the API judges ingested batches: one judgement.
+    t = thresholds or get_settings().thresholds(backend.name)
     model = expected or getattr(backend, "expected_busbw", None)
+    node_profiles = {r.node: r.profile for r in mine}
 
     def judged(run: AdaptiveRun) -> Judgement:
         return judge(run.measurements, run.probe_findings, nodes, mine, thresholds=t,
@@ -90,6 +94,7 @@ def run_adaptive(
         for g in groups:
             for m in g.members:
                 run.busy_s[m] = run.busy_s.get(m, 0.0) + result.busy_s.get(m, result.wall_time_s)
+        profiles.annotate(result.measurements, node_profiles)
         run.measurements += result.measurements
         run.probe_findings += result.findings
         run.judgement = judged(run)

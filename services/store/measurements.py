@@ -96,10 +96,11 @@ def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
 
     rows = [(r["node"], r["local_index"], r.get("gpu_uuid"), r.get("pci_bus_id"),
              r.get("numa_node"), r.get("gpu_name"), Jsonb(r.get("telemetry") or {}),
-             r.get("hostname") or None) for r in ranks]
+             r.get("hostname") or None, r.get("profile")) for r in ranks]
     _copy_into_temp(session, "ranks_in", "node text, local_index int4, uuid text, "
-                    "pci_bus_id text, numa_node int4, name text, telemetry jsonb, hostname text",
-                    ("text", "int4", "text", "text", "int4", "text", "jsonb", "text"), rows)
+                    "pci_bus_id text, numa_node int4, name text, telemetry jsonb, hostname text, "
+                    "profile text",
+                    ("text", "int4", "text", "text", "int4", "text", "jsonb", "text", "text"), rows)
     session.execute(text("""
         INSERT INTO gpus (node_id, local_index, uuid, pci_bus_id, numa_node, name, telemetry)
         SELECT n.id, r.local_index, r.uuid, r.pci_bus_id, r.numa_node, r.name, r.telemetry
@@ -109,10 +110,11 @@ def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
           numa_node = excluded.numa_node, name = excluded.name,
           telemetry = excluded.telemetry, updated_at = now()"""))
     session.execute(text("""
-        UPDATE nodes SET hostname = r.hostname
-        FROM (SELECT DISTINCT ON (node) node, hostname FROM ranks_in
-              WHERE hostname IS NOT NULL ORDER BY node) r
-        WHERE nodes.name = r.node AND nodes.hostname IS DISTINCT FROM r.hostname"""))
+        UPDATE nodes SET hostname = coalesce(r.hostname, nodes.hostname), profile = r.profile
+        FROM (SELECT DISTINCT ON (node) node, hostname, profile FROM ranks_in
+              ORDER BY node, hostname NULLS LAST) r
+        WHERE nodes.name = r.node AND (nodes.hostname IS DISTINCT FROM coalesce(r.hostname,
+              nodes.hostname) OR nodes.profile IS DISTINCT FROM r.profile)"""))
 
 
 def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dict[str, int]:

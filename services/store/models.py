@@ -55,6 +55,8 @@ class Node(Base):
     last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     # Time of its newest measurement: "was it probed since T" without scanning them.
     last_probed_at: Mapped[datetime | None] = mapped_column(TZ)
+    # Its hardware profile (agents.profiles), as its agents detected or were told.
+    profile: Mapped[str | None] = mapped_column(String(64))
 
     gpus: Mapped[list[Gpu]] = relationship(back_populates="node", lazy="raise")
 

@@ -1,0 +1,84 @@
+"""A fleet slow everywhere alike: one finding naming the scope, not one per node.
+
+Peers cannot see a shortfall they all share (NCCL fell back to sockets on every node,
+GPUDirect RDMA is off, a driver caps NVLink). The hardware figures can: a measurement
+below its profile's floor (``rated``) or the sender's model (``preset``) while its peers
+did not call it slow. When at least half the nodes judged in a scope (NVLink inside
+nodes, or the network between them) are below in *every* such measurement of theirs, the
+shortfall is the fleet's: one ``fabric_below_rated`` finding with the measured and rated
+figures and the nodes affected, and those measurements are not localized node by node
+(the nodes are not at fault one by one; excluding them would exclude the fleet).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import replace
+
+from agents.profiles import scope_class
+from agents.spec import Finding, split_member
+from services.analyzer.assess import Assessment
+
+KIND = "fabric_below_rated"
+HARDWARE_SOURCES = frozenset({"rated", "preset"})
+# The share of a scope's judged nodes that must be below for the shortfall to be the fleet's.
+FLEET_SHARE = 0.5
+
+
+def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], list[Finding]]:
+    """The assessments with a fleet-wide shortfall's measurements no longer ``bad`` (they
+    are explained by it), and its findings (at most one per scope).
+
+    NVLink first: a collective across nodes also runs over each node's NVLink, so where
+    NVLink is short fleet-wide the slowness of those nodes' network groups is explained
+    by it and does not count against the network."""
+    judged: dict[str, dict[str, list[int]]] = {"nvlink": defaultdict(list),
+                                              "network": defaultdict(list)}
+    for i, a in enumerate(assessments):
+        m = a.measurement
+        if not a.judged or a.ratio is None or not (m.rated_gbs or m.preset_gbs):
+            continue
+        cls = scope_class(m.members)
+        for node in {split_member(x)[0] for x in m.members}:
+            judged[cls][node].append(i)
+    out = list(assessments)
+    findings = []
+    short_nvlink: set[str] = set()
+    for cls in ("nvlink", "network"):
+        by_node = judged[cls]
+        if cls == "network" and short_nvlink:
+            for idx in by_node.values():
+                for i in idx:
+                    nodes = {split_member(x)[0] for x in out[i].measurement.members}
+                    if nodes <= short_nvlink and _below(out[i]):
+                        out[i] = replace(out[i], bad=False)
+        below = sorted(n for n, idx in by_node.items() if all(_below(out[i]) for i in idx))
+        if len(below) < 2 or len(below) < FLEET_SHARE * len(by_node):
+            continue
+        explained = sorted({i for n in below for i in by_node[n]})
+        findings.append(_finding(cls, below, len(by_node), [out[i] for i in explained]))
+        for i in explained:
+            out[i] = replace(out[i], bad=False)
+        if cls == "nvlink":
+            short_nvlink = set(below)
+    return out, findings
+
+
+def _finding(cls: str, below: list[str], judged: int, explained: list[Assessment]) -> Finding:
+    measured = statistics.median(a.measurement.busbw_gbs for a in explained)
+    rated = statistics.median(a.measurement.rated_gbs or a.measurement.preset_gbs or 0.0
+                              for a in explained)
+    ratio = measured / rated if rated else 0.0
+    return Finding(
+        kind=KIND, nodes=below, severity="critical", measured_gbs=round(measured, 3),
+        expected_gbs=round(rated, 3),
+        detail={"scope": cls, "ops": sorted({a.measurement.op for a in explained}),
+                "nodes_judged": judged, "nodes_below": len(below), "ratio": round(ratio, 3),
+                "reason": f"{len(below)} of {judged} nodes reach a median {measured:.1f} GB/s "
+                          f"busbw over {cls}, {ratio:.0%} of the {rated:.0f} GB/s the "
+                          "hardware is rated for"})
+
+
+def _below(a: Assessment) -> bool:
+    return a.bad and a.source in HARDWARE_SOURCES
