@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from agents import device as device_seam
-from agents import profiles, telemetry
+from agents import inventory, profiles, telemetry
 from agents.collectives import (
     Buffers,
     check_redop,
@@ -391,6 +391,7 @@ class ProbeAgent:
         # backend maps logical ranks to distinct GPUs, so it may differ from local_index.
         self.device_index = local_index if device_index is None else device_index
         self._host = host
+        self._xid: telemetry.XidWatcher | None = None
         self._probe_device: ProbeDevice | None = None
         self._faults: dict[str, InjectedFault] = {}
         self.set_injected(injected or [])
@@ -419,6 +420,10 @@ class ProbeAgent:
         gpu: dict[str, Any] = {}
         if self.backend == "nccl":
             gpu = telemetry.gpu_identity(self.device_index)
+            tel = gpu.setdefault("telemetry", {})
+            tel.update(inventory.versions(tel.get("driver")))
+            if self.local_index == 0:  # the node's NICs, once per node
+                tel["nics"] = inventory.read_nics()
         info = RankInfo(
             node=self.node,
             local_index=self.local_index,
@@ -434,6 +439,17 @@ class ProbeAgent:
             if self.backend == "nccl" else None,
         )
         return info.to_dict()
+
+    def counters(self) -> dict[str, Any]:
+        """This GPU's NVLink state and error counters now, and the XID errors NVML
+        reported since the last call: read before and after every cycle."""
+        if self.backend != "nccl":
+            return {"available": False, "reason": f"a {self.backend} rank has no GPU"}
+        reading = telemetry.read_counters(self.device_index)
+        if self._xid is None:
+            self._xid = telemetry.XidWatcher(self.device_index)
+        reading["xid"] = self._xid.drain()
+        return reading
 
     def where(self) -> dict[str, Any]:
         """Where Ray placed this agent: its Ray node id, address and process id."""

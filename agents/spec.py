@@ -33,7 +33,7 @@ FINDING_KINDS: tuple[str, ...] = (
 # cannot run the job's collectives either.
 EXCLUDING_KINDS = frozenset(
     {"nvlink_degraded", "nic_degraded", "hang", "data_corruption", "topology_mismatch",
-     "probe_error"}
+     "probe_error", "gpu_xid"}
 )
 
 # How a measurement was timed (Measurement.timing): the timed iterations captured in one
@@ -211,6 +211,9 @@ class Finding:
     def blamed_nodes(self) -> list[str]:
         """Nodes a job should avoid because of this finding (none for a path)."""
         if self.kind in EXCLUDING_KINDS and self.node is not None:
+            return [self.node]
+        # A node missing hardware is excluded; one on another software version is a warning.
+        if self.kind == "inventory_mismatch" and self.severity == "critical" and self.node:
             return [self.node]
         return []
 

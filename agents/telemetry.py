@@ -151,10 +151,13 @@ def gpu_identity(local_index: int) -> dict[str, Any]:
             handle = _handle(nvml, local_index)
             ident = _identity(nvml, handle)
             links = _nvlinks(nvml, handle)
+            driver = _optional(nvml.nvmlSystemGetDriverVersion)
             ident["telemetry"] = {
                 "nvlinks_active": sum(1 for link in links if link["active"]),
                 "nvlinks_total": len(links),
                 "p2p": _p2p_row(nvml, handle, local_index),
+                "gpu_count": int(nvml.nvmlDeviceGetCount()),
+                "driver": _text(driver) if driver is not None else None,
             }
     except NvmlUnavailable as exc:
         return {"available": False, "reason": str(exc)}
@@ -222,4 +225,78 @@ def telemetry_findings(
     if lost:
         findings.append(Finding(kind="topology_mismatch", node=node, gpu=gpu, gpus=[gpu, *lost],
                                 detail={"pcie_only_peers": lost, "source": "nvml"}))
+    return findings
+
+
+def read_counters(local_index: int) -> dict[str, Any]:
+    """NVLink state and error counters of GPU ``local_index`` alone: the cheap reading
+    taken before and after every cycle (``telemetry_findings`` compares two)."""
+    try:
+        with _session() as nvml:
+            handle = _handle(nvml, local_index)
+            links = []
+            for link in range(int(nvml.NVML_NVLINK_MAX_LINKS)):
+                active = _link_active(nvml, handle, link)
+                if active is None:
+                    continue
+                links.append({"link": link, "active": active, "errors": {
+                    name: _optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link,
+                                    getattr(nvml, const))
+                    for name, const in _ERROR_COUNTERS.items()}})
+            return {"available": True, "local_index": local_index, "nvlinks": links}
+    except NvmlUnavailable as exc:
+        return {"available": False, "reason": str(exc)}
+
+
+class XidWatcher:
+    """XID errors of one GPU as NVML reports them (critical XID events), drained without
+    waiting. Holds its own NVML session for the agent's life; where NVML or event
+    support is missing, ``drain`` returns nothing and says why in ``reason``."""
+
+    def __init__(self, local_index: int) -> None:
+        self.reason: str | None = None
+        self._set: Any = None
+        nvml = _nvml
+        try:
+            nvml.nvmlInit()
+            handle = _handle(nvml, local_index)
+            self._set = nvml.nvmlEventSetCreate()
+            nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._set)
+        except Exception as exc:  # no library, no GPU, events not supported
+            self.reason = f"{type(exc).__name__}: {exc}"
+            self._set = None
+
+    def drain(self, limit: int = 100) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._set is None:
+            return events
+        nvml = _nvml
+        for _ in range(limit):
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._set, 0)
+            except Exception:  # NVMLError_Timeout: nothing pending
+                break
+            events.append({"xid": int(data.eventData), "type": int(data.eventType)})
+        return events
+
+    def close(self) -> None:
+        if self._set is not None:
+            with suppress(Exception):
+                _nvml.nvmlEventSetFree(self._set)
+            with suppress(Exception):
+                _nvml.nvmlShutdown()
+            self._set = None
+
+
+def counter_findings(before: dict[str, Any], after: dict[str, Any], node: str, gpu: int,
+                     xids: list[dict[str, Any]] | None = None) -> list[Finding]:
+    """A cycle's NVML verdict on one GPU: links that went down or whose error counters
+    rose (``nvlink_degraded``, even when bandwidth still looks fine) and XID errors."""
+    findings = [f for f in telemetry_findings(before, after, node, gpu)
+                if f.kind == "nvlink_degraded"]
+    if xids:
+        findings.append(Finding(kind="gpu_xid", node=node,
+                                gpu=gpu, severity="critical",
+                                detail={"xids": sorted({e["xid"] for e in xids}),
+                                        "source": "nvml"}))
     return findings

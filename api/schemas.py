@@ -78,7 +78,7 @@ class FindingIn(BaseModel):
     model_config = ConfigDict(extra="allow")
     kind: Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
                   "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
-                  "fabric_below_rated"]
+                  "fabric_below_rated", "inventory_mismatch", "gpu_xid"]
     node: NodeName | None = None
 
 
@@ -89,6 +89,17 @@ class ShipperState(Strict):
     pending: int = Field(default=0, ge=0)
     failed: int = Field(default=0, ge=0)
     rejected: int = Field(default=0, ge=0)
+
+
+class CounterSnapshotIn(BaseModel):
+    """One GPU's NVML readings before and after a cycle (stored where something rose)."""
+
+    node: NodeName
+    local_index: int = Field(ge=0)
+    before: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    after: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    xid: list[dict[str, Any]] = Field(default_factory=list, max_length=100)
+    findings: list[str] = Field(default_factory=list, max_length=10)
 
 
 class MeasurementBatch(Strict):
@@ -104,6 +115,7 @@ class MeasurementBatch(Strict):
     # Fraction of each node's GPU time spent probing.
     duty_cycle: dict[NodeName, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
     shipper: ShipperState | None = None
+    counters: list[CounterSnapshotIn] = Field(default_factory=list, max_length=100_000)
 
 
 class IngestOut(BaseModel):
@@ -182,6 +194,8 @@ class SeriesOut(BaseModel):
     group_key: str
     resolution: Literal["raw", "1h", "1d"]
     points: list[SeriesPoint]
+    # NVML readings of the members' GPUs around cycles in which an error counter rose.
+    counters: list[dict[str, Any]] = []
 
 
 class HealthOut(BaseModel):

@@ -50,5 +50,6 @@ def _ingest(batch: MeasurementBatch, session: SessionDep, settings: SettingsDep)
         hysteresis=settings.hysteresis(),
         api_url=settings.api_url,
         shipper=batch.shipper.model_dump() if batch.shipper else None,
+        counters=[c.model_dump() for c in batch.counters],
     )
     return result

@@ -16,6 +16,7 @@ from services.analyzer.hysteresis import AT_ONCE, Policy
 # Faults the probes report themselves, per rank.
 RANK_KINDS = frozenset({"hang", "probe_error", "data_corruption"})
 FLEET_KIND = "fabric_below_rated"
+INVENTORY_KIND = "inventory_mismatch"
 # Faults inside one node (NVLink, topology): seen by its intra-node and GPU-pair groups.
 NODE_KINDS = frozenset({"nvlink_degraded", "topology_mismatch"})
 
@@ -27,6 +28,9 @@ def fault_key(f: Finding) -> str:
         return f"{f.kind}:{where}"
     if f.kind == FLEET_KIND:  # one per scope, whichever nodes it reaches this cycle
         return f"{f.kind}:{f.detail.get('scope', '')}"
+    if f.kind == INVENTORY_KIND:
+        where = member(f.node, f.gpu) if f.node and f.gpu is not None else f.node
+        return f"{f.kind}:{f.detail.get('what', '')}:{where}"
     parts = [f.kind]
     if f.nodes:
         parts.append(",".join(sorted(f.nodes)))
@@ -43,16 +47,20 @@ def fault_nodes(f: Finding) -> list[str]:
     return sorted({f.node} if f.node else set(f.nodes or ()))
 
 
-def policy_for(kind: str, policy: Policy) -> Policy:
-    """Rank faults open at once; degradations go through the hysteresis ``policy``."""
-    return AT_ONCE if kind in RANK_KINDS else policy
+def policy_for(kind: str, policy: Policy, detail: dict | None = None) -> Policy:
+    """Rank faults, inventory facts and NVML's own counters open at once (they are
+    facts, not noisy measurements); degradations go through the hysteresis ``policy``."""
+    if kind in RANK_KINDS or kind == INVENTORY_KIND or (detail or {}).get("source") == "nvml":
+        return AT_ONCE
+    return policy
 
 
 class Coverage:
     """What one cycle's results looked at: which ranks ran clean, which nodes had their
     NVLink, their NIC or a path to each other judged."""
 
-    def __init__(self, assessments: Iterable[Assessment]) -> None:
+    def __init__(self, assessments: Iterable[Assessment], inventoried: Iterable[str] = ()) -> None:
+        self.inventoried = set(inventoried)
         self.clean_ranks: set[str] = set()
         self.local: set[str] = set()
         self.nic: set[str] = set()
@@ -76,6 +84,8 @@ class Coverage:
         """Whether this cycle could have shown ``f``: if it did not find it, it is clear."""
         if f.kind in RANK_KINDS:
             return f.node is not None and f.gpu is not None and member(f.node, f.gpu) in self.clean_ranks
+        if f.kind == INVENTORY_KIND:
+            return f.node in self.inventoried
         if f.kind == FLEET_KIND:
             return bool(self.local) if f.detail.get("scope") == "nvlink" else bool(self.nic)
         if f.kind in NODE_KINDS:

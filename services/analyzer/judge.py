@@ -8,11 +8,12 @@ reads the incidents it produced. So all of them name the same fault the same way
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agents.spec import Finding, Measurement, RankInfo
 from services.analyzer.assess import Assessment, Expected, LinkKey, Thresholds, assess
 from services.analyzer.faults import Coverage
+from services.analyzer.inventory import inventory_findings
 from services.analyzer.localize import GroupKey, GroupVerdict, group_verdicts, localize
 from services.analyzer.shortfall import fleet_shortfall
 
@@ -27,13 +28,15 @@ class Judgement:
     assessments: list[Assessment]
     verdicts: dict[GroupKey, GroupVerdict]
     findings: list[Finding]
+    # Nodes whose ranks reported their identity (their inventory was looked at).
+    inventoried: set[str] = field(default_factory=set)
 
     @property
     def blamed(self) -> set[str]:
         return {n for f in self.findings for n in f.blamed_nodes}
 
     def coverage(self) -> Coverage:
-        return Coverage(self.assessments)
+        return Coverage(self.assessments, self.inventoried)
 
 
 def judge(
@@ -52,15 +55,17 @@ def judge(
     ``nodes``: limit the findings to these nodes (all when empty). ``expected``: a hardware
     model; by default the figure each measurement carries (``preset_gbs``).
     """
+    rank_list = list(ranks or [])
     assessed = assess(list(measurements), thresholds, expected or preset_of, history)
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
     assessments, fleet = fleet_shortfall(assessed)
     verdicts = group_verdicts(assessments)
-    findings = localize(assessments, list(probe_findings), list(nodes), ranks, verdicts)
+    findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)
     wanted = set(nodes)
+    findings += [f for f in inventory_findings(rank_list) if not wanted or f.node in wanted]
     for f in fleet:
         if wanted:
             f.nodes = [n for n in f.nodes or () if n in wanted]
         if f.nodes:
             findings.append(f)
-    return Judgement(assessed, verdicts, findings)
+    return Judgement(assessed, verdicts, findings, {r.node for r in rank_list})

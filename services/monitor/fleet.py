@@ -66,6 +66,10 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
                                             retention or timeseries.Retention())
     out: dict[str, Any] = {"members": wanted, "group_key": store.group_key(wanted),
                            "resolution": resolution, "points": []}
+    # NVML readings of the members' GPUs around cycles where a counter rose (up to 64 ranks).
+    out["counters"] = [
+        {"time": c.time, "node": c.node, "local_index": c.local_index, **c.reading}
+        for c in store.counters_of(session, wanted, since, until)] if len(wanted) <= 64 else []
     found = store.group_by_key(session, out["group_key"])
     if found is None:
         return out

@@ -117,7 +117,7 @@ def _faults(session: Session, j: Judgement, at: datetime, policy: Policy, api_ur
             state.detail = found[key].to_dict()
         before = state.status
         after = step(LinkState(before, tuple(c == "1" for c in state.recent), state.good_streak),
-                     seen, policy_for(state.kind, policy))
+                     seen, policy_for(state.kind, policy, state.detail))
         state.status, state.good_streak = after.status, after.good_streak
         state.recent = "".join("1" if bad else "0" for bad in after.recent)
         state.updated_at = at

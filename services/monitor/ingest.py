@@ -62,6 +62,7 @@ def ingest_batch(
     hysteresis: Policy | None = None,
     api_url: str = "",
     shipper: dict[str, Any] | None = None,
+    counters: list[dict[str, Any]] | None = None,
 ) -> IngestResult:
     """Store a batch exactly once (by ``batch_id``) and apply its judgement to link health
     and incidents."""
@@ -96,6 +97,7 @@ def ingest_batch(
     copied = time.perf_counter()
     run.findings = list(findings or [])
     run.shipper = shipper
+    store.add_counters(session, counters or [], seen_at)
     judging = time.perf_counter()
     changes = apply_round(session, rows, list(findings or []), at=seen_at,
                           thresholds=thresholds or thresholds_for(backend),

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.spec import Finding, Measurement, ProbeBackend, RankInfo
+from agents.spec import Finding, Measurement, ProbeBackend, RankInfo, split_member
+from agents.telemetry import counter_findings
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.planner import DEFAULT_OPS, layout_of
 from services.scheduler.preflight import probe_shape, run_adaptive
@@ -59,6 +60,8 @@ class CycleResult:
     # Seconds each rank spent inside probe groups in this cycle.
     busy_s: dict[str, float] = field(default_factory=dict)
     duty_cycle: dict[str, float] = field(default_factory=dict)
+    # NVML readings before and after the cycle of the GPUs whose counters rose.
+    counters: list[dict[str, Any]] = field(default_factory=list)
 
     def to_batch(self, batch_id: str | None = None) -> dict[str, Any]:
         """The body of ``POST /v1/measurements``."""
@@ -71,6 +74,7 @@ class CycleResult:
             "injected": self.injected,
             "skipped": self.skipped,
             "duty_cycle": self.duty_cycle,
+            "counters": self.counters,
         }
 
 
@@ -89,11 +93,16 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         del layout[node]
     shape = probe_shape(backend, options.ops, options.sizes, dtype=options.dtype,
                         warmup=options.warmup, iters=options.iters, redop=options.redop)
+    read = getattr(backend, "counters", None)
+    before = read() if read else {}
     run = run_adaptive(backend, layout, ranks, shape, rotation=rotation, progress=progress,
                        label="round")
+    after = read() if read else {}
+    nvml, snapshots = _counter_findings(before, after)
     return CycleResult(
         backend=backend.name, ranks=ranks, measurements=run.measurements,
-        findings=run.probe_findings, judged=run.judgement.findings, rounds=run.rounds,
+        findings=run.probe_findings + nvml, judged=run.judgement.findings + nvml,
+        rounds=run.rounds, counters=snapshots,
         fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
         injected=[f.to_dict() for f in getattr(backend, "injected", [])], skipped=skipped,
         busy_s=run.busy_s)
@@ -122,6 +131,27 @@ class Rotation:
             tmp.write_text(json.dumps({"position": self.position}))
             tmp.replace(self.path)  # atomic: a crash leaves the old or the new, never half
         return current
+
+
+def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+                      ) -> tuple[list[Finding], list[dict[str, Any]]]:
+    """Each GPU's NVML verdict over the cycle (counters that rose, links that went down,
+    XID errors) and, for the GPUs where something changed, the two readings to store."""
+    findings: list[Finding] = []
+    snapshots: list[dict[str, Any]] = []
+    for member_name, b in sorted(before.items()):
+        a = after.get(member_name)
+        if not a:
+            continue
+        node, gpu = split_member(member_name)
+        xids = list(b.get("xid") or []) + list(a.get("xid") or [])
+        found = counter_findings(b, a, node, gpu, xids)
+        findings += found
+        if found:
+            snapshots.append({"node": node, "local_index": gpu, "before": b.get("nvlinks", []),
+                              "after": a.get("nvlinks", []), "xid": xids,
+                              "findings": [f.kind for f in found]})
+    return findings, snapshots
 
 
 def _busy(backend: ProbeBackend, layout: dict[str, list[int]]) -> dict[str, str]:

@@ -276,6 +276,15 @@ class RayBackend:
     def ranks(self) -> list[RankInfo]:
         return [self._identities[m] for m in self._slots]
 
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """Every GPU rank's NVLink counters and new XID errors (nccl only; {} on gloo)."""
+        if self.name != "nccl":
+            return {}
+        members = list(self._slots)
+        readings = ray.get([self._slots[m].handle.counters.remote() for m in members],
+                           timeout=60)
+        return dict(zip(members, readings, strict=True))
+
     def busy_nodes(self) -> dict[str, str]:
         """Nodes where Ray shows other work holding what probes need (GPUs under nccl, cores
         under gloo), with the reason; a scheduled cycle skips them rather than slow a job."""

@@ -11,7 +11,7 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from services.store.models import Gpu, Group, Node, ProbeRun, measurements
+from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun, measurements
 
 # Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
 MAX_PLAIN_KEY = 512
@@ -231,3 +231,29 @@ def shipper_states(session: Session) -> dict[str, dict[str, Any]]:
         "WHERE shipper IS NOT NULL AND received_at > now() - interval '1 day' "
         "ORDER BY shipper->>'host', received_at DESC"))
     return {host or "": state for host, state in rows}
+
+
+def add_counters(session: Session, snapshots: Sequence[dict[str, Any]], at: datetime) -> None:
+    """Store the NVML readings of the GPUs whose counters rose in this cycle."""
+    if snapshots:
+        session.execute(insert(GpuCounters), [
+            {"time": at, "node": c["node"], "local_index": c["local_index"],
+             "reading": {k: v for k, v in c.items() if k not in ("node", "local_index")}}
+            for c in snapshots])
+
+
+def counters_of(session: Session, members: Sequence[str], since: datetime | None,
+                until: datetime | None, limit: int = 1000) -> list[GpuCounters]:
+    """The stored NVML readings of these ranks, oldest first."""
+    pairs = [m.rpartition("/") for m in members]
+    conds = [(GpuCounters.node == n) & (GpuCounters.local_index == int(i)) for n, _, i in pairs]
+    if not conds:
+        return []
+    from sqlalchemy import or_
+
+    q = select(GpuCounters).where(or_(*conds[:64]))
+    if since:
+        q = q.where(GpuCounters.time >= since)
+    if until:
+        q = q.where(GpuCounters.time <= until)
+    return list(session.scalars(q.order_by(GpuCounters.time).limit(limit)))

@@ -184,6 +184,20 @@ def is_partition(name: str) -> bool:
     return name.startswith("measurements_p") and name[len("measurements_p"):].isdigit()
 
 
+class GpuCounters(Base):
+    """One GPU's NVML readings around a cycle in which an error counter rose, a link went
+    down or an XID error was reported: kept with the cycle, shown by ``/v1/series``."""
+
+    __tablename__ = "gpu_counters"
+    __table_args__ = (Index("ix_gpu_counters_rank_time", "node", "local_index", "time"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    time: Mapped[datetime] = mapped_column(TZ)
+    node: Mapped[str] = mapped_column(String(255))
+    local_index: Mapped[int] = mapped_column(Integer)
+    reading: Mapped[dict[str, Any]] = mapped_column(JSONB)
+
+
 class LinkHealth(Base):
     """Current health of one link or group for one op (the largest probed size)."""
 

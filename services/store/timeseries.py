@@ -323,6 +323,8 @@ def _delete_old(engine: Engine, retention: Retention, now: datetime,
         # A probe run's own record (its findings) goes with its raw measurements.
         deleted["probe_runs"] = conn.execute(
             text("DELETE FROM probe_runs WHERE received_at < :t"), {"t": raw_cut}).rowcount
+        deleted["gpu_counters"] = conn.execute(
+            text("DELETE FROM gpu_counters WHERE time < :t"), {"t": raw_cut}).rowcount
     return deleted
 
 
