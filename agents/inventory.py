@@ -60,3 +60,9 @@ def versions(nvml_driver: str | None) -> dict[str, str | None]:
     except Exception:  # a CPU build of torch has no NCCL
         nccl = None
     return {"driver": nvml_driver, "cuda": torch.version.cuda, "nccl": nccl}
+
+
+def product_name(root: str | os.PathLike[str] | None = None) -> str | None:
+    """The machine's DMI product name (an instance type such as "p5.48xlarge" on AWS)."""
+    base = Path(root or os.environ.get("RINGWATCH_SYSFS_DMI", "/sys/devices/virtual/dmi/id"))
+    return _read(base / "product_name")

@@ -435,7 +435,8 @@ class ProbeAgent:
             telemetry=gpu.get("telemetry", {}),
             # A CPU slot (gloo) has no hardware profile; a GPU's comes from its NVML name
             # and NVLink count, or RINGWATCH_PROFILE.
-            profile=profiles.detect(gpu.get("name"), _active_nvlinks(gpu.get("telemetry", {})))
+            profile=profiles.detect(gpu.get("name"), _active_nvlinks(gpu.get("telemetry", {})),
+                                    inventory.product_name())
             if self.backend == "nccl" else None,
         )
         return info.to_dict()

@@ -151,7 +151,7 @@ def gpu_identity(local_index: int) -> dict[str, Any]:
             handle = _handle(nvml, local_index)
             ident = _identity(nvml, handle)
             links = _nvlinks(nvml, handle)
-            driver = _optional(nvml.nvmlSystemGetDriverVersion)
+            driver = _optional(lambda: nvml.nvmlSystemGetDriverVersion())
             ident["telemetry"] = {
                 "nvlinks_active": sum(1 for link in links if link["active"]),
                 "nvlinks_total": len(links),

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "monitoring", "scale")
+BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "monitoring", "floors", "scale")
 
 
 def main(argv: list[str]) -> int:

@@ -87,6 +87,11 @@ def test_an_nccl_agent_reports_its_inventory(nvml: EventNvml, fake_cuda: object,
     assert info["profile"] == "H100-SXM"
     other = ProbeAgent("node-000", 1, backend="nccl").identity()
     assert "nics" not in other["telemetry"]  # read once per node
+    dmi = tmp_path / "dmi"
+    dmi.mkdir()
+    (dmi / "product_name").write_text("p5.48xlarge\n")
+    monkeypatch.setenv("RINGWATCH_SYSFS_DMI", str(dmi))
+    assert ProbeAgent("node-000", 1, backend="nccl").identity()["profile"] == "p5.48xlarge"
 
 
 def _ranks(node: str, *, gpus: int = 8, nvlinks: dict[int, int] | None = None,

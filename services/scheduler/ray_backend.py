@@ -276,6 +276,14 @@ class RayBackend:
     def ranks(self) -> list[RankInfo]:
         return [self._identities[m] for m in self._slots]
 
+    def refresh_ranks(self) -> None:
+        """Ask every agent for its identity again (inventory each cycle: a GPU, NVLink or
+        NIC lost since the agents started shows in the next cycle's batch)."""
+        members = list(self._slots)
+        infos = ray.get([self._slots[m].handle.identity.remote() for m in members], timeout=60)
+        for m, info in zip(members, infos, strict=True):
+            self._identities[m] = RankInfo(**info)
+
     def counters(self) -> dict[str, dict[str, Any]]:
         """Every GPU rank's NVLink counters and new XID errors (nccl only; {} on gloo)."""
         if self.name != "nccl":
