@@ -8,6 +8,7 @@ peers of the same cycle and localizes exactly as the cycle did.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -17,7 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.spec import Finding, Measurement, ProbeBackend, RankInfo, split_member
+from agents.device import ProbeSetupError
+from agents.spec import (
+    Finding,
+    Measurement,
+    ProbeBackend,
+    RankInfo,
+    split_member,
+)
 from agents.telemetry import counter_findings
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.planner import DEFAULT_OPS, layout_of
@@ -25,6 +33,10 @@ from services.scheduler.preflight import probe_shape, run_adaptive
 from services.scheduler.shipper import Shipper
 
 Progress = Callable[[str], None]
+log = logging.getLogger(__name__)
+# After an error the loop waits this long, doubling per error in a row, up to the cap.
+ERROR_BACKOFF_S = 5.0
+ERROR_BACKOFF_MAX_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -249,34 +261,52 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
     cycles = 0
     duty = DutyCycle()
     next_cycle = time.monotonic()
+    failures = 0
     while not stop.is_set():
-        if time.monotonic() >= next_cycle:
-            so_far = duty.fractions()
-            cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
-                              rotation=rotation.advance())
-            cycle.duty_cycle = so_far
-            duty.add(cycle)
-            worst = max(so_far.values(), default=0.0)
-            left = shipper.ship(cycle.to_batch())
-            cycles += 1
-            if progress:
-                progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
-                         f"measurements, {len(cycle.judged)} finding(s) "
-                         f"{_kinds(cycle.judged)}, {len(cycle.skipped)} node(s) skipped, "
-                         f"duty cycle {worst:.3%}, {left} batch(es) still spooled"
-                         + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
+        try:
+            if time.monotonic() >= next_cycle:
+                so_far = duty.fractions()
+                cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
+                                  rotation=rotation.advance())
+                cycle.duty_cycle = so_far
+                duty.add(cycle)
+                worst = max(so_far.values(), default=0.0)
+                left = shipper.ship(cycle.to_batch())
+                cycles += 1
+                failures = 0
+                if progress:
+                    progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
+                             f"measurements, {len(cycle.judged)} finding(s) "
+                             f"{_kinds(cycle.judged)}, {len(cycle.skipped)} node(s) skipped, "
+                             f"duty cycle {worst:.3%}, {left} batch(es) still spooled"
+                             + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
+                if once:
+                    break
+                wait = interval_s * (1 + random.uniform(-jitter, jitter))
+                held = max(cycle.busy_s.values(), default=0.0)
+                floor = held / max_duty - held if max_duty > 0 else 0.0
+                if floor > wait and progress:
+                    progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
+                             f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")
+                next_cycle = time.monotonic() + max(wait, floor)
+            else:
+                shipper.flush()
+            served = api is not None and serve_preflight(backend, shipper, api, options,
+                                                         progress=progress)
+        except ProbeSetupError:
+            raise  # the backend cannot probe at all: an operator must act
+        except Exception as exc:  # an API, Ray or disk error: monitoring goes on
             if once:
-                break
-            wait = interval_s * (1 + random.uniform(-jitter, jitter))
-            held = max(cycle.busy_s.values(), default=0.0)
-            floor = held / max_duty - held if max_duty > 0 else 0.0
-            if floor > wait and progress:
-                progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
-                         f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")
-            next_cycle = time.monotonic() + max(wait, floor)
-        else:
-            shipper.flush()
-        served = api is not None and serve_preflight(backend, shipper, api, options, progress=progress)
+                raise
+            failures += 1
+            backoff = min(ERROR_BACKOFF_MAX_S, ERROR_BACKOFF_S * 2 ** (failures - 1))
+            log.exception("scheduler loop failed (%d in a row)", failures)
+            if progress:
+                progress(f"error: {type(exc).__name__}: {exc}; retrying in {backoff:.0f} s "
+                         f"({failures} in a row)")
+            next_cycle = max(next_cycle, time.monotonic() + backoff)
+            stop.wait(backoff)
+            continue
         if not served:
             stop.wait(max(0.0, min(poll_s, next_cycle - time.monotonic())))
     return cycles

@@ -43,6 +43,26 @@ class Shipper:
         self.max_failures = max_failures
         self._failures: dict[str, int] = {}
         self._not_before = 0.0
+        self.recovered = self._recover()
+
+    def _recover(self) -> int:
+        """Leftovers of a process killed mid-write: a ``.tmp`` that holds a whole batch is
+        queued (it was fsynced before the rename that did not happen); a torn one is kept
+        aside in ``rejected/`` for a human, never sent and never lost."""
+        recovered = 0
+        for tmp in sorted(self.spool_dir.glob("*.tmp")):
+            try:
+                json.loads(tmp.read_text())
+            except (OSError, ValueError):
+                self._move(tmp, self.rejected_dir)
+                log.error("spool: %s was torn by a crash; kept in %s", tmp.name, self.rejected_dir)
+                continue
+            tmp.rename(tmp.with_suffix(".json"))
+            recovered += 1
+        if recovered:
+            _fsync_dir(self.spool_dir)
+            log.warning("spool: recovered %d batch(es) a crash left half-renamed", recovered)
+        return recovered
 
     def ship(self, batch: dict[str, Any]) -> int:
         """Spool ``batch``, then send everything spooled; return how many batches remain.
@@ -67,6 +87,9 @@ class Shipper:
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         tmp.rename(path)
+        # The rename itself is durable only once the directory is: a power loss must not
+        # take a batch the API was never sent.
+        _fsync_dir(self.spool_dir)
         return path
 
     def pending(self) -> list[Path]:
@@ -105,6 +128,7 @@ class Shipper:
     def _move(self, path: Path, where: Path) -> None:
         where.mkdir(exist_ok=True)
         path.rename(where / path.name)
+        _fsync_dir(where)
         self._failures.pop(path.name, None)
 
     def _send(self, path: Path) -> str:
@@ -131,6 +155,14 @@ class Shipper:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _retry_after(resp: httpx.Response, default_s: float = 1.0, cap_s: float = 300.0) -> float:
