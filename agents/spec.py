@@ -27,6 +27,9 @@ FINDING_KINDS: tuple[str, ...] = (
     "topology_mismatch",
     "rank_mapping",
     "probe_error",
+    "fabric_below_rated",
+    "inventory_mismatch",
+    "gpu_xid",
 )
 # Finding kinds whose node a job should not use (DESIGN.md, "Verdict"). A probe_error is a
 # rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node

@@ -62,11 +62,15 @@ def test_probe_cycle_reaches_postgres_and_reads_back(backend, api, tmp_path) -> 
     assert {(x["scope"], x["op"]) for x in links} == {(scope, op) for op, scope in want}
     world = next(m for m in cycle.measurements if m.op == "allreduce"
                  and m.scope == ("intra_node" if cycle.judged else "inter_node"))
+    # A group that looked slow on these shared cores is measured again within the cycle:
+    # the series holds every measurement of it, in time order.
+    same = sorted((m for m in cycle.measurements if m.op == "allreduce"
+                   and sorted(m.members) == sorted(world.members)), key=lambda m: m.time)
     series = httpx.get(f"{api}/v1/series", headers=headers,
                        params={"members": ",".join(world.members), "op": "allreduce"}).json()
-    assert len(series["points"]) == 1
+    assert [p["busbw_gbs"] for p in series["points"]] == [
+        pytest.approx(m.busbw_gbs) for m in same]
     point = series["points"][0]
-    assert point["busbw_gbs"] == pytest.approx(world.busbw_gbs)
     # nccl-tests: allreduce busbw = algbw * 2(n-1)/n.
     n = len(world.members)
     assert point["busbw_gbs"] == pytest.approx(point["algbw_gbs"] * 2 * (n - 1) / n)

@@ -67,7 +67,39 @@ def test_a_dead_schedulers_request_is_claimed_again(api) -> None:
     second = api.post("/v1/preflight/claim", json={"worker": "lives"}, headers=api.h["agent"]).json()
     assert second["id"] == req["id"] and second["attempts"] == 2
     r = api.post(f"/v1/preflight/{req['id']}/complete", json={"worker": "dies"}, headers=api.h["agent"])
-    assert r.status_code == 422 and "lives" in r.json()["message"]
+    # Refused, without naming who holds it now.
+    assert r.status_code == 422 and "not claimed by this worker" in r.json()["message"]
+    assert "lives" not in r.json()["message"]
+
+
+def test_nobody_completes_a_request_without_a_live_claim_or_with_a_forged_verdict(api) -> None:
+    stale(api)
+    req = api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60}, headers=api.h["reader"]).json()
+    healthy = {"healthy": True, "backend": "gloo", "nodes_checked": 4, "exclude": [], "findings": [],
+               "rounds": 1, "duration_s": 1.0}
+    done = f"/v1/preflight/{req['id']}/complete"
+    # Unclaimed: an agent token cannot answer it by naming any worker.
+    r = api.post(done, json={"worker": "x", "verdict": healthy}, headers=api.h["agent"])
+    assert r.status_code == 422 and "claim it first" in r.json()["message"]
+    api.post("/v1/preflight/claim", json={"worker": "s", "lease_s": 60}, headers=api.h["agent"])
+    for bad, why in (
+            ({**healthy, "healthy": False, "exclude": ["elsewhere-9"]}, "did not name"),
+            ({**healthy, "healthy": False, "findings": [{"kind": "gremlins", "node": "node-000"}]},
+             "verdict.findings.0.kind"),
+            ({**healthy, "exclude": ["node-001"]}, "healthy verdict")):
+        r = api.post(done, json={"worker": "s", "verdict": bad}, headers=api.h["agent"])
+        assert r.status_code == 422 and why in r.json()["message"], r.text
+    r = api.post(done, json={"worker": "s", "verdict": healthy}, headers=api.h["agent"])
+    assert r.status_code == 200 and r.json()["status"] == "done"
+
+
+def test_the_api_admits_exactly_the_finding_kinds_ringwatch_makes() -> None:
+    from typing import get_args
+
+    from agents.spec import FINDING_KINDS
+    from api.schemas import FindingIn
+
+    assert set(get_args(FindingIn.model_fields["kind"].annotation)) == set(FINDING_KINDS)
 
 
 def test_unhealthy_verdict_queues_preflight_failed(api, clean_db) -> None:

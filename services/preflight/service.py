@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from agents.spec import FINDING_KINDS as KNOWN_KINDS
 from agents.spec import utcnow
 from services.errors import BadInput, NotFound
 from services.monitor.stored_verdict import verdict_from_store
@@ -84,10 +85,17 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
         raise NotFound(f"no preflight request {request_id}")
     if req.status not in ("running", "pending"):
         raise BadInput(f"preflight request {request_id} is already {req.status}")
-    if req.claimed_by not in (None, worker):
-        raise BadInput(f"preflight request {request_id} is claimed by {req.claimed_by}")
     now = utcnow()
+    # Only the holder of a live claim completes a request: an unclaimed one, or one whose
+    # lease ran out (another scheduler may hold it now), cannot be answered by anyone who
+    # asks; and the error does not name the holder.
+    if req.status != "running" or req.claimed_by != worker:
+        raise BadInput(f"preflight request {request_id} is not claimed by this worker "
+                       "(claim it first with POST /v1/preflight/claim)")
+    if req.lease_until is not None and req.lease_until < now:
+        raise BadInput(f"the claim on preflight request {request_id} expired; claim it again")
     if verdict is not None:
+        _check_verdict(verdict, list(req.nodes))
         verdict = {**verdict, "source": "probed"}
     elif error is None:
         # Results probed for this request are fresh however small max_age_s was.
@@ -97,6 +105,18 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
     if verdict is not None and not verdict["healthy"]:
         _failed_event(session, req, api_url)
     return _out(req)
+
+
+def _check_verdict(verdict: dict[str, Any], nodes: list[str]) -> None:
+    """A scheduler's verdict names only the request's nodes and findings of known kinds."""
+    outside = sorted(set(verdict.get("exclude") or []) - set(nodes))
+    if outside:
+        raise BadInput(f"verdict excludes nodes the request did not name: {', '.join(outside[:10])}")
+    unknown = sorted({str(f.get("kind")) for f in verdict.get("findings") or []} - set(KNOWN_KINDS))
+    if unknown:
+        raise BadInput(f"verdict has findings of unknown kind: {', '.join(unknown)}")
+    if verdict.get("healthy") and (verdict.get("findings") or verdict.get("exclude")):
+        raise BadInput("a healthy verdict has no findings and excludes no node")
 
 
 def _failed_event(session: Session, req: PreflightRequest, api_url: str) -> None:
