@@ -12,15 +12,22 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def _padded(items: Sequence[T]) -> list[T | None]:
+    """The tournament's seats: the items, and an empty seat (a bye) when they are odd;
+    no seats for fewer than two items."""
+    pool: list[T | None] = list(items)
+    if len(pool) < 2:
+        return []
+    return pool + [None] if len(pool) % 2 else pool
+
+
 def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[tuple[T, T]]]:
     """Round-robin tournament (circle method): n - 1 perfect matchings for even n, n for odd
     n (one item sits out each round); every pair meets exactly once. ``limit``: only the
     first matchings."""
-    pool: list[T | None] = list(items)
-    if len(pool) < 2:
+    pool = _padded(items)
+    if not pool:
         return []
-    if len(pool) % 2:
-        pool.append(None)
     n = len(pool)
     rounds = []
     for _ in range(n - 1 if limit is None else min(limit, n - 1)):
@@ -34,11 +41,9 @@ def circle_matchings(items: Sequence[T], limit: int | None = None) -> list[list[
 def circle_matching(items: Sequence[T], k: int) -> list[tuple[T, T]]:
     """The ``k``-th matching of ``circle_matchings`` (k taken modulo their number), without
     building the others: what a monitor rotating through the tournament needs each cycle."""
-    pool: list[T | None] = list(items)
-    if len(pool) < 2:
+    pool = _padded(items)
+    if not pool:
         return []
-    if len(pool) % 2:
-        pool.append(None)
     n = len(pool)
     r = k % (n - 1)
     tail = pool[1:]

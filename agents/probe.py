@@ -361,11 +361,6 @@ def _origin(exc: BaseException) -> str:
     return "local"
 
 
-def _active_nvlinks(tel: dict[str, Any]) -> int | None:
-    active = tel.get("nvlinks_active") if isinstance(tel, dict) else None
-    return int(active) if isinstance(active, int) else None
-
-
 class ProbeAgent:
     """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too
     (nothing here imports ray unless it is already loaded)."""
@@ -433,10 +428,9 @@ class ProbeAgent:
             numa_node=gpu.get("numa_node"),
             gpu_name=gpu.get("name"),
             telemetry=gpu.get("telemetry", {}),
-            # A CPU slot (gloo) has no hardware profile; a GPU's comes from its NVML name
-            # and NVLink count, or RINGWATCH_PROFILE.
-            profile=profiles.detect(gpu.get("name"), _active_nvlinks(gpu.get("telemetry", {})),
-                                    inventory.product_name())
+            # A CPU slot (gloo) has no hardware profile; a GPU's comes from its NVML name,
+            # the instance type, or RINGWATCH_PROFILE.
+            profile=profiles.detect(gpu.get("name"), inventory.product_name())
             if self.backend == "nccl" else None,
         )
         return info.to_dict()

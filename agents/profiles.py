@@ -7,12 +7,14 @@ busbw per op inside a node (NVLink) and across nodes (the network), in nccl-test
 (``RINGWATCH_PROFILES_FILE``, JSON: ``{"NAME": {field: value, ...}}``) adds profiles or
 overrides fields of the built-in ones; ``RINGWATCH_PROFILE`` forces one for every node.
 
-A node's profile is detected from what its agents see (NVML GPU name and NVLink count,
-NIC rates from the InfiniBand/EFA sysfs tree), or configured.
+A node's profile is detected from what its agents see (the NVML GPU name, or the machine's
+instance type), or configured; its NVLink count and NIC rates are then checked against it
+(services.analyzer.inventory).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -64,7 +66,9 @@ def _ops(ring: float, alltoall: float, sendrecv: float) -> dict[str, float]:
 # per GPU. docs/profiles.md gives each figure's source.
 BUILTIN: dict[str, Profile] = {
     "H100-SXM": Profile(
-        "H100-SXM", ("H100 80GB HBM3", "H100 SXM", "H100"), gpus_per_node=8,
+        # NVML names the SXM part "NVIDIA H100 80GB HBM3"; "H100 PCIe" and "H100 NVL" are
+        # other machines.
+        "H100-SXM", ("H100 80GB HBM3", "H100 SXM"), gpus_per_node=8,
         nvlinks_per_gpu=18, nics_per_node=8, nic_gbps=400,
         nvlink_busbw=_ops(450.0, 450.0, 450.0), network_busbw=_ops(50.0, 50.0, 50.0)),
     "H200": Profile(
@@ -82,11 +86,21 @@ ALIASES = {"H100": "H100-SXM", "H200-SXM": "H200", "A100-SXM": "A100", "A100-SXM
 
 
 def load(site_file: str | os.PathLike[str] | None = None) -> dict[str, Profile]:
-    """The built-in profiles, with a site file's additions and overrides."""
-    profiles = dict(BUILTIN)
+    """The built-in profiles, with a site file's additions and overrides. The file is read
+    once per change (judging calls this every round)."""
     path = site_file if site_file is not None else os.environ.get("RINGWATCH_PROFILES_FILE")
     if not path:
-        return profiles
+        return dict(BUILTIN)
+    try:
+        st = Path(path).stat()
+    except OSError as exc:
+        raise ValueError(f"profiles file {path}: {exc}") from exc
+    return dict(_load_file(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_file(path: str, _mtime_ns: int, _size: int) -> dict[str, Profile]:
+    profiles = dict(BUILTIN)
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -116,7 +130,7 @@ def get(name: str, profiles: dict[str, Profile] | None = None) -> Profile:
     return profiles[key]
 
 
-def detect(gpu_name: str | None, nvlinks: int | None = None, instance: str | None = None,
+def detect(gpu_name: str | None, instance: str | None = None,
            profiles: dict[str, Profile] | None = None) -> str | None:
     """The profile of a node from what its agents see; None when nothing matches.
 

@@ -39,6 +39,20 @@ class Tally:
     fabric_s: list[float] = field(default_factory=list)
 
 
+def fault_of(kind: str, a: str, b: str, factor: float, gpus: list[int]) -> dict[str, Any]:
+    """A scenario fault of ``kind`` on node ``a`` (a path: ``a`` to ``b``), two GPUs where
+    it needs them."""
+    return {
+        "nvlink": {"kind": "nvlink", "node": a, "gpus": gpus, "factor": factor},
+        "nic": {"kind": "nic", "node": a, "factor": factor},
+        "net_path": {"kind": "net_path", "nodes": sorted([a, b]), "factor": factor},
+        "hang": {"kind": "hang", "node": a, "gpu": gpus[0]},
+        "corrupt": {"kind": "corrupt", "node": a, "gpu": gpus[0]},
+        "error": {"kind": "error", "node": a, "gpu": gpus[0]},
+        "pcie_only": {"kind": "pcie_only", "node": a, "gpus": gpus},
+    }[kind]
+
+
 def random_scenario(rng: random.Random, nodes: int, n_faults: int, noise: float) -> dict[str, Any]:
     picked = rng.sample(range(nodes), min(nodes, 2 * n_faults))
     faults = []
@@ -48,16 +62,7 @@ def random_scenario(rng: random.Random, nodes: int, n_faults: int, noise: float)
         kind = rng.choice(FAULT_KINDS)
         a, b = node_name(picked[2 * k]), node_name(picked[2 * k + 1])
         factor = round(rng.uniform(0.4, 0.8), 3)
-        gpus = sorted(rng.sample(range(GPUS), 2))
-        faults.append({
-            "nvlink": {"kind": "nvlink", "node": a, "gpus": gpus, "factor": factor},
-            "nic": {"kind": "nic", "node": a, "factor": factor},
-            "net_path": {"kind": "net_path", "nodes": sorted([a, b]), "factor": factor},
-            "hang": {"kind": "hang", "node": a, "gpu": gpus[0]},
-            "corrupt": {"kind": "corrupt", "node": a, "gpu": gpus[0]},
-            "error": {"kind": "error", "node": a, "gpu": gpus[0]},
-            "pcie_only": {"kind": "pcie_only", "node": a, "gpus": gpus},
-        }[kind])
+        faults.append(fault_of(kind, a, b, factor, sorted(rng.sample(range(GPUS), 2))))
     return {"nodes": nodes, "gpus_per_node": GPUS, "gpu": "H100-SXM", "noise": noise,
             "seed": rng.randrange(1 << 30), "faults": faults}
 

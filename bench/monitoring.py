@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from agents.sim import SimBackend
-from bench.detection import GPUS, matches
+from bench.detection import GPUS, fault_of, matches
 from services.config import Settings
 from services.scheduler.cycle import ProbeOptions, run_cycle
 from services.store import db
@@ -46,16 +46,7 @@ def scenario(nodes: int, rng: random.Random) -> dict[str, Any]:
     for i, kind in enumerate(KINDS * 2):
         a, b = f"node-{picked[2 * i]:03d}", f"node-{picked[2 * i + 1]:03d}"
         factor = round(rng.uniform(0.5, 0.75), 3)
-        gpus = sorted(rng.sample(range(GPUS), 2))
-        faults.append({
-            "nvlink": {"kind": "nvlink", "node": a, "gpus": gpus, "factor": factor},
-            "nic": {"kind": "nic", "node": a, "factor": factor},
-            "net_path": {"kind": "net_path", "nodes": sorted([a, b]), "factor": factor},
-            "hang": {"kind": "hang", "node": a, "gpu": gpus[0]},
-            "corrupt": {"kind": "corrupt", "node": a, "gpu": gpus[0]},
-            "error": {"kind": "error", "node": a, "gpu": gpus[0]},
-            "pcie_only": {"kind": "pcie_only", "node": a, "gpus": gpus},
-        }[kind])
+        faults.append(fault_of(kind, a, b, factor, sorted(rng.sample(range(GPUS), 2))))
     return {"nodes": nodes, "gpus_per_node": GPUS, "gpu": "H100-SXM", "noise": 0.03,
             "seed": rng.randrange(1 << 30), "faults": faults}
 

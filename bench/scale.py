@@ -206,23 +206,34 @@ def whole_path(nodes: int, cycles: int, state: Path) -> dict[str, Any]:
             "raw_b": raw_b, "hourly_b": hourly_b, "daily_b": daily_b}
 
 
-def project(nodes: int, fig: dict[str, Any], days: int = 30) -> None:
-    """Disk for ``days`` at the default interval and retention. Intra-node and world groups
-    repeat every cycle (one rollup row per hour or day each); node pairs rotate (a new
-    matching every cycle), so for them a rollup row is nearly a raw row."""
+def project(nodes: int, fig: dict[str, Any], days: int = 30, scale: float = 1.0) -> None:
+    """Disk for ``days`` and at steady state, at the default interval and retention.
+    Intra-node and world groups repeat every cycle (one rollup row per hour or day each);
+    node pairs rotate (a new matching every cycle), so for them a rollup row is nearly a
+    raw row. ``scale``: the measured fleet's counts times this, for a larger fleet's model
+    (measurements per cycle grow with the nodes)."""
     r = Settings().retention()
     per_day = 86400 / INTERVAL_S
-    rotating = fig["scopes"].get("inter_node", 0) + fig["scopes"].get("gpu_pair", 0)
-    repeating = fig["per_cycle"] - rotating
-    raw_day = fig["per_cycle"] * per_day * fig["raw_b"]
+    rotating = scale * (fig["scopes"].get("inter_node", 0) + fig["scopes"].get("gpu_pair", 0))
+    per_cycle = scale * fig["per_cycle"]
+    repeating = per_cycle - rotating
+    raw_day = per_cycle * per_day * fig["raw_b"]
     hourly_day = (repeating * 24 + rotating * per_day) * fig["hourly_b"]
     daily_day = (repeating + rotating * per_day) * fig["daily_b"]
-    total = (raw_day * min(days, r.raw_days) + hourly_day * min(days, r.hourly_days)
-             + daily_day * min(days, r.daily_days))
-    print(f"  projected for {nodes} nodes at one cycle per {INTERVAL_S:.0f} s: raw "
-          f"{raw_day / 1e9:.2f} GB/day (kept {r.raw_days:.0f} d), hourly {hourly_day / 1e9:.2f} "
-          f"GB/day (kept {r.hourly_days:.0f} d), daily {daily_day / 1e9:.2f} GB/day "
-          f"(kept {r.daily_days:.0f} d); {days} days: {total / 1e9:.1f} GB")
+
+    def kept(span: float, daily_days: float) -> float:
+        return (raw_day * min(span, r.raw_days) + hourly_day * min(span, r.hourly_days)
+                + daily_day * min(span, daily_days))
+
+    what = "model" if scale != 1.0 else "projected"
+    print(f"  {what} for {nodes} nodes at one cycle per {INTERVAL_S:.0f} s: {per_cycle:,.0f} "
+          f"measurements per cycle ({repeating:,.0f} repeating, {rotating:,.0f} rotating), "
+          f"{per_cycle / INTERVAL_S:.0f} rows/s; raw {raw_day / 1e9:.2f} GB/day (kept "
+          f"{r.raw_days:.0f} d), hourly {hourly_day / 1e9:.2f} GB/day (kept "
+          f"{r.hourly_days:.0f} d), daily {daily_day / 1e9:.2f} GB/day (kept "
+          f"{r.daily_days:.0f} d); {days} days: {kept(days, r.daily_days) / 1e9:.1f} GB; "
+          f"steady state {kept(1e9, r.daily_days) / 1e9:.0f} GB "
+          f"({kept(1e9, 400) / 1e9:.0f} GB with daily rows kept 400 d)")
 
 
 def history(nodes: int, batches: int, state: Path) -> None:
@@ -334,6 +345,7 @@ def main(flags: list[str]) -> None:
     nodes = 256 if quick else 1024
     fig = whole_path(nodes, 5 if quick else 20, state)
     project(nodes, fig)
+    project(4 * nodes, fig, scale=4.0)
     history(128, 50 if quick else 200, state)
     reads(nodes, state, days=30)
 

@@ -3,7 +3,6 @@ run for real on gloo groups formed by threads of this process."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ from agents.collectives import (
 )
 from agents.probe import make_group, run_probe
 from agents.spec import REDOPS, REDUCING_OPS, redop_for
+from tests.threads import on_threads
 
 ops = st.sampled_from(sorted(OPS))
 dtypes = st.sampled_from(sorted(DTYPES))
@@ -238,23 +238,8 @@ def test_count_wrong_counts_elements() -> None:
 def on_gloo_threads(n: int, fn: Callable[[int, Any], Any], timeout_s: float = 30.0) -> list[Any]:
     """Run ``fn(rank, pg)`` on ``n`` threads that form one gloo group over a HashStore."""
     store = dist.PrefixStore(uuid.uuid4().hex, dist.HashStore())
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            pg = make_group("gloo", store, rank, n, timeout_s, host="127.0.0.1")
-            results[rank] = fn(rank, pg)
-        except BaseException as exc:  # reported to the test thread below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    assert not errors, errors
-    return results
+    return on_threads(
+        n, lambda r: fn(r, make_group("gloo", store, r, n, timeout_s, host="127.0.0.1")), timeout_s)
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -10,7 +10,6 @@ import datetime
 import os
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from agents.device import CudaApi, CudaDevice, ProbeSetupError, check_cuda
 from agents.probe import ProbeAgent, make_group, run_probe
 from agents.spec import GroupSpec
 from tests.fake_cuda import FakeCuda
+from tests.threads import on_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,24 +34,12 @@ def on_nccl_path(n: int, fn: Callable[[int, Any, CudaDevice], Any], timeout_s: f
     """``fn(rank, pg, device)`` on ``n`` threads, each rank on its own (fake) GPU, in one
     group formed the way an nccl agent forms it."""
     store = dist.PrefixStore(uuid.uuid4().hex, dist.HashStore())
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
 
-    def work(rank: int) -> None:
-        try:
-            device = CudaDevice(rank)
-            pg = make_group("nccl", store, rank, n, timeout_s, device=device)
-            results[rank] = fn(rank, pg, device)
-        except BaseException as exc:
-            errors.append(exc)
+    def rank(r: int) -> Any:
+        device = CudaDevice(r)
+        return fn(r, make_group("nccl", store, r, n, timeout_s, device=device), device)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    assert not errors, errors
-    return results
+    return on_threads(n, rank, timeout_s)
 
 
 def test_the_fake_has_every_method_of_the_seam() -> None:
@@ -132,19 +120,9 @@ def run_agents(agents: list[ProbeAgent], spec: GroupSpec, timeout_s: float = 60.
     ``payload``: the extra keys a driver sends beside the spec (cuda_graph, calibrate)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    replies: list[dict[str, Any]] = [{}] * len(agents)
     group_id = uuid.uuid4().hex[:8]
-
-    def work(rank: int) -> None:
-        replies[rank] = agents[rank].run_group({**spec.to_dict(), **payload}, rank,
-                                               "127.0.0.1", store.port, group_id)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(agents))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    return replies
+    return on_threads(len(agents), lambda rank: agents[rank].run_group(
+        {**spec.to_dict(), **payload}, rank, "127.0.0.1", store.port, group_id), timeout_s)
 
 
 def test_nccl_agent_runs_a_group_through_the_seam(fake_cuda: FakeCuda) -> None:

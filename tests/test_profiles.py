@@ -61,10 +61,11 @@ def test_builtin_profiles_and_a_site_file(tmp_path: Path, monkeypatch) -> None:
 
 def test_detection_by_gpu_name_instance_or_setting(monkeypatch) -> None:
     monkeypatch.delenv("RINGWATCH_PROFILE", raising=False)
-    assert profiles.detect("NVIDIA H100 80GB HBM3", 18) == "H100-SXM"
-    assert profiles.detect("NVIDIA H200", 18) == "H200"
-    assert profiles.detect("NVIDIA A100-SXM4-80GB", 12) == "A100"
-    assert profiles.detect("NVIDIA H100 80GB HBM3", 18, instance="p5.48xlarge") == "p5.48xlarge"
+    assert profiles.detect("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert profiles.detect("NVIDIA H200") == "H200"
+    assert profiles.detect("NVIDIA A100-SXM4-80GB") == "A100"
+    assert profiles.detect("NVIDIA H100 80GB HBM3", instance="p5.48xlarge") == "p5.48xlarge"
+    assert profiles.detect("NVIDIA H100 PCIe") is None  # not an 8-GPU NVLink node
     assert profiles.detect("Tesla T4") is None and profiles.detect(None) is None
     monkeypatch.setenv("RINGWATCH_PROFILE", "A100")
     assert profiles.detect("NVIDIA H100 80GB HBM3") == "A100"

@@ -51,6 +51,7 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
     to choose from the range asked)."""
     if since and until and since > until:
         raise BadInput("since is after until")
+    found = None
     if members is None:
         found = store.group_by_key(session, group or "")
         if found is None:
@@ -70,9 +71,25 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
     out["counters"] = [
         {"time": c.time, "node": c.node, "local_index": c.local_index, **c.reading}
         for c in store.counters_of(session, wanted, since, until)] if len(wanted) <= 64 else []
-    found = store.group_by_key(session, out["group_key"])
+    found = found or store.group_by_key(session, out["group_key"])
     if found is None:
         return out
+    rows = timeseries.points(session, resolution, found.id, op=op, size_bytes=size_bytes,
+                             since=since, until=until, limit=limit)
+    if resolution == "raw":
+        out["points"] = [
+            {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
+             "redop": m.redop, "timing": m.timing, "time_us": m.time_us,
+             "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
+            for m in rows]
+    else:
+        out["points"] = [
+            {"time": r.bucket, "op": r.op, "size_bytes": r.size_bytes, "count": r.count,
+             "time_us": r.time_us_median, "algbw_gbs": r.algbw_median,
+             "busbw_gbs": r.busbw_median, "busbw_min": r.busbw_min, "busbw_max": r.busbw_max,
+             "busbw_mean": r.busbw_mean, "wrong": r.wrong}
+            for r in rows]
+    return out
     if resolution == "raw":
         out["points"] = [
             {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,

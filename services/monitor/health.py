@@ -58,13 +58,13 @@ def to_probe_measurement(row: dict[str, Any]) -> ProbeMeasurement:
 HISTORY_WINDOW = 50
 
 
-def _history(probes: list[ProbeMeasurement], links: dict[tuple[str, str], Any]
-             ) -> dict[tuple, list[float]]:
+def _history(probes: list[ProbeMeasurement], keys: list[str],
+             links: dict[tuple[str, str], Any]) -> dict[tuple, list[float]]:
     """Each link's own past busbw, keyed as ``assess`` wants it, from the running values
     kept in its row: the baseline for groups that have no peers (the world group)."""
     out: dict[tuple, list[float]] = {}
-    for m in probes:
-        link = links.get((measurement_store.group_key(m.members), m.op))
+    for m, key in zip(probes, keys, strict=True):
+        link = links.get((key, m.op))
         if link is not None and link.recent_busbw and link.size_bytes == m.size_bytes:
             out[link_key(m)] = list(link.recent_busbw)
     return out
@@ -84,12 +84,13 @@ def apply_round(
     policy = hysteresis or Policy()
     changes = HealthChanges()
     probes = [to_probe_measurement(r) for r in rows]
-    links = store.get_links(session, list({(measurement_store.group_key(m.members), m.op)
-                                           for m in probes}))
+    # Each row's series key, computed once (ingest has usually done it already).
+    keys = [r.get("group_key") or measurement_store.group_key(r["members"]) for r in rows]
+    links = store.get_links(session, list({(k, m.op) for k, m in zip(keys, probes, strict=True)}))
     j = judge(probes, [Finding.from_dict(f) for f in probe_findings], (), ranks,
-              thresholds=thresholds, history=_history(probes, links))
+              thresholds=thresholds, history=_history(probes, keys, links))
     changes.findings = [f.to_dict() for f in j.findings]
-    _link_health(session, j, links, at, policy)
+    _link_health(session, j, keys, links, at, policy)
     _faults(session, j, at, policy, api_url, changes)
     return changes
 
@@ -162,22 +163,24 @@ def _resolve(session: Session, state: FaultState, at: datetime, api_url: str,
 # ---- link health: per link and op, for reading --------------------------------------------
 
 
-def _largest_size(assessments: list[Assessment]) -> dict[tuple[str, str], Assessment]:
-    """A link's health is judged at its largest probed size (small ones are latency)."""
+def _largest_size(assessments: list[Assessment], keys: list[str]
+                  ) -> dict[tuple[str, str], Assessment]:
+    """A link's health is judged at its largest probed size (small ones are latency).
+    ``keys``: each assessment's series key, in the same order."""
     best: dict[tuple[str, str], Assessment] = {}
-    for a in assessments:
+    for a, group in zip(assessments, keys, strict=True):
         m = a.measurement
-        key = (measurement_store.group_key(m.members), m.op)
+        key = (group, m.op)
         if key not in best or m.size_bytes > best[key].measurement.size_bytes:
             best[key] = a
     return best
 
 
-def _link_health(session: Session, j: Judgement, links: dict[tuple[str, str], Any],
-                 at: datetime, policy: Policy) -> None:
+def _link_health(session: Session, j: Judgement, keys: list[str],
+                 links: dict[tuple[str, str], Any], at: datetime, policy: Policy) -> None:
     """Fold the batch into every link's row: new rows inserted, the rest written in one
     bulk update."""
-    latest = _largest_size(j.assessments)
+    latest = _largest_size(j.assessments, keys)
     inserts, updates = [], []
     for key, a in sorted(latest.items()):
         link = links.get(key)

@@ -72,7 +72,7 @@ def ingest_batch(
         previous = store.find_run(session, batch_id)
         assert previous is not None
         return IngestResult(batch_id, False, previous.id, previous.measurement_count)
-    rows = [{**m, "nodes": _nodes(m["members"]),
+    rows = [{**m, "nodes": _nodes(m["members"]), "group_key": store.group_key(m["members"]),
              "time": m["time"] if isinstance(m["time"], datetime)
              else datetime.fromisoformat(m["time"])} for m in measurements]
     now = utcnow()

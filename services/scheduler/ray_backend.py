@@ -141,6 +141,8 @@ class RayBackend:
         self._owns_ray = False  # never shut down a Ray connection someone else made
         self._slots: dict[str, _Slot] = {}
         self._identities: dict[str, RankInfo] = {}
+        # When the identities were last read: a cycle right after start need not ask again.
+        self._identified_at = 0.0
         self._round = 0
         self._closed = False
         try:
@@ -258,6 +260,7 @@ class RayBackend:
             raise
         for slot, info in zip(slots, infos, strict=True):
             self._identities[slot.member] = RankInfo(**info)
+        self._identified_at = time.monotonic()
 
     @property
     def injected(self) -> list[InjectedFault]:
@@ -276,13 +279,17 @@ class RayBackend:
     def ranks(self) -> list[RankInfo]:
         return [self._identities[m] for m in self._slots]
 
-    def refresh_ranks(self) -> None:
+    def refresh_ranks(self, max_age_s: float = 30.0) -> None:
         """Ask every agent for its identity again (inventory each cycle: a GPU, NVLink or
-        NIC lost since the agents started shows in the next cycle's batch)."""
+        NIC lost since the agents started shows in the next cycle's batch), unless they
+        were read less than ``max_age_s`` ago (the first cycle after start)."""
+        if time.monotonic() - self._identified_at < max_age_s:
+            return
         members = list(self._slots)
         infos = ray.get([self._slots[m].handle.identity.remote() for m in members], timeout=60)
         for m, info in zip(members, infos, strict=True):
             self._identities[m] = RankInfo(**info)
+        self._identified_at = time.monotonic()
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """Every GPU rank's NVLink counters and new XID errors (nccl only; {} on gloo)."""

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun, measurements
+from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun
 
 # Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
 MAX_PLAIN_KEY = 512
@@ -150,7 +150,7 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
     its group by id (the members are stored once, in ``groups``). The partitions must
     exist (``services.store.timeseries.ensure_partitions``)."""
     if rows:
-        keyed = [group_key(r["members"]) for r in rows]
+        keyed = [r.get("group_key") or group_key(r["members"]) for r in rows]
         ids = group_ids(session, {k: (r["scope"], r["members"]) for k, r in zip(keyed, rows, strict=True)})
         dbapi = session.connection().connection.driver_connection
         assert dbapi is not None
@@ -182,23 +182,6 @@ def list_nodes(session: Session) -> list[tuple[Node, list[Gpu]]]:
 
 def group_by_key(session: Session, key: str) -> Group | None:
     return session.scalar(select(Group).where(Group.key == key))
-
-
-def raw_points(session: Session, group_id: int, *, op: str | None = None,
-               size_bytes: int | None = None, since: datetime | None = None,
-               until: datetime | None = None, limit: int = 10_000) -> Sequence[Any]:
-    """One group's raw measurements in time order."""
-    c = measurements.c
-    q = measurements.select().where(c.group_id == group_id)
-    if op:
-        q = q.where(c.op == op)
-    if size_bytes:
-        q = q.where(c.size_bytes == size_bytes)
-    if since:
-        q = q.where(c.time >= since)
-    if until:
-        q = q.where(c.time <= until)
-    return session.execute(q.order_by(c.time, c.op, c.size_bytes).limit(limit)).all()
 
 
 def latest_backend(session: Session, nodes: Sequence[str]) -> str | None:
@@ -245,13 +228,10 @@ def add_counters(session: Session, snapshots: Sequence[dict[str, Any]], at: date
 def counters_of(session: Session, members: Sequence[str], since: datetime | None,
                 until: datetime | None, limit: int = 1000) -> list[GpuCounters]:
     """The stored NVML readings of these ranks, oldest first."""
-    pairs = [m.rpartition("/") for m in members]
-    conds = [(GpuCounters.node == n) & (GpuCounters.local_index == int(i)) for n, _, i in pairs]
-    if not conds:
+    if not members:
         return []
-    from sqlalchemy import or_
-
-    q = select(GpuCounters).where(or_(*conds[:64]))
+    ranks = [(node, int(index)) for node, _, index in (m.rpartition("/") for m in members)]
+    q = select(GpuCounters).where(tuple_(GpuCounters.node, GpuCounters.local_index).in_(ranks))
     if since:
         q = q.where(GpuCounters.time >= since)
     if until:

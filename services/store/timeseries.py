@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, Table, text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from services.store.models import is_partition, series_1d, series_1h
+from services.store.models import is_partition, measurements, series_1d, series_1h
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +142,10 @@ def note_ingest(session: Session, earliest: datetime) -> None:
 
 # ---------------------------------------------------------------- rollups
 
-_AGG_FROM_RAW = """
-INSERT INTO series_1h (bucket, group_id, op, size_bytes, count, busbw_min, busbw_median,
-                       busbw_max, busbw_mean, algbw_median, time_us_median, wrong)
-SELECT date_trunc('hour', time, 'UTC'), group_id, op, size_bytes, count(*), min(busbw_gbs),
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY busbw_gbs), max(busbw_gbs), avg(busbw_gbs),
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY algbw_gbs),
-       percentile_cont(0.5) WITHIN GROUP (ORDER BY time_us), sum(wrong)
-FROM measurements WHERE time >= :start AND time < :end
-GROUP BY 1, 2, 3, 4
+# Both rollups write the same columns and replace a bucket they recompute.
+_ROLLUP_COLUMNS = """bucket, group_id, op, size_bytes, count, busbw_min, busbw_median, busbw_max,
+                      busbw_mean, algbw_median, time_us_median, wrong"""
+_REPLACE = """
 ON CONFLICT (group_id, op, size_bytes, bucket) DO UPDATE SET
   count = excluded.count, busbw_min = excluded.busbw_min,
   busbw_median = excluded.busbw_median, busbw_max = excluded.busbw_max,
@@ -158,9 +153,18 @@ ON CONFLICT (group_id, op, size_bytes, bucket) DO UPDATE SET
   time_us_median = excluded.time_us_median, wrong = excluded.wrong
 """
 
-_AGG_FROM_HOURLY = """
-INSERT INTO series_1d (bucket, group_id, op, size_bytes, count, busbw_min, busbw_median,
-                       busbw_max, busbw_mean, algbw_median, time_us_median, wrong)
+_AGG_FROM_RAW = f"""
+INSERT INTO series_1h ({_ROLLUP_COLUMNS})
+SELECT date_trunc('hour', time, 'UTC'), group_id, op, size_bytes, count(*), min(busbw_gbs),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY busbw_gbs), max(busbw_gbs), avg(busbw_gbs),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY algbw_gbs),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY time_us), sum(wrong)
+FROM measurements WHERE time >= :start AND time < :end
+GROUP BY 1, 2, 3, 4
+""" + _REPLACE
+
+_AGG_FROM_HOURLY = f"""
+INSERT INTO series_1d ({_ROLLUP_COLUMNS})
 SELECT date_trunc('day', bucket, 'UTC'), group_id, op, size_bytes, sum(count),
        min(busbw_min), percentile_cont(0.5) WITHIN GROUP (ORDER BY busbw_median),
        max(busbw_max), sum(busbw_mean * count) / sum(count),
@@ -168,12 +172,7 @@ SELECT date_trunc('day', bucket, 'UTC'), group_id, op, size_bytes, sum(count),
        percentile_cont(0.5) WITHIN GROUP (ORDER BY time_us_median), sum(wrong)
 FROM series_1h WHERE bucket >= :start AND bucket < :end
 GROUP BY 1, 2, 3, 4
-ON CONFLICT (group_id, op, size_bytes, bucket) DO UPDATE SET
-  count = excluded.count, busbw_min = excluded.busbw_min,
-  busbw_median = excluded.busbw_median, busbw_max = excluded.busbw_max,
-  busbw_mean = excluded.busbw_mean, algbw_median = excluded.algbw_median,
-  time_us_median = excluded.time_us_median, wrong = excluded.wrong
-"""
+""" + _REPLACE
 
 
 @dataclass
@@ -348,20 +347,24 @@ def pick_resolution(asked: str, since: datetime | None, until: datetime | None,
     return "1d"
 
 
-def rollup_points(session: Session, table: Table, group_id: int, *, op: str | None,
-                  size_bytes: int | None, since: datetime | None, until: datetime | None,
-                  limit: int) -> Sequence[Any]:
+def points(session: Session, resolution: str, group_id: int, *, op: str | None = None,
+           size_bytes: int | None = None, since: datetime | None = None,
+           until: datetime | None = None, limit: int = 10_000) -> Sequence[Any]:
+    """One group's raw measurements (``raw``) or rollup buckets (``1h``, ``1d``) in time
+    order; a bucket is included when it overlaps ``since``."""
+    table = ROLLUPS.get(resolution, measurements)
     c = table.c
+    at = c.time if table is measurements else c.bucket
     q = table.select().where(c.group_id == group_id)
     if op:
         q = q.where(c.op == op)
     if size_bytes:
         q = q.where(c.size_bytes == size_bytes)
     if since:
-        q = q.where(c.bucket >= (hour_of(since) if table is series_1h else day_of(since)))
+        q = q.where(at >= {"raw": since, "1h": hour_of(since)}.get(resolution, day_of(since)))
     if until:
-        q = q.where(c.bucket <= until)
-    return session.execute(q.order_by(c.bucket, c.op, c.size_bytes).limit(limit)).all()
+        q = q.where(at <= until)
+    return session.execute(q.order_by(at, c.op, c.size_bytes).limit(limit)).all()
 
 
 ROLLUPS = {"1h": series_1h, "1d": series_1d}
