@@ -20,18 +20,19 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.auth import Authenticate
 from api.limits import BodyLimit
 from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
 from api.schemas import ErrorOut
 from services.config import Settings
-from services.errors import Busy, RingwatchError
+from services.errors import RingwatchError
 from services.store import db
 from services.store import tokens as token_store
 
 log = logging.getLogger(__name__)
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorOut} for code in (401, 403, 404, 422)
+    code: {"model": ErrorOut} for code in (401, 403, 404, 413, 422, 503)
 }
 
 
@@ -49,18 +50,21 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
               rankmaps.router, webhooks.router, tokens.router):
         app.include_router(r)
     _install_error_handlers(app)
-    # Outermost: a body over the limit is refused before routing, auth or parsing read it.
+    # Outermost: a body over the limit is refused before routing, auth or parsing read it;
+    # then the token is checked before any body is parsed.
+    app.add_middleware(Authenticate, session_factory=session_factory)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
 
 
 def _bootstrap_admin(settings: Settings, factory: sessionmaker[Session]) -> None:
-    """Store the configured bootstrap admin token once, so a new install can be administered."""
+    """Store the configured bootstrap admin token into an empty token table, so a new
+    install can be administered; once any token exists the setting is not used again."""
     if not settings.bootstrap_admin_token:
         return
     with db.transaction(factory) as s:
-        if token_store.role_of(s, settings.bootstrap_admin_token) is None:
-            token_store.create_token(s, "admin", "bootstrap", settings.bootstrap_admin_token)
+        if token_store.bootstrap(s, settings.bootstrap_admin_token, settings.token_ttl_days):
+            log.info("stored the bootstrap admin token (RINGWATCH_BOOTSTRAP_ADMIN_TOKEN)")
 
 
 def _error(status: int, code: str, message: str, detail: list | None = None) -> JSONResponse:
@@ -74,8 +78,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RingwatchError)
     async def ringwatch_error(_: Request, exc: RingwatchError) -> JSONResponse:
         resp = _error(exc.status_code, exc.code, exc.message)
-        if isinstance(exc, Busy):
-            resp.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        retry_after = getattr(exc, "retry_after_s", None)
+        if retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, round(retry_after)))
         return resp
 
     @app.exception_handler(PoolTimeout)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agents.spec import split_member
+from services.config import PLACEHOLDER_SECRET
 
 Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
 ScopeT = Literal["intra_node", "gpu_pair", "inter_node", "world"]
@@ -207,7 +208,8 @@ class HealthOut(BaseModel):
 
 class PreflightIn(Strict):
     nodes: list[NodeName] = Field(min_length=1, max_length=100_000)
-    max_age_s: float = Field(default=900.0, gt=0)
+    # Up to 30 days: older results are not held raw anyway (RINGWATCH_RETENTION_RAW_DAYS).
+    max_age_s: float = Field(default=900.0, gt=0, le=30 * 86400)
     # When fresh results look unhealthy, have a scheduler re-probe before answering.
     confirm: bool = False
 
@@ -238,11 +240,48 @@ class CompleteIn(Strict):
     verdict: VerdictIn | None = None
 
 
+# A webhook secret signs deliveries: long enough not to be guessed, never a placeholder.
+WebhookSecret = Annotated[str, Field(min_length=16, max_length=512)]
+PLACEHOLDER_SECRETS = (PLACEHOLDER_SECRET, PLACEHOLDER_SECRET.replace("-", ""))
+
+
+def _real_secret(secret: object) -> object:
+    """Checked before the length, so ``change-me`` is named a placeholder, not short."""
+    if not isinstance(secret, str):
+        return secret
+    if any(p in secret.lower() for p in PLACEHOLDER_SECRETS):
+        raise ValueError("is a placeholder; use a random secret, e.g. "
+                         "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    if any(ord(c) < 32 or ord(c) == 127 for c in secret):
+        raise ValueError("must not contain control characters (NUL, newlines, tabs)")
+    return secret
+
+
 class WebhookIn(Strict):
     url: AnyHttpUrl
-    secret: str = Field(min_length=8, max_length=512)
+    secret: WebhookSecret
     events: list[Event] = Field(min_length=1)
     format: Literal["json", "slack"] = "json"
+
+    _secret = field_validator("secret", mode="before")(_real_secret)
+
+
+class WebhookPatch(Strict):
+    """Any of these; ``active: false`` disables the webhook (queued deliveries wait)."""
+
+    url: AnyHttpUrl | None = None
+    events: list[Event] | None = Field(default=None, min_length=1)
+    format: Literal["json", "slack"] | None = None
+    active: bool | None = None
+
+
+class WebhookRotateIn(Strict):
+    # None: a random secret is made (and returned once).
+    secret: WebhookSecret | None = None
+    # Seconds the old secret keeps signing too (a second ``v1=``); at most a week.
+    grace_s: float = Field(default=0.0, ge=0, le=7 * 24 * 3600)
+
+    _secret = field_validator("secret", mode="before")(_real_secret)
 
 
 class WebhookOut(BaseModel):
@@ -252,11 +291,24 @@ class WebhookOut(BaseModel):
     format: str
     active: bool
     created_at: datetime
+    # Until when a rotated-out secret still signs (None: no grace period running or set).
+    previous_secret_expires_at: datetime | None = None
+
+
+class WebhookSecretOut(BaseModel):
+    """The new secret of a rotation: shown once, never again."""
+
+    id: int
+    secret: str
+    previous_secret_expires_at: datetime | None
 
 
 class DeliveryOut(BaseModel):
+    # The cursor for ``before``: the next page of the log starts below it.
+    id: int
     delivery_id: str
     event: str
+    # Also the delivery's X-Ringwatch-Sequence.
     event_id: int
     status: str
     attempts: int
@@ -269,11 +321,30 @@ class DeliveryOut(BaseModel):
 class TokenIn(Strict):
     role: Literal["agent", "reader", "admin"]
     name: str = Field(default="", max_length=128)
+    # Days until it expires; None: RINGWATCH_TOKEN_TTL_DAYS; 0: never.
+    expires_in_days: float | None = Field(default=None, ge=0, le=3650)
+    # Agent tokens only: the nodes it may report on (None: all).
+    nodes: list[NodeName] | None = Field(default=None, min_length=1, max_length=100_000)
+
+    @model_validator(mode="after")
+    def _scope_is_for_agents(self) -> TokenIn:
+        if self.nodes is not None and self.role != "agent":
+            raise ValueError("only agent tokens are scoped to nodes")
+        return self
 
 
-class TokenOut(BaseModel):
+class TokenInfoOut(BaseModel):
+    id: int
     role: str
     name: str
+    created_at: datetime
+    expires_at: datetime | None
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    nodes: list[str] | None
+
+
+class TokenOut(TokenInfoOut):
     token: str
 
 

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from cryptography.fernet import Fernet
 
 from services.config import Settings
 from services.notifier.receiver import WebhookReceiver
@@ -32,8 +33,12 @@ def main(flags: list[str]) -> None:
     name = f"rw_bench_{uuid.uuid4().hex[:8]}"
     url = db.create_database(admin, name)
     db.upgrade(url)
+    # The receiver listens on loopback, which webhooks may reach only when allowed; their
+    # secrets are stored encrypted under a key made for this run.
     env = {**os.environ, "RINGWATCH_DATABASE_URL": url, "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": TOKEN,
-           "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}", "RINGWATCH_STATE_DIR": str(state)}
+           "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}", "RINGWATCH_STATE_DIR": str(state),
+           "RINGWATCH_SECRET_KEY": Fernet.generate_key().decode(),
+           "RINGWATCH_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32"}
     proc = start_server(env, notifier=True)
     try:
         api = env["RINGWATCH_API_URL"]

@@ -12,6 +12,8 @@ shipping every cycle to the real API process and Postgres, then history, reads a
 4. Reads over history: 30 days of one node's links seeded at one probe per 5 minutes and
    rolled up; ``GET /v1/series`` for 30 days (hourly) and 1 day (raw), and a stored-answer
    ``POST /v1/preflight`` of all 1024 nodes: p50 and p99.
+5. Scrapes: ``GET /metrics`` after 5 cycles, cold and cached, its body's size and series,
+   and a model of the body once the rotation has probed every node pair.
 
     python -m bench.run scale            # all of it (about 15 minutes on 2 cores)
     python -m bench.run scale --quick    # 256 x 8, 5 cycles, 50 batches of history
@@ -48,7 +50,7 @@ INTERVAL_S = Settings().probe_interval_s
 class Service:
     """A fresh database and a real `ringwatch serve` on it."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, **settings: str) -> None:
         self.admin = db.resolve_database_url(Settings())
         self.name = f"rw_scale_{uuid.uuid4().hex[:8]}"
         self.url = db.create_database(self.admin, self.name)
@@ -56,7 +58,7 @@ class Service:
         self.env = {**os.environ, "RINGWATCH_DATABASE_URL": self.url,
                     "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": TOKEN, "RINGWATCH_TOKEN": TOKEN,
                     "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}",
-                    "RINGWATCH_STATE_DIR": str(state)}
+                    "RINGWATCH_STATE_DIR": str(state), **settings}
         self.proc = start_server(self.env, notifier=False)
         self.api = httpx.Client(base_url=self.env["RINGWATCH_API_URL"], timeout=300,
                                 headers={"Authorization": f"Bearer {TOKEN}"})
@@ -338,6 +340,111 @@ def reads(nodes: int, state: Path, days: int = 30) -> None:
           f"{_pct(pre, 0.5) * 1e3:.0f} ms, p99 {_pct(pre, 0.99) * 1e3:.0f} ms (target p99 < 500 ms)")
 
 
+def _scrape(client: httpx.Client, accept_encoding: str) -> tuple[float, bytes]:
+    """One GET /metrics: seconds until the last byte, and the bytes as sent."""
+    t0 = time.perf_counter()
+    with client.stream("GET", "/metrics", headers={"Accept-Encoding": accept_encoding}) as r:
+        r.raise_for_status()
+        body = b"".join(r.iter_raw())
+    return time.perf_counter() - t0, body
+
+
+def _age_rotation(svc: Service, nodes: int, cycles: int, pairs_per_cycle: int) -> int:
+    """Fill ``link_health`` as the rotation leaves it once it has probed every node pair:
+    a row per pair and op, each last read when its matching came round (one per cycle,
+    older than the ``cycles`` measured ones), degraded as often as the measured pairs.
+    Returns the rows now held."""
+    with svc.engine.begin() as conn:
+        bad = conn.execute(text("SELECT avg((status <> 'ok')::int) FROM link_health "
+                                "WHERE scope = 'inter_node'")).scalar() or 0.0
+        conn.execute(text("""
+            INSERT INTO link_health (group_key, op, scope, members, nodes, status, size_bytes,
+                busbw_gbs, expected_gbs, ratio, bad_streak, good_streak, recent, recent_busbw,
+                updated_at, changed_at)
+            SELECT array_to_string(p.members, ','), o.op, 'inter_node', p.members,
+                   ARRAY[p.a, p.b], CASE WHEN p.n % :every = 0 THEN 'degraded' ELSE 'ok' END,
+                   268435456, 40.0, 45.0, 0.89, 0, 3, '000', array_fill(40.0::float8, ARRAY[50]),
+                   now() - (:first + p.n / :per_cycle) * make_interval(secs => :interval), now()
+            FROM (SELECT row_number() OVER () AS n, format('node-%s', lpad(i::text, 3, '0')) AS a,
+                         format('node-%s', lpad(j::text, 3, '0')) AS b,
+                         ARRAY(SELECT m FROM (
+                                   SELECT format('node-%s/%s', lpad(x::text, 3, '0'), k) AS m
+                                   FROM unnest(ARRAY[i, j]) x, generate_series(0, 7) k) r
+                               ORDER BY m COLLATE "C") AS members
+                  FROM generate_series(0, :nodes - 1) i, generate_series(0, :nodes - 1) j
+                  WHERE i < j) p,
+                 (VALUES ('allreduce'), ('alltoall')) o(op)
+            ON CONFLICT (group_key, op) DO NOTHING"""),
+            {"every": max(1, round(1 / bad)) if bad else 1 << 40, "first": cycles,
+             "per_cycle": pairs_per_cycle, "interval": INTERVAL_S, "nodes": nodes})
+        conn.execute(text("ANALYZE link_health"))
+        return conn.execute(text("SELECT count(*) FROM link_health")).scalar_one()
+
+
+def _body(plain: bytes) -> tuple[int, int, float]:
+    """Series, of which per-link, and the collection's own seconds, in a plain scrape."""
+    lines = [line for line in plain.decode().splitlines() if not line.startswith("#")]
+    collect = next(float(line.split()[-1]) for line in lines
+                   if line.startswith("ringwatch_metrics_collect_seconds "))
+    return len(lines), sum(line.startswith("ringwatch_link_") for line in lines), collect
+
+
+def scrapes(nodes: int, cycles: int, state: Path, repeats: int = 10) -> None:
+    """GET /metrics after ``cycles`` cycles at ``nodes`` x 8: cold (every scrape collects,
+    RINGWATCH_METRICS_CACHE_S=0) and cached (a second API process on the same database
+    with the cache on), gzipped as Prometheus asks, and the body's size and series. Then
+    the same once the rotation has probed every node pair (``link_health`` filled as it
+    would be after nodes - 1 cycles): the per-link families keep to the links read within
+    RINGWATCH_METRICS_LINK_MAX_AGE_S and the degraded ones; all rows' body is modelled."""
+    sc = scenario(nodes, random.Random(11))
+    svc = Service(state / "metrics", RINGWATCH_METRICS_CACHE_S="0")
+    shipper = Shipper(svc.env["RINGWATCH_API_URL"], TOKEN, state / "metrics" / "spool")
+    cached_env = {**svc.env, "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}",
+                  "RINGWATCH_METRICS_CACHE_S": "3600"}
+    cached_proc = None
+    link_rows: list[int] = []
+    try:
+        backend = SimBackend(sc)
+        for i in range(cycles):
+            assert shipper.ship(run_cycle(backend, ProbeOptions(), rotation=i).to_batch()) == 0
+            with svc.engine.connect() as conn:
+                link_rows.append(conn.execute(text("SELECT count(*) FROM link_health")).scalar_one())
+        cached_proc = start_server(cached_env)
+        with httpx.Client(base_url=cached_env["RINGWATCH_API_URL"], timeout=300) as cached:
+            first, _ = _scrape(cached, "gzip")
+            warm = [_scrape(cached, "gzip")[0] for _ in range(repeats)]
+        cold = [_scrape(svc.api, "gzip")[0] for _ in range(repeats)]
+        _, zipped = _scrape(svc.api, "gzip")
+        _, plain = _scrape(svc.api, "identity")
+        growth = (link_rows[-1] - link_rows[0]) / max(cycles - 1, 1)
+        full_rows = _age_rotation(svc, nodes, cycles, max(1, round(growth / 2)))
+        full_cold = [_scrape(svc.api, "gzip")[0] for _ in range(3)]
+        _, full_zipped = _scrape(svc.api, "gzip")
+        _, full_plain = _scrape(svc.api, "identity")
+    finally:
+        if cached_proc is not None:
+            stop_server(cached_proc)
+        shipper.close()
+        svc.close()
+    series, per_link, _ = _body(plain)
+    full_series, full_per_link, full_collect = _body(full_plain)
+    all_series = full_series - full_per_link + per_link / link_rows[-1] * full_rows
+    print(f"\nGET /metrics at {nodes} x 8 after {cycles} cycles ({link_rows[-1]:,} link rows, "
+          f"+{growth:,.0f} per cycle as the rotation reaches new node pairs):")
+    print(f"  cold (every scrape collects): p50 {_pct(cold, 0.5) * 1e3:.0f} ms, max "
+          f"{max(cold) * 1e3:.0f} ms; first scrape of a cached process {first * 1e3:.0f} ms, "
+          f"then p50 {_pct(warm, 0.5) * 1e3:.1f} ms while cached")
+    print(f"  body: {series:,} series, {len(plain) / 1e6:.2f} MB plain, "
+          f"{len(zipped) / 1e6:.2f} MB gzipped")
+    print(f"  every node pair probed ({full_rows:,} link rows, as after {nodes - 1} cycles): "
+          f"cold {_pct(full_cold, 0.5):.2f} s (of which the queries {full_collect:.2f} s); "
+          f"{full_series:,} series (links read in the last "
+          f"{Settings().metrics_link_max_age_s:.0f} s and the degraded ones), "
+          f"{len(full_plain) / 1e6:.1f} MB plain, {len(full_zipped) / 1e6:.2f} MB gzipped; "
+          f"every link a series would be ~{all_series:,.0f} series, "
+          f"~{len(plain) / series * all_series / 1e6:.0f} MB plain (model)")
+
+
 def main(flags: list[str]) -> None:
     quick = "--quick" in flags
     state = Path(".ringwatch") / f"bench-scale-{os.getpid()}"
@@ -348,6 +455,7 @@ def main(flags: list[str]) -> None:
     project(4 * nodes, fig, scale=4.0)
     history(128, 50 if quick else 200, state)
     reads(nodes, state, days=30)
+    scrapes(nodes, 3 if quick else 5, state)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from services.analyzer.hysteresis import Policy
 
@@ -60,6 +61,43 @@ class Settings(BaseSettings):
     # Seconds between maintenance passes in `ringwatch serve` (partitions, rollups,
     # retention); 0 leaves them to `ringwatch maintain`.
     maintenance_interval_s: float = Field(default=60.0, ge=0)
+    # Tokens made without an expiry of their own (and the bootstrap token) live this many
+    # days; 0: they never expire.
+    token_ttl_days: float = Field(default=365.0, ge=0)
+    # Measurement times further ahead of the server's clock than this are refused (422):
+    # they would pin "latest" and open partitions for days that have not come.
+    max_clock_skew_s: float = Field(default=600.0, gt=0)
+    # Preflight requests one token may have waiting for a scheduler at once (429 beyond).
+    max_pending_preflights_per_token: int = Field(default=16, ge=1)
+    # /metrics: seconds one rendered scrape is served again (many scrapers, one scan; 0:
+    # every scrape reads the database), and whether it needs a token (any valid one).
+    metrics_cache_s: float = Field(default=10.0, ge=0)
+    metrics_token_required: bool = False
+    # Per-link series cover links read within this many seconds, and every link that is not
+    # ok (0: every link; the rotation leaves a row for each node pair it ever probed).
+    metrics_link_max_age_s: float = Field(default=3600.0, ge=0)
+    # Webhooks. The key their secrets are encrypted with at rest: a Fernet key, or a
+    # passphrase of 16+ characters a key is derived from (docs/webhooks.md). The networks a
+    # webhook may reach although they are loopback, link-local or private: CIDRs, as a JSON
+    # list or comma-separated. Deliveries one notifier sends at once (different webhooks go
+    # out side by side, so a stalled receiver holds up only its own).
+    secret_key: SecretStr = SecretStr("")
+    webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webhook_concurrency: int = Field(default=8, ge=1, le=256)
+
+    @field_validator("webhook_allowed_networks", mode="before")
+    @classmethod
+    def _networks(cls, value: object) -> list[str]:
+        import ipaddress
+        import json
+
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else [v for v in text.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ValueError("a list of CIDRs (JSON) or CIDRs separated by commas")
+        return [str(ipaddress.ip_network(str(v).strip(), strict=False)) for v in value]
+
     demo: bool = False
 
     def retention(self):  # -> services.store.timeseries.Retention

@@ -39,6 +39,17 @@ class TooLarge(RingwatchError):
     code = "too_large"
 
 
+class TooManyRequests(RingwatchError):
+    """This client has too much outstanding; it should retry after ``retry_after_s``."""
+
+    status_code = 429
+    code = "too_many_requests"
+
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Busy(RingwatchError):
     """The service cannot take this now; the client should retry after ``retry_after_s``."""
 

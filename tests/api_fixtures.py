@@ -42,6 +42,13 @@ def fleet_batch(slow_node: str | None = None, factor: float = 0.4, nodes: int = 
 # Settings under which one bad cycle degrades a link and one good one recovers it.
 REACT_AT_ONCE = {"hysteresis_k_bad": 1, "hysteresis_n_window": 1, "hysteresis_m_good": 1}
 
+# What every test app gets for webhooks: a key to encrypt their secrets with (a Fernet key
+# made for the tests) and the loopback network the tests' receivers listen on. A test of
+# the URL policy passes its own ``webhook_allowed_networks``.
+TEST_SECRET_KEY = "naogk2GfKuRT20e9H-r4rqK3uXY9R2isJDgxyxVaukg="
+WEBHOOK_TEST_SETTINGS: dict[str, Any] = {"secret_key": TEST_SECRET_KEY,
+                                         "webhook_allowed_networks": ["127.0.0.0/8"]}
+
 
 def api_client(factory, settings: dict[str, Any] | None = None):
     """A TestClient of the real app on ``factory``'s database, with a token per role
@@ -55,7 +62,8 @@ def api_client(factory, settings: dict[str, Any] | None = None):
     with db.transaction(factory) as s:
         toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}
     app = create_app(Settings(database_url="unused", api_url="http://rw.test",
-                              **(REACT_AT_ONCE if settings is None else settings)), factory)
+                              **{**WEBHOOK_TEST_SETTINGS,
+                                 **(REACT_AT_ONCE if settings is None else settings)}), factory)
     client = TestClient(app)
     client.tokens = toks  # type: ignore[attr-defined]
     client.h = {r: {"Authorization": f"Bearer {t}"} for r, t in toks.items()}  # type: ignore[attr-defined]

@@ -242,20 +242,25 @@ def test_webhook_validation_and_admin_flow(api) -> None:
                    json={"url": "http://127.0.0.1:9/x", "secret": "12345678", "events": ["nope"]})
     assert bad.status_code == 422
     ok = api.post("/v1/webhooks", headers=auth(api, "admin"),
-                  json={"url": "http://127.0.0.1:9/x", "secret": "12345678", "events": ["probe.hang"]})
+                  json={"url": "http://127.0.0.1:9/x", "secret": "a-secret-for-the-tests", "events": ["probe.hang"]})
     assert ok.status_code == 201 and "secret" not in ok.json()
     assert api.get("/v1/webhooks/999/deliveries", headers=auth(api, "admin")).status_code == 404
 
 
 def test_metrics_are_prometheus_text(api) -> None:
     api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=auth(api, "agent"))
-    text = api.get("/metrics").text
-    assert 'ringwatch_links{status="degraded"}' in text
-    assert "ringwatch_open_findings" in text
-    degraded = [line for line in text.splitlines()
-                if line.startswith("ringwatch_link_degraded{") and line.endswith(" 1")]
-    assert degraded and all("node-001" in line for line in degraded)
-    assert 'ringwatch_link_busbw_gbs{scope="intra_node",op="allreduce",members="node-000/0,node-000/1"} 20' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(api.get("/metrics").text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    assert ({"status": "degraded"}, 4.0) in samples["ringwatch_links"]  # 3 pairs, 1 node
+    assert samples["ringwatch_open_findings"] == [({}, 1.0)]
+    degraded = [labels for labels, v in samples["ringwatch_link_degraded"] if v == 1]
+    assert degraded and all("node-001" in labels["members"] for labels in degraded)
+    assert ({"scope": "intra_node", "op": "allreduce", "members": "node-000/0,node-000/1"},
+            20.0) in samples["ringwatch_link_busbw_gbs"]
 
 
 def test_repeated_hang_is_one_incident_resolved_by_a_clean_probe(api) -> None:

@@ -1,5 +1,6 @@
 """docker-compose.yml describes the production shape (no Docker engine is needed to check it)."""
 
+import re
 from pathlib import Path
 
 import yaml
@@ -42,3 +43,68 @@ def test_every_ringwatch_variable_is_a_setting() -> None:
         for var in (svc.get("environment") or {}):
             if var.startswith("RINGWATCH_"):
                 assert var in fields, var
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(instruction, arguments) of each Dockerfile instruction, continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [(w[0].upper(), w[1] if len(w) > 1 else "")
+            for w in (line.split(None, 1) for line in lines if line and not line.startswith("#"))]
+
+
+def test_the_database_password_is_required_wherever_it_is_used() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    uses = re.findall(r"\$\{POSTGRES_PASSWORD([^}]*)\}", text)
+    assert len(uses) >= 2  # the database's own setting and the API's URL
+    assert all(u.startswith(":?") and len(u) > 2 for u in uses), uses
+    assert "change-me" not in text
+    services = load()["services"]
+    assert "${POSTGRES_PASSWORD:?" in services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert "${POSTGRES_PASSWORD:?" in services["api"]["environment"]["RINGWATCH_DATABASE_URL"]
+
+
+def test_the_image_runs_as_a_non_root_user_that_owns_the_state_dir() -> None:
+    steps = dockerfile()
+    users = [i for i, (op, _) in enumerate(steps) if op == "USER"]
+    assert users, "the Dockerfile never leaves root"
+    user = steps[users[-1]][1].split(":")[0]
+    assert user not in ("root", "0")
+    commands = [c.split() for op, args in steps if op == "RUN" for c in args.split("&&")]
+    # The user USER names (by name or uid) is one the image creates.
+    added = {c[-1]: c[c.index("--uid") + 1] if "--uid" in c else None
+             for c in commands if c[0] == "useradd"}
+    name = next((n for n, uid in added.items() if user in (n, uid)), None)
+    assert name, f"USER {user} is not a user the Dockerfile creates"
+    # The state dir (the scheduler's spool) is the user's, and the spool volume mounts there.
+    state_dir = dict(a.split("=", 1) for op, a in steps if op == "ENV")["RINGWATCH_STATE_DIR"]
+    assert any(c[0] == "chown" and c[1].split(":")[0] == name and state_dir in c[2:]
+               for c in commands)
+    mounts = [v.split(":") for v in load()["services"]["ray-head"]["volumes"]]
+    assert ["spool", state_dir] in [m[:2] for m in mounts]
+
+
+def test_long_running_services_restart_unless_stopped() -> None:
+    for name, svc in load()["services"].items():
+        assert svc.get("restart") == "unless-stopped", name
+
+
+def test_the_api_is_published_where_the_operator_says_and_on_localhost_by_default() -> None:
+    ports = load()["services"]["api"]["ports"]
+    assert ports == ["${RINGWATCH_BIND:-127.0.0.1}:8420:8420"]
+    # Only the TLS proxy publishes on every interface.
+    for name, svc in load()["services"].items():
+        if name != "tls-proxy":
+            assert all(str(p).startswith("${RINGWATCH_BIND") for p in svc.get("ports", [])), name
+
+
+def test_the_tls_proxy_is_optional_and_proxies_to_the_api() -> None:
+    services = load()["services"]
+    proxy = services["tls-proxy"]
+    assert proxy["profiles"] == ["tls"]
+    assert {"443:443"} <= set(proxy["ports"])
+    config = next(v.split(":")[0] for v in proxy["volumes"] if v.startswith("./"))
+    text = (ROOT / config).read_text()
+    api_port = services["api"]["ports"][0].rsplit(":", 1)[1]
+    assert re.search(rf"^\s*reverse_proxy\s+api:{api_port}\s*$", text, re.MULTILINE)
+    assert "api" in services and proxy["depends_on"]["api"]["condition"] == "service_healthy"

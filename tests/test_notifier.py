@@ -9,11 +9,21 @@ import pytest
 from services.notifier.channels import sign, verify
 from services.notifier.loop import Notifier, RetryPolicy
 from services.notifier.receiver import WebhookReceiver
-from tests.api_fixtures import api_client, fleet_batch
+from services.notifier.secret_box import SecretBox
+from tests.api_fixtures import TEST_SECRET_KEY, WEBHOOK_TEST_SETTINGS, api_client, fleet_batch
 
 SECRET = "s3cret-for-tests"
 # Retries come due at once, so tests need no sleeping.
 NO_WAIT = RetryPolicy(base_s=0.0, cap_s=0.0)
+
+
+def make_notifier(factory, **kw) -> Notifier:
+    """A notifier with the test apps' key and allowed networks (loopback, where the
+    receivers listen); retries due at once unless ``policy`` says otherwise."""
+    kw.setdefault("policy", NO_WAIT)
+    kw.setdefault("box", SecretBox.from_setting(TEST_SECRET_KEY))
+    kw.setdefault("allowed_networks", WEBHOOK_TEST_SETTINGS["webhook_allowed_networks"])
+    return Notifier(factory, **kw)
 
 
 @pytest.fixture
@@ -50,16 +60,18 @@ def drain(notifier: Notifier, rounds: int = 5) -> None:
 
 def test_signature_verifies_with_the_secret_and_fails_with_another() -> None:
     body = b'{"event":"health.degraded"}'
-    sig = sign(SECRET, body)
-    assert sig.startswith("sha256=") and len(sig) == 7 + 64
-    assert verify(SECRET, body, sig)
-    assert not verify("another-secret", body, sig)
-    assert not verify(SECRET, body + b" ", sig)
+    sig = sign(SECRET, body, "d-1", 1_700_000_000)
+    assert sig.startswith("t=1700000000,v1=") and len(sig) == len("t=1700000000,v1=") + 64
+    assert verify(SECRET, body, "d-1", sig, now=1_700_000_000)
+    assert not verify("another-secret", body, "d-1", sig, now=1_700_000_000)
+    assert not verify(SECRET, body + b" ", "d-1", sig, now=1_700_000_000)
+    # The delivery id is signed: a signature cannot be moved to another delivery.
+    assert not verify(SECRET, body, "d-2", sig, now=1_700_000_000)
 
 
 def test_degraded_then_recovered_fires_signed_webhooks(api, clean_db, receiver) -> None:
     register(api, receiver.url)
-    notifier = Notifier(clean_db, policy=NO_WAIT)
+    notifier = make_notifier(clean_db)
     degraded = ingest(api, fleet_batch(slow_node="node-002"))["degraded"]
     drain(notifier)
     assert len(receiver.events) == len(degraded) > 0
@@ -78,7 +90,7 @@ def test_degraded_then_recovered_fires_signed_webhooks(api, clean_db, receiver) 
 
 def test_receiver_down_then_up_gets_each_event_once(api, clean_db, receiver) -> None:
     hook = register(api, receiver.url)
-    notifier = Notifier(clean_db, policy=NO_WAIT)
+    notifier = make_notifier(clean_db)
     receiver.status = 503
     expected = len(ingest(api, fleet_batch(slow_node="node-001"))["degraded"])
     drain(notifier, rounds=3)
@@ -101,7 +113,7 @@ def test_receiver_down_then_up_gets_each_event_once(api, clean_db, receiver) -> 
 def test_two_notifiers_send_nothing_twice(api, clean_db, receiver) -> None:
     register(api, receiver.url)
     expected = len(ingest(api, fleet_batch(slow_node="node-003", nodes=6))["degraded"])
-    notifiers = [Notifier(clean_db, policy=NO_WAIT, batch=2) for _ in range(2)]
+    notifiers = [make_notifier(clean_db, batch=2) for _ in range(2)]
     threads = [threading.Thread(target=drain, args=(n, 20)) for n in notifiers]
     for t in threads:
         t.start()
@@ -118,7 +130,7 @@ def test_delivery_gives_up_after_max_age(api, clean_db, receiver) -> None:
     hook = register(api, receiver.url)
     receiver.status = 500
     ingest(api, fleet_batch(slow_node="node-001"))
-    notifier = Notifier(clean_db, policy=RetryPolicy(base_s=10.0, cap_s=10.0, max_age_s=1.0))
+    notifier = make_notifier(clean_db, policy=RetryPolicy(base_s=10.0, cap_s=10.0, max_age_s=1.0))
     drain(notifier)
     log = api.get(f"/v1/webhooks/{hook}/deliveries",
                   headers={"Authorization": f"Bearer {api.tokens['admin']}"}).json()
@@ -130,14 +142,14 @@ def test_test_endpoint_sends_a_test_event(api, clean_db, receiver) -> None:
     hook = register(api, receiver.url)
     r = api.post(f"/v1/webhooks/{hook}/test", headers={"Authorization": f"Bearer {api.tokens['admin']}"})
     assert r.status_code == 202
-    drain(Notifier(clean_db, policy=NO_WAIT))
+    drain(make_notifier(clean_db))
     assert [e["event"] for e in receiver.events] == ["webhook.test"]
     assert receiver.events[0]["verified"]
 
 
 def test_run_forever_delivers_until_stopped(api, clean_db, receiver) -> None:
     register(api, receiver.url)
-    notifier = Notifier(clean_db, policy=NO_WAIT)
+    notifier = make_notifier(clean_db)
     stop = threading.Event()
     loop = threading.Thread(target=notifier.run_forever, args=(0.2, stop))
     loop.start()
@@ -155,7 +167,7 @@ def test_a_probe_error_is_its_own_event_and_excludes_the_node(api, clean_db, rec
     """An error in a rank (CUDA OOM, an NCCL error) is not a hang: it opens a probe_error
     finding, fires probe.error (not probe.hang) and keeps the node out of a preflight."""
     register(api, receiver.url, events=("probe.error", "probe.hang"))
-    notifier = Notifier(clean_db, policy=NO_WAIT)
+    notifier = make_notifier(clean_db)
     batch = fleet_batch()
     batch["findings"] = [{"kind": "probe_error", "node": "node-001", "gpu": 1,
                           "detail": {"stage": "alltoall/1048576", "origin": "local",

@@ -15,7 +15,7 @@ from api.app import create_app
 from services.config import Settings
 from services.notifier.receiver import WebhookReceiver
 from services.store import db, tokens
-from tests.api_fixtures import REACT_AT_ONCE, fleet_batch
+from tests.api_fixtures import REACT_AT_ONCE, TEST_SECRET_KEY, WEBHOOK_TEST_SETTINGS, fleet_batch
 
 SECRET = "s3cret-for-tests"
 
@@ -27,10 +27,12 @@ def notifier(env: dict[str, str]) -> subprocess.Popen:
 def test_killed_notifier_loses_nothing(database_url, clean_db) -> None:
     with db.transaction(clean_db) as s:
         agent, admin = tokens.create_token(s, "agent"), tokens.create_token(s, "admin")
-    app = create_app(Settings(database_url="unused", **REACT_AT_ONCE), clean_db)
-    # A 1 s timeout makes the claim lease (3 timeouts + 5 s) short enough for a test.
+    app = create_app(Settings(database_url="unused", **REACT_AT_ONCE, **WEBHOOK_TEST_SETTINGS), clean_db)
+    # A 1 s timeout makes the claim lease (3 timeouts + 5 s, renewed while the notifier
+    # lives) short enough for a test.
     env = {**os.environ, "RINGWATCH_DATABASE_URL": database_url, "RINGWATCH_WEBHOOK_TIMEOUT_S": "1",
-           "RINGWATCH_NOTIFIER_POLL_S": "0.2"}
+           "RINGWATCH_NOTIFIER_POLL_S": "0.2", "RINGWATCH_SECRET_KEY": TEST_SECRET_KEY,
+           "RINGWATCH_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8"}
     with WebhookReceiver(SECRET) as rx, TestClient(app) as api:
         rx.delay_s = 30.0  # the receiver stalls: the first notifier is caught mid-delivery
         api.post("/v1/webhooks", headers={"Authorization": f"Bearer {admin}"},
@@ -42,7 +44,7 @@ def test_killed_notifier_loses_nothing(database_url, clean_db) -> None:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
 
-        rx.delay_s = 0.0
+        rx.release()
         second = notifier(env)
         try:
             events = rx.wait_for(expected, timeout_s=60)

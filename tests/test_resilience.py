@@ -58,3 +58,13 @@ def test_the_spool_recovers_what_a_crash_left_half_written(tmp_path: Path) -> No
     assert [p.name for p in shipper.pending()] == ["00000000000000000001-whole.json"]
     assert json.loads(shipper.pending()[0].read_text()) == whole
     assert [p.name for p in (spool / "rejected").iterdir()] == ["00000000000000000002-torn.tmp"]
+
+
+def test_a_served_preflight_counts_in_the_duty_cycle() -> None:
+    duty = cycle_module.DutyCycle(max_duty=0.01)
+    duty.charge_preflight({"n0/0": 2.0, "n0/1": 1.5, "n1/0": 0.5})
+    # The busiest rank held 2 s: at 1 % the next cycle owes 198 s of rest, once.
+    assert duty.take_owed() == pytest.approx(198.0)
+    assert duty.take_owed() == 0.0
+    assert set(duty.fractions()) == {"n0", "n1"}
+    assert duty.fractions()["n0"] > duty.fractions()["n1"] > 0

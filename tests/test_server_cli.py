@@ -113,6 +113,20 @@ def test_token_create_and_db_upgrade(env) -> None:
         no = httpx.post(f"{env['RINGWATCH_API_URL']}/v1/measurements", json=fleet_batch(),
                         headers={"Authorization": f"Bearer {token}"})
         assert no.status_code == 403
+        # The token shows in the list as used, and once revoked it opens nothing.
+        token_id = r.stdout.split()[3]
+        listed = json.loads(cli("token", "list", "--json", env=env).stdout)
+        mine = next(t for t in listed if str(t["id"]) == token_id)
+        assert mine["role"] == "reader" and mine["last_used_at"] is not None
+        revoked = cli("token", "revoke", token_id, env=env)
+        assert revoked.returncode == 0 and f"revoked token {token_id}" in revoked.stdout
+        gone = httpx.get(f"{env['RINGWATCH_API_URL']}/v1/nodes",
+                         headers={"Authorization": f"Bearer {token}"})
+        assert gone.status_code == 401
+        assert token_id not in [str(t["id"]) for t in
+                                json.loads(cli("token", "list", "--json", env=env).stdout)]
+        missing = cli("token", "revoke", "999999", env=env)
+        assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     finally:
         stop_server(proc)
 

@@ -1,11 +1,15 @@
 """Reading the fleet: nodes, links, series, findings and the summary."""
 
+import base64
+import binascii
+import json
 from datetime import datetime
 from typing import Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 
 from api.deps import ReaderDep, SessionDep, SettingsDep
+from api.pages import link_next
 from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
 from services.errors import BadInput
 from services.monitor import fleet
@@ -14,21 +18,53 @@ router = APIRouter(prefix="/v1", tags=["fleet"])
 
 
 @router.get("/nodes", response_model=list[NodeOut])
-def get_nodes(session: SessionDep, _: ReaderDep) -> list[dict]:
-    """Every node ringwatch has seen, with its ranks (GPUs)."""
-    return fleet.nodes(session)
+def get_nodes(request: Request, response: Response, session: SessionDep, _: ReaderDep,
+              after: str | None = Query(default=None, max_length=255,
+                                        description="the name the previous page ended at"),
+              limit: int = Query(default=5000, ge=1, le=50_000)) -> list[dict]:
+    """The nodes ringwatch has seen, by name, with their ranks (GPUs). A full page names the
+    next in ``X-Next-Cursor`` and ``Link: rel="next"``."""
+    out = fleet.nodes(session, after=after, limit=limit)
+    link_next(request, response, out, limit, out[-1]["name"] if out else None)
+    return out
 
 
 @router.get("/links", response_model=list[LinkOut])
 def get_links(
+    request: Request,
+    response: Response,
     session: SessionDep,
     _: ReaderDep,
     status: Literal["ok", "degraded"] | None = None,
     scope: Literal["intra_node", "gpu_pair", "inter_node", "world"] | None = None,
-    node: str | None = None,
+    node: str | None = Query(default=None, max_length=255),
+    after: str | None = Query(default=None, max_length=2048,
+                              description="X-Next-Cursor of the previous page"),
+    limit: int = Query(default=10_000, ge=1, le=100_000),
 ) -> list[dict]:
-    """Current health of every probed link or group, filtered by status, scope or node."""
-    return fleet.links(session, status=status, scope=scope, node=node)
+    """Current health of the probed links and groups, filtered by status, scope or node,
+    in (scope, group key, op) order. A full page names the next in ``X-Next-Cursor`` and
+    ``Link: rel="next"``."""
+    out = fleet.links(session, status=status, scope=scope, node=node,
+                      after=_link_cursor(after) if after else None, limit=limit)
+    last = out[-1] if out else None
+    link_next(request, response, out, limit,
+              _encode_cursor([last["scope"], last["group_key"], last["op"]]) if last else None)
+    return out
+
+
+def _encode_cursor(parts: list[str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(parts).encode()).decode().rstrip("=")
+
+
+def _link_cursor(text: str) -> tuple[str, str, str]:
+    try:
+        parts = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+        if isinstance(parts, list) and len(parts) == 3 and all(isinstance(p, str) for p in parts):
+            return parts[0], parts[1], parts[2]
+    except (ValueError, binascii.Error):
+        pass
+    raise BadInput("after: not a cursor this API gave (use X-Next-Cursor as it came)")
 
 
 @router.get("/series", response_model=SeriesOut)
@@ -66,7 +102,19 @@ def get_health(session: SessionDep, _: ReaderDep) -> dict:
 
 
 @router.get("/findings")
-def get_findings(session: SessionDep, _: ReaderDep,
-                 status: Literal["open", "resolved"] | None = None) -> list[dict]:
-    """Findings (incidents), newest first."""
-    return fleet.findings(session, status=status)
+def get_findings(request: Request, response: Response, session: SessionDep, _: ReaderDep,
+                 status: Literal["open", "resolved"] | None = None,
+                 after: int | None = Query(default=None, ge=1,
+                                           description="the id the previous page ended at"),
+                 limit: int = Query(default=500, ge=1, le=5000)) -> list[dict]:
+    """Findings (incidents), newest first. A full page names the next in ``X-Next-Cursor``
+    and ``Link: rel="next"``."""
+    out = fleet.findings(session, status=status, limit=limit, before_id=after)
+    link_next(request, response, out, limit, out[-1]["id"] if out else None)
+    return out
+
+
+@router.get("/findings/{finding_id}")
+def get_finding(finding_id: int, session: SessionDep, _: ReaderDep) -> dict:
+    """One finding (the ``url`` of its webhook events)."""
+    return fleet.finding(session, finding_id)

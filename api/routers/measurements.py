@@ -1,9 +1,13 @@
 """Probe results in: ``POST /v1/measurements``."""
 
+from datetime import timedelta
+
 from fastapi import APIRouter, Request, Response
+from sqlalchemy.orm import Session
 
 from api.deps import AgentDep, SessionDep, SettingsDep
 from api.schemas import IngestOut, MeasurementBatch
+from services.config import Settings
 from services.errors import Busy, TooLarge
 from services.monitor.ingest import IngestResult, ingest_batch
 
@@ -12,7 +16,7 @@ router = APIRouter(prefix="/v1", tags=["measurements"])
 
 @router.post("/measurements", response_model=IngestOut)
 def post_measurements(batch: MeasurementBatch, request: Request, response: Response,
-                      session: SessionDep, settings: SettingsDep, _: AgentDep) -> dict:
+                      session: SessionDep, settings: SettingsDep, who: AgentDep) -> dict:
     """Store a batch of probe results once (a retried ``batch_id`` is a no-op, ``created: false``)
     and fold its judgement into link health and fault incidents.
 
@@ -27,7 +31,7 @@ def post_measurements(batch: MeasurementBatch, request: Request, response: Respo
         raise Busy(f"{settings.max_concurrent_ingests} batch(es) are being stored; "
                    "retry after the interval given", retry_after_s=5.0)
     try:
-        result = _ingest(batch, session, settings)
+        result = _ingest(batch, session, settings, who.nodes)
     finally:
         slots.release()
     # Where the time went (store: nodes, groups, COPY; judge: health and incidents).
@@ -36,7 +40,8 @@ def post_measurements(batch: MeasurementBatch, request: Request, response: Respo
     return result.to_dict()
 
 
-def _ingest(batch: MeasurementBatch, session: SessionDep, settings: SettingsDep) -> IngestResult:
+def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
+            allowed_nodes: frozenset[str] | None) -> IngestResult:
     result = ingest_batch(
         session,
         batch_id=batch.batch_id,
@@ -51,5 +56,7 @@ def _ingest(batch: MeasurementBatch, session: SessionDep, settings: SettingsDep)
         api_url=settings.api_url,
         shipper=batch.shipper.model_dump() if batch.shipper else None,
         counters=[c.model_dump() for c in batch.counters],
+        max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+        allowed_nodes=allowed_nodes,
     )
     return result

@@ -1,13 +1,38 @@
 """Liveness and Prometheus metrics."""
 
-from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+import threading
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy import text
 
-from api.deps import SessionDep
-from services.monitor import fleet
+from api.deps import READ_ROLES, SessionDep, SettingsDep, require
+from services.monitor import metrics as fleet_metrics
 
 router = APIRouter(tags=["meta"])
+
+_read = require(READ_ROLES)
+_cache_lock = threading.Lock()
+
+
+def metrics_reader(request: Request, settings: SettingsDep) -> None:
+    """Any valid token when RINGWATCH_METRICS_TOKEN_REQUIRED is set; none otherwise."""
+    if settings.metrics_token_required:
+        _read(request)
+
+
+def scrape_cache(request: Request, settings: SettingsDep) -> fleet_metrics.ScrapeCache:
+    """This app's cache of rendered scrapes, made on first use."""
+    state = request.app.state
+    with _cache_lock:
+        cache = getattr(state, "metrics_cache", None)
+        if cache is None:
+            cache = state.metrics_cache = fleet_metrics.ScrapeCache(
+                settings.metrics_cache_s, settings.metrics_link_max_age_s)
+    return cache
+
+
+ScrapeCacheDep = Annotated[fleet_metrics.ScrapeCache, Depends(scrape_cache)]
 
 
 @router.get("/healthz")
@@ -17,44 +42,17 @@ def healthz(session: SessionDep) -> dict:
     return {"ok": True}
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
-def metrics(session: SessionDep) -> str:
-    """Prometheus text exposition of link health."""
-    s = fleet.summary(session)
-    lines = [
-        "# HELP ringwatch_links Probed links and groups by health status.",
-        "# TYPE ringwatch_links gauge",
-        *[f'ringwatch_links{{status="{k}"}} {v}' for k, v in sorted(s["links"].items())],
-        "# HELP ringwatch_open_findings Open findings.",
-        "# TYPE ringwatch_open_findings gauge",
-        f"ringwatch_open_findings {s['open_findings']}",
-        "# HELP ringwatch_nodes Nodes seen.",
-        "# TYPE ringwatch_nodes gauge",
-        f"ringwatch_nodes {s['nodes']}",
-        "# HELP ringwatch_link_busbw_gbs Last busbw of each link or group (GB/s, nccl-tests).",
-        "# TYPE ringwatch_link_busbw_gbs gauge",
-        "# HELP ringwatch_link_degraded 1 while the link or group is degraded.",
-        "# TYPE ringwatch_link_degraded gauge",
-        "# HELP ringwatch_node_duty_cycle Fraction of the node's GPU time spent probing.",
-        "# TYPE ringwatch_node_duty_cycle gauge",
-    ]
-    for link in fleet.links(session, status=None, scope=None, node=None):
-        labels = (f'scope="{link["scope"]}",op="{link["op"]}",'
-                  f'members="{",".join(link["members"])}"')
-        lines.append(f"ringwatch_link_busbw_gbs{{{labels}}} {link['busbw_gbs']:.6g}")
-        lines.append(f"ringwatch_link_degraded{{{labels}}} {int(link['status'] == 'degraded')}")
-    for node in fleet.nodes(session):
-        if node["duty_cycle"] is not None:
-            lines.append(f'ringwatch_node_duty_cycle{{node="{node["name"]}"}} {node["duty_cycle"]:.6g}')
-    lines += ["# HELP ringwatch_shipper_batches Batches in each scheduler's spool as its last "
-              "batch reported: pending, failed (moved aside after repeated 5xx), rejected (4xx).",
-              "# TYPE ringwatch_shipper_batches gauge"]
-    for host, state in fleet.shipper_states(session).items():
-        for key in ("pending", "failed", "rejected"):
-            lines.append(f'ringwatch_shipper_batches{{host="{_label(host)}",state="{key}"}} '
-                         f'{int(state.get(key, 0))}')
-    return "\n".join(lines) + "\n"
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+@router.get("/metrics", dependencies=[Depends(metrics_reader)], response_class=Response,
+            responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}},
+                             "description": "Prometheus text, or OpenMetrics when asked"}})
+def metrics(request: Request, session: SessionDep, cache: ScrapeCacheDep) -> Response:
+    """Prometheus metrics of the fleet: the Prometheus text format, or OpenMetrics when the
+    Accept header asks for it (gzipped when Accept-Encoding allows). One rendering is
+    served for RINGWATCH_METRICS_CACHE_S seconds; with RINGWATCH_METRICS_TOKEN_REQUIRED
+    set, any valid token is needed."""
+    scrape = cache.get(session, request.headers.get("accept", ""),
+                       "gzip" in request.headers.get("accept-encoding", ""))
+    headers = {"Vary": "Accept, Accept-Encoding"}
+    if scrape.gzipped:
+        headers["Content-Encoding"] = "gzip"
+    return Response(scrape.body, media_type=scrape.content_type, headers=headers)

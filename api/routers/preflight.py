@@ -26,16 +26,19 @@ def _code(body: dict, response: Response) -> dict:
 
 
 @router.post("")
-def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsDep, _: ReaderDep,
+def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsDep, who: ReaderDep,
                      response: Response,
                      wait: float = Query(default=0.0, ge=0, le=600,
                                          description="seconds to wait for a probing scheduler")) -> dict:
     """The verdict of DESIGN.md for ``nodes``. Answered at once (200) when every node has
     results younger than ``max_age_s``; otherwise the request waits for a scheduler to probe
     (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``).
-    With ``confirm``, fresh results that look unhealthy are re-probed by a scheduler first."""
+    With ``confirm``, fresh results that look unhealthy are re-probed by a scheduler first.
+    A token may have RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN requests waiting at once
+    (429 with Retry-After beyond)."""
     out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url,
-                                  confirm=body.confirm)
+                                  confirm=body.confirm, token_id=who.token_id,
+                                  max_waiting=settings.max_pending_preflights_per_token)
     return _code(out, response)
 
 
@@ -46,16 +49,19 @@ def get_preflight(request_id: str, session: SessionDep, _: ReaderDep, response: 
 
 
 @router.post("/claim", response_model=None)
-def claim_preflight(body: ClaimIn, session: SessionDep, _: AgentDep) -> Response | dict:
-    """A scheduler takes the oldest waiting request (204 when there is none)."""
-    claimed = service.claim(session, body.worker, body.lease_s)
+def claim_preflight(body: ClaimIn, session: SessionDep, who: AgentDep) -> Response | dict:
+    """A scheduler takes the oldest waiting request (204 when there is none); a token scoped
+    to some nodes is given only requests for those nodes."""
+    claimed = service.claim(session, body.worker, body.lease_s, token_id=who.token_id,
+                            within=who.nodes)
     return claimed if claimed is not None else Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/{request_id}/complete")
 def complete_preflight(request_id: str, body: CompleteIn, session: SessionDep,
-                       settings: SettingsDep, _: AgentDep) -> dict:
-    """The claiming scheduler has shipped its results: compute and store the verdict."""
+                       settings: SettingsDep, who: AgentDep) -> dict:
+    """The claiming scheduler has shipped its results: compute and store the verdict. Only
+    the token and worker holding a live claim may."""
     verdict = body.verdict.model_dump(exclude_none=True) if body.verdict else None
     return service.complete(session, request_id, body.worker, body.error, settings.api_url,
-                            verdict=verdict)
+                            verdict=verdict, token_id=who.token_id)

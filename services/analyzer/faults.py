@@ -62,6 +62,8 @@ class Coverage:
     def __init__(self, assessments: Iterable[Assessment], inventoried: Iterable[str] = ()) -> None:
         self.inventoried = set(inventoried)
         self.clean_ranks: set[str] = set()
+        # Nodes with a rank in a clean group, for rank faults that name no GPU.
+        self.clean_nodes: set[str] = set()
         self.local: set[str] = set()
         self.nic: set[str] = set()
         self._groups_of: dict[str, set[int]] = defaultdict(set)
@@ -69,6 +71,7 @@ class Coverage:
             m = a.measurement
             if m.wrong == 0:
                 self.clean_ranks.update(m.members)
+                self.clean_nodes.update(split_member(x)[0] for x in m.members)
             if not a.judged or a.ratio is None:
                 continue
             nodes = {split_member(x)[0] for x in m.members}
@@ -83,7 +86,11 @@ class Coverage:
     def covers(self, f: Finding) -> bool:
         """Whether this cycle could have shown ``f``: if it did not find it, it is clear."""
         if f.kind in RANK_KINDS:
-            return f.node is not None and f.gpu is not None and member(f.node, f.gpu) in self.clean_ranks
+            if f.node is None:
+                return bool(f.nodes) and set(f.nodes or ()) <= self.clean_nodes
+            if f.gpu is None:  # a hang or error the agent pinned on a node, not one GPU
+                return f.node in self.clean_nodes
+            return member(f.node, f.gpu) in self.clean_ranks
         if f.kind == INVENTORY_KIND:
             return f.node in self.inventoried
         if f.kind == FLEET_KIND:

@@ -17,7 +17,7 @@ import httpx
 
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
-from services.cli.output import print_json, print_verdict
+from services.cli.output import print_json, print_tokens, print_verdict
 from services.config import get_settings
 
 
@@ -94,26 +94,50 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
+    """Tokens, straight in the database: whoever runs this can reach it (and can mend an
+    install whose every admin token is lost)."""
     from services.store import db, tokens
 
     settings = get_settings()
     factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
     with db.transaction(factory) as s:
-        token = tokens.create_token(s, args.role, args.name)
-    print(f"created {args.role} token: {token}")
+        if args.token_command == "create":
+            if args.nodes is not None and args.role != "agent":
+                raise CliError("--nodes scopes agent tokens only")
+            ttl = settings.token_ttl_days if args.expires_in_days is None else args.expires_in_days
+            if ttl < 0:
+                raise CliError("--expires-in-days must be 0 (never) or more")
+            row, token = tokens.issue(s, args.role, args.name, expires_at=tokens.expiry(ttl),
+                                      nodes=args.nodes)
+            until = row.expires_at.isoformat(timespec="seconds") if row.expires_at else "never"
+            print(f"created {args.role} token {row.id} (expires {until}): {token}")
+        elif args.token_command == "list":
+            rows = tokens.list_tokens(s, limit=1_000_000, include_revoked=args.all)
+            print_tokens([_token_info(r) for r in rows], args.json)
+        else:
+            revoked = tokens.revoke(s, args.id)
+            if revoked is None:
+                raise CliError(f"no token {args.id} (see ringwatch token list)")
+            print(f"revoked token {revoked.id} ({revoked.role}"
+                  f"{', ' + revoked.name if revoked.name else ''})")
     return 0
+
+
+def _token_info(row) -> dict[str, Any]:
+    return {"id": row.id, "role": row.role, "name": row.name, "created_at": row.created_at,
+            "expires_at": row.expires_at, "last_used_at": row.last_used_at,
+            "revoked_at": row.revoked_at, "nodes": row.nodes}
 
 
 # -- long-running processes -------------------------------------------------------------
 
 
 def _notifier(settings):
-    from services.notifier.loop import Notifier, RetryPolicy
+    from services.notifier.loop import Notifier
     from services.store import db
 
     factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
-    return Notifier(factory, timeout_s=settings.webhook_timeout_s,
-                    policy=RetryPolicy(max_age_s=settings.webhook_max_age_s))
+    return Notifier.from_settings(factory, settings)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -121,8 +121,11 @@ def _auth(token: str) -> dict[str, str]:
 
 def _start_api(url: str, port: int, stack: ExitStack) -> str:
     api_url = f"http://127.0.0.1:{port}"
+    # The demo's receiver listens on loopback, which the URL policy refuses unless allowed;
+    # in demo mode the webhook secrets' key is generated under the state dir.
     env = {**os.environ, "RINGWATCH_DATABASE_URL": url, "RINGWATCH_API_URL": api_url,
-           "RINGWATCH_NOTIFIER_POLL_S": "0.5", "RINGWATCH_DEMO": "1"}
+           "RINGWATCH_NOTIFIER_POLL_S": "0.5", "RINGWATCH_DEMO": "1",
+           "RINGWATCH_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32"}
     try:
         proc = api_process.start_api(env)
     except api_process.ApiDidNotStart as exc:

@@ -36,6 +36,13 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(parse_size(s) for s in text.split(","))
 
 
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no node")
+    return names
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(s) for s in text.split(","))
@@ -135,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     t = tsub.add_parser("create", help="create a token and print it as the last word")
     t.add_argument("--role", required=True, choices=("agent", "reader", "admin"))
     t.add_argument("--name", default="")
+    t.add_argument("--expires-in-days", type=float, metavar="DAYS",
+                   help="days until it expires (default RINGWATCH_TOKEN_TTL_DAYS; 0: never)")
+    t.add_argument("--nodes", type=_names, metavar="NODE,NODE,...",
+                   help="agent tokens: report and answer preflights for these nodes only")
+    t = tsub.add_parser("list", help="tokens, when each was last used and when it expires")
+    t.add_argument("--all", action="store_true", help="revoked ones too")
+    t.add_argument("--json", action="store_true")
+    t = tsub.add_parser("revoke", help="revoke a token by its id (from token list)")
+    t.add_argument("id", type=int)
 
     p = sub.add_parser("db", help="database")
     dsub = p.add_subparsers(dest="db_command", required=True)

@@ -33,3 +33,20 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
               f"{', '.join(verdict['suspects'])}")
     if verdict.get("unprobed"):
         print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
+
+
+def print_tokens(rows: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print_json(rows)
+        return
+
+    def when(value: Any) -> str:
+        return value.isoformat(timespec="minutes") if value is not None else "-"
+
+    print(f"{'id':>5}  {'role':<6}  {'name':<20}  {'last used':<22}  {'expires':<22}  state")
+    for r in rows:
+        state = "revoked" if r["revoked_at"] else "active"
+        if r["nodes"] is not None:
+            state += f", {len(r['nodes'])} node(s)"
+        print(f"{r['id']:>5}  {r['role']:<6}  {r['name'][:20]:<20}  {when(r['last_used_at']):<22}  "
+              f"{when(r['expires_at']):<22}  {state}")

@@ -14,14 +14,15 @@ from services.store import measurements as store
 from services.store import timeseries
 
 
-def nodes(session: Session) -> list[dict[str, Any]]:
+def nodes(session: Session, *, after: str | None = None,
+          limit: int | None = None) -> list[dict[str, Any]]:
     return [
         {"name": n.name, "hostname": n.hostname, "backend": n.backend, "profile": n.profile,
          "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
          "last_seen_at": n.last_seen_at,
          "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
                    "numa_node": g.numa_node, "name": g.name} for g in gpus]}
-        for n, gpus in store.list_nodes(session)
+        for n, gpus in store.list_nodes(session, after=after, limit=limit)
     ]
 
 
@@ -31,7 +32,9 @@ def require_nodes(session: Session, names: list[str]) -> None:
         raise NodeNotFound(f"unknown node(s): {', '.join(unknown[:20])}")
 
 
-def links(session: Session, *, status: str | None, scope: str | None, node: str | None) -> list[dict[str, Any]]:
+def links(session: Session, *, status: str | None, scope: str | None, node: str | None,
+          after: tuple[str, str, str] | None = None,
+          limit: int | None = None) -> list[dict[str, Any]]:
     if node:
         require_nodes(session, [node])
     return [
@@ -39,7 +42,8 @@ def links(session: Session, *, status: str | None, scope: str | None, node: str 
                                         "size_bytes",
                                         "busbw_gbs", "expected_gbs", "ratio", "updated_at",
                                         "changed_at")}
-        for link in health_store.list_links(session, status=status, scope=scope, node=node)
+        for link in health_store.list_links(session, status=status, scope=scope, node=node,
+                                            after=after, limit=limit)
     ]
 
 
@@ -90,23 +94,6 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
              "busbw_mean": r.busbw_mean, "wrong": r.wrong}
             for r in rows]
     return out
-    if resolution == "raw":
-        out["points"] = [
-            {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
-             "redop": m.redop, "timing": m.timing, "time_us": m.time_us,
-             "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
-            for m in store.raw_points(session, found.id, op=op, size_bytes=size_bytes,
-                                      since=since, until=until, limit=limit)]
-    else:
-        out["points"] = [
-            {"time": r.bucket, "op": r.op, "size_bytes": r.size_bytes, "count": r.count,
-             "time_us": r.time_us_median, "algbw_gbs": r.algbw_median,
-             "busbw_gbs": r.busbw_median, "busbw_min": r.busbw_min, "busbw_max": r.busbw_max,
-             "busbw_mean": r.busbw_mean, "wrong": r.wrong}
-            for r in timeseries.rollup_points(session, timeseries.ROLLUPS[resolution], found.id,
-                                              op=op, size_bytes=size_bytes, since=since,
-                                              until=until, limit=limit)]
-    return out
 
 
 def shipper_states(session: Session) -> dict[str, dict[str, Any]]:
@@ -125,13 +112,24 @@ def summary(session: Session) -> dict[str, Any]:
         status = "degraded"
     else:
         status = "healthy"
-    return {"status": status, "nodes": len(store.list_nodes(session)), "links": counts,
+    return {"status": status, "nodes": store.node_count(session), "links": counts,
             "open_findings": open_findings}
 
 
-def findings(session: Session, *, status: str | None) -> list[dict[str, Any]]:
-    return [
-        {"id": f.id, "kind": f.kind, "status": f.status, "severity": f.severity, "nodes": f.nodes,
-         "op": f.op, "detail": f.detail, "opened_at": f.opened_at, "resolved_at": f.resolved_at}
-        for f in health_store.list_findings(session, status=status)
-    ]
+def _finding(f) -> dict[str, Any]:
+    return {"id": f.id, "kind": f.kind, "status": f.status, "severity": f.severity,
+            "nodes": f.nodes, "op": f.op, "detail": f.detail, "opened_at": f.opened_at,
+            "resolved_at": f.resolved_at}
+
+
+def findings(session: Session, *, status: str | None, limit: int = 500,
+             before_id: int | None = None) -> list[dict[str, Any]]:
+    return [_finding(f) for f in health_store.list_findings(session, status=status, limit=limit,
+                                                            before_id=before_id)]
+
+
+def finding(session: Session, finding_id: int) -> dict[str, Any]:
+    found = health_store.get_finding(session, finding_id)
+    if found is None:
+        raise NotFound(f"no finding {finding_id}")
+    return _finding(found)

@@ -13,13 +13,13 @@ from sqlalchemy.orm import Session
 from agents.spec import RankInfo, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.hysteresis import Policy
-from services.errors import BadInput
+from services.errors import BadInput, Forbidden
 from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
 from services.store import timeseries
 
 # How far ahead of the server's clock a measurement's time may be (clock skew); beyond
-# it, "latest" would be pinned by a time that has not come.
+# it, "latest" would be pinned by a time that has not come. RINGWATCH_MAX_CLOCK_SKEW_S.
 MAX_CLOCK_SKEW = timedelta(minutes=10)
 
 
@@ -63,9 +63,12 @@ def ingest_batch(
     api_url: str = "",
     shipper: dict[str, Any] | None = None,
     counters: list[dict[str, Any]] | None = None,
+    max_clock_skew: timedelta = MAX_CLOCK_SKEW,
+    allowed_nodes: frozenset[str] | None = None,
 ) -> IngestResult:
     """Store a batch exactly once (by ``batch_id``) and apply its judgement to link health
-    and incidents."""
+    and incidents. ``allowed_nodes``: the sender's token is scoped to these nodes, and a
+    batch that reports on any other is refused whole (403)."""
     started = time.perf_counter()
     run = store.claim_batch(session, batch_id, backend)
     if run is None:
@@ -76,13 +79,19 @@ def ingest_batch(
              "time": m["time"] if isinstance(m["time"], datetime)
              else datetime.fromisoformat(m["time"])} for m in measurements]
     now = utcnow()
-    if any(r["time"] > now + MAX_CLOCK_SKEW for r in rows):
-        raise BadInput(f"measurement time more than {MAX_CLOCK_SKEW} ahead of the server's "
-                       f"clock ({now.isoformat()}): check the agents' clocks")
+    if any(r["time"] > now + max_clock_skew for r in rows):
+        raise BadInput(f"measurement time more than {max_clock_skew} ahead of the server's "
+                       f"clock ({now.isoformat()}): check the agents' clocks "
+                       "(RINGWATCH_MAX_CLOCK_SKEW_S)")
     seen_at = max((m["time"] for m in rows), default=now)
     node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in ranks or []}
     node_names |= {f["node"] for f in findings or [] if f.get("node")}
     node_names |= set(skipped or {})
+    if allowed_nodes is not None:
+        outside = sorted((node_names | {c["node"] for c in counters or []}) - allowed_nodes)
+        if outside:
+            raise Forbidden(f"this token reports only on its own nodes; the batch names "
+                            f"{len(outside)} other(s): {', '.join(outside[:10])}")
     probed = sorted({n for r in rows for n in r["nodes"]})
     store.upsert_nodes(session, sorted(node_names), backend, seen_at, probed,
                        duty_cycle=duty_cycle, skipped=skipped)

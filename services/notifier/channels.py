@@ -1,30 +1,78 @@
 """Alert channels: how one event becomes one HTTP request body, and how it is signed.
 
-A channel is a small plugin: ``render(event_type, payload) -> dict``. ``json`` is
-the generic webhook of DESIGN.md; ``slack`` is shaped for Slack incoming webhooks.
+A channel is a small plugin: ``render(event_type, sequence, payload) -> dict``. ``json``
+is the generic webhook of DESIGN.md; ``slack`` is shaped for Slack incoming webhooks.
+
+``X-Ringwatch-Signature`` is ``t=<unix seconds>,v1=<hex>``: HMAC-SHA256 with the webhook's
+secret over ``f"{t}.{delivery_id}."`` and the raw body. The time bounds a replay to the
+receiver's tolerance window; the delivery id ties the signature to one delivery. While a
+rotated-out secret is in its grace period a second ``v1=`` signed with it follows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-Render = Callable[[str, dict[str, Any]], dict[str, Any]]
+Render = Callable[[str, int, dict[str, Any]], dict[str, Any]]
+
+# How far a signature's time may be from the receiver's clock (docs/webhooks.md).
+TOLERANCE_S = 300.0
 
 
-def sign(secret: str, body: bytes) -> str:
-    """``X-Ringwatch-Signature``: ``sha256=`` + hex HMAC-SHA256 of the raw body."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def _mac(secret: str, body: bytes, delivery_id: str, t: int) -> str:
+    signed = f"{t}.{delivery_id}.".encode() + body
+    return hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
 
 
-def verify(secret: str, body: bytes, signature: str) -> bool:
-    return hmac.compare_digest(sign(secret, body), signature)
+def sign(secret: str, body: bytes, delivery_id: str, t: int) -> str:
+    """One ``t=…,v1=…`` header value for one secret."""
+    return f"t={t},v1={_mac(secret, body, delivery_id, t)}"
 
 
-def render_json(event_type: str, payload: dict[str, Any]) -> dict[str, Any]:
-    return {"event": event_type, **payload}
+def signature_header(secrets: Sequence[str], body: bytes, delivery_id: str, t: int) -> str:
+    """``t=…,v1=…[,v1=…]``: one ``v1`` per secret, the current one first."""
+    return ",".join([f"t={t}", *(f"v1={_mac(s, body, delivery_id, t)}" for s in secrets)])
+
+
+def verify(secrets: str | Sequence[str], body: bytes, delivery_id: str, header: str,
+           tolerance_s: float = TOLERANCE_S, now: float | None = None) -> bool:
+    """Whether ``header`` carries a ``v1`` made with one of ``secrets`` at a time within
+    ``tolerance_s`` of ``now``."""
+    t, macs = _parse(header)
+    if t is None or not macs:
+        return False
+    if abs((time.time() if now is None else now) - t) > tolerance_s:
+        return False
+    keys = [secrets] if isinstance(secrets, str) else list(secrets)
+    # Every pair is compared, so the time taken says nothing about which one matched.
+    matched = False
+    for key in keys:
+        expected = _mac(key, body, delivery_id, t)
+        for mac in macs:
+            matched |= hmac.compare_digest(expected, mac)
+    return matched
+
+
+def _parse(header: str) -> tuple[int | None, list[str]]:
+    t: int | None = None
+    macs: list[str] = []
+    for item in header.split(","):
+        key, _, value = item.strip().partition("=")
+        if key == "t":
+            if t is not None or not (value.isascii() and value.isdigit()):
+                return None, []
+            t = int(value)
+        elif key == "v1" and value.isascii():
+            macs.append(value)
+    return t, macs
+
+
+def render_json(event_type: str, sequence: int, payload: dict[str, Any]) -> dict[str, Any]:
+    return {"event": event_type, **payload, "sequence": sequence}
 
 
 def _summary(event_type: str, payload: dict[str, Any]) -> str:
@@ -33,7 +81,8 @@ def _summary(event_type: str, payload: dict[str, Any]) -> str:
     return f"[ringwatch] {event_type}: {finding.get('kind', '')} {where}".strip()
 
 
-def render_slack(event_type: str, payload: dict[str, Any]) -> dict[str, Any]:
+def render_slack(event_type: str, sequence: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Only Slack's own fields; the sequence travels in ``X-Ringwatch-Sequence``."""
     finding = payload.get("finding") or {}
     fields = [f"*{k}*: {v}" for k, v in finding.items() if v not in (None, [], {})]
     return {

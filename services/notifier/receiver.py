@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -12,13 +13,16 @@ from services.notifier.channels import verify
 
 
 class WebhookReceiver:
-    """Listens on 127.0.0.1; records every delivery; answers ``status`` (settable: 503 = down)."""
+    """Listens on 127.0.0.1; records every delivery, and whether its signature verifies with
+    one of ``secrets``; answers ``status`` (settable: 503 = down)."""
 
-    def __init__(self, secret: str, port: int = 0) -> None:
-        self.secret = secret
+    def __init__(self, secrets: str | Sequence[str], port: int = 0) -> None:
+        self.secrets = [secrets] if isinstance(secrets, str) else list(secrets)
         self.status = 200
-        # Seconds to stall before answering; a stalled request is not recorded as received.
+        # Seconds to stall and then drop the request unanswered (``release`` ends a stall
+        # early); a stalled request is counted in ``requests`` but not recorded as received.
         self.delay_s = 0.0
+        self._release = threading.Event()
         self.requests = 0
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Condition()
@@ -31,7 +35,7 @@ class WebhookReceiver:
                     receiver.requests += 1
                     receiver._lock.notify_all()
                 if receiver.delay_s:
-                    time.sleep(receiver.delay_s)
+                    receiver._release.wait(receiver.delay_s)
                     return
                 code = receiver.status
                 if code < 300:
@@ -47,16 +51,26 @@ class WebhookReceiver:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def _record(self, headers: Any, raw: bytes) -> None:
+        delivery = headers.get("X-Ringwatch-Delivery", "")
+        signature = headers.get("X-Ringwatch-Signature", "")
+        sequence = headers.get("X-Ringwatch-Sequence", "")
         with self._lock:
             self.events.append({
                 "event": headers.get("X-Ringwatch-Event"),
-                "delivery": headers.get("X-Ringwatch-Delivery"),
-                "signature": headers.get("X-Ringwatch-Signature", ""),
-                "verified": verify(self.secret, raw, headers.get("X-Ringwatch-Signature", "")),
+                "delivery": delivery,
+                "sequence": int(sequence) if sequence.isdigit() else None,
+                "signature": signature,
+                "verified": verify(self.secrets, raw, delivery, signature),
+                "host": headers.get("Host"),
                 "raw": raw,
                 "body": json.loads(raw or b"{}"),
             })
             self._lock.notify_all()
+
+    def release(self) -> None:
+        """End every stall now and from now on (``delay_s`` back to 0)."""
+        self.delay_s = 0.0
+        self._release.set()
 
     def wait_for_requests(self, count: int, timeout_s: float) -> int:
         """Wait until ``count`` requests have arrived, answered or not."""
@@ -78,6 +92,6 @@ class WebhookReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.delay_s = 0.0
+        self.release()
         self.server.shutdown()
         self.server.server_close()

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import FINDING_KINDS as KNOWN_KINDS
 from agents.spec import utcnow
-from services.errors import BadInput, NotFound
+from services.errors import BadInput, NotFound, TooManyRequests
 from services.monitor.stored_verdict import verdict_from_store
 from services.store import db
 from services.store import health as health_store
@@ -37,25 +37,38 @@ def _out(req: PreflightRequest) -> dict[str, Any]:
 
 
 def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = "",
-           confirm: bool = False) -> dict[str, Any]:
+           confirm: bool = False, *, token_id: int | None = None,
+           max_waiting: int | None = None) -> dict[str, Any]:
     """Record a request; answer it now if every node has fresh results (and, with
-    ``confirm``, they look healthy: a suspect is re-probed before a job is refused)."""
+    ``confirm``, they look healthy: a suspect is re-probed before a job is refused).
+    A token with ``max_waiting`` requests already waiting for a scheduler gets a 429
+    rather than another (each one costs a scheduler a preflight's probing)."""
     verdict = verdict_from_store(session, nodes, max_age_s)  # 404s unknown nodes
     looks_well = verdict["healthy"] and not verdict.get("suspects")
     ready = not verdict.get("unprobed") and (looks_well or not confirm)
+    if not ready and token_id is not None and max_waiting is not None:
+        waiting = store.waiting_count(session, token_id)
+        if waiting >= max_waiting:
+            raise TooManyRequests(
+                f"this token has {waiting} preflight request(s) waiting for a scheduler, the "
+                f"most it may (RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN); wait for them "
+                "(GET /v1/preflight/{id}) before asking again", retry_after_s=30.0)
     req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,
-                               utcnow())
+                               utcnow(), token_id=token_id)
     if ready and not verdict["healthy"]:
         _failed_event(session, req, api_url)
     return _out(req)
 
 
 def submit_and_wait(factory: sessionmaker[Session], nodes: list[str], max_age_s: float,
-                    wait_s: float, api_url: str = "", confirm: bool = False) -> dict[str, Any]:
+                    wait_s: float, api_url: str = "", confirm: bool = False, *,
+                    token_id: int | None = None, max_waiting: int | None = None) -> dict[str, Any]:
     # The request must be committed before a scheduler can see it, so this is its own job
-    # of several short transactions rather than one request-long transaction.
+    # of several short transactions rather than one request-long transaction: no database
+    # connection is held while it waits.
     with db.transaction(factory) as s:
-        body = submit(s, nodes, max_age_s, api_url, confirm)
+        body = submit(s, nodes, max_age_s, api_url, confirm, token_id=token_id,
+                      max_waiting=max_waiting)
     deadline = time.monotonic() + wait_s
     while body["status"] in ("pending", "running") and time.monotonic() < deadline:
         time.sleep(POLL_S)
@@ -71,13 +84,17 @@ def get(session: Session, request_id: str) -> dict[str, Any]:
     return _out(req)
 
 
-def claim(session: Session, worker: str, lease_s: float) -> dict[str, Any] | None:
-    req = store.claim_next(session, worker, lease_s, utcnow())
+def claim(session: Session, worker: str, lease_s: float, *, token_id: int | None = None,
+          within: frozenset[str] | None = None) -> dict[str, Any] | None:
+    """Lease the oldest waiting request to ``worker`` (a token scoped to some nodes gets only
+    requests for those nodes)."""
+    req = store.claim_next(session, worker, lease_s, utcnow(), token_id=token_id, within=within)
     return _out(req) if req else None
 
 
 def complete(session: Session, request_id: str, worker: str, error: str | None = None,
-             api_url: str = "", verdict: dict[str, Any] | None = None) -> dict[str, Any]:
+             api_url: str = "", verdict: dict[str, Any] | None = None, *,
+             token_id: int | None = None) -> dict[str, Any]:
     """Finish a claimed request: with the verdict of the scheduler's own preflight, or one
     computed from the results it has just shipped."""
     req = store.get_request(session, request_id)
@@ -89,7 +106,8 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
     # Only the holder of a live claim completes a request: an unclaimed one, or one whose
     # lease ran out (another scheduler may hold it now), cannot be answered by anyone who
     # asks; and the error does not name the holder.
-    if req.status != "running" or req.claimed_by != worker:
+    holder = req.claim_token_id is None or req.claim_token_id == token_id
+    if req.status != "running" or req.claimed_by != worker or not holder:
         raise BadInput(f"preflight request {request_id} is not claimed by this worker "
                        "(claim it first with POST /v1/preflight/claim)")
     if req.lease_until is not None and req.lease_until < now:

@@ -187,16 +187,34 @@ def _kinds(findings: list[Finding]) -> str:
 
 class DutyCycle:
     """The fraction of each GPU's time spent probing since the scheduler started, per node
-    (its busiest rank). Read at the start of a cycle, it covers whole cycles and the waits
-    between them, so the first cycle has none to report."""
+    (its busiest rank), monitoring cycles and preflights alike. Read at the start of a cycle,
+    it covers whole cycles and the waits between them, so the first cycle has none to report.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, max_duty: float = 0.005) -> None:
         self.started = time.monotonic()
+        self.max_duty = max_duty
         self.busy_s: dict[str, float] = {}
+        # Seconds the next monitoring cycle must wait on account of preflights served since
+        # the last one (a preflight is answered at once; monitoring gives way after it).
+        self.owed_s = 0.0
 
     def add(self, cycle: CycleResult) -> None:
         for member, seconds in cycle.busy_s.items():
             self.busy_s[member] = self.busy_s.get(member, 0.0) + seconds
+
+    def rest_after(self, held_s: float) -> float:
+        """The pause after holding a rank ``held_s`` that keeps its share under max_duty."""
+        return held_s / self.max_duty - held_s if self.max_duty > 0 else 0.0
+
+    def charge_preflight(self, busy_s: dict[str, float]) -> None:
+        for member, seconds in busy_s.items():
+            self.busy_s[member] = self.busy_s.get(member, 0.0) + seconds
+        self.owed_s += self.rest_after(max(busy_s.values(), default=0.0))
+
+    def take_owed(self) -> float:
+        owed, self.owed_s = self.owed_s, 0.0
+        return owed
 
     def fractions(self) -> dict[str, float]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -209,10 +227,11 @@ class DutyCycle:
 
 def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                     options: ProbeOptions, *, lease_s: float = 300.0,
-                    progress: Progress | None = None) -> bool:
+                    progress: Progress | None = None, duty: DutyCycle | None = None) -> bool:
     """Claim one waiting preflight request, run the adaptive check on its nodes (suspects
     are re-tested and localized before anyone is blamed), ship what it measured, complete
-    the request with its verdict; False if nothing waits."""
+    the request with its verdict; False if nothing waits. The GPU time it took is charged
+    to ``duty``: the next monitoring cycle waits the longer for it."""
     from services.analyzer.verdict import build_verdict
 
     req = api.claim_preflight(lease_s)
@@ -230,6 +249,8 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                         warmup=options.warmup, iters=options.iters, redop=options.redop)
     run = run_adaptive(backend, layout, ranks, shape, progress=progress,
                        label=f"preflight {req['id'][:8]} round")
+    if duty is not None:
+        duty.charge_preflight(run.busy_s)
     verdict = build_verdict(backend=backend.name, nodes=list(layout),
                             findings=run.judgement.findings, rounds=run.rounds,
                             duration_s=run.fabric_s, extra={"wall_s": round(run.wall_s, 3)})
@@ -259,7 +280,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
     stop = stop or threading.Event()
     rotation = rotation or Rotation(None)
     cycles = 0
-    duty = DutyCycle()
+    duty = DutyCycle(max_duty)
     next_cycle = time.monotonic()
     failures = 0
     while not stop.is_set():
@@ -284,7 +305,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                     break
                 wait = interval_s * (1 + random.uniform(-jitter, jitter))
                 held = max(cycle.busy_s.values(), default=0.0)
-                floor = held / max_duty - held if max_duty > 0 else 0.0
+                floor = duty.rest_after(held)
                 if floor > wait and progress:
                     progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
                              f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")
@@ -292,7 +313,12 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
             else:
                 shipper.flush()
             served = api is not None and serve_preflight(backend, shipper, api, options,
-                                                         progress=progress)
+                                                         progress=progress, duty=duty)
+            if served and (owed := duty.take_owed()) > 0:
+                next_cycle = max(next_cycle, time.monotonic()) + owed
+                if progress:
+                    progress(f"next cycle {owed:.0f} s later: the preflight's probing counts "
+                             f"in the duty cycle ({max_duty:.2%})")
         except ProbeSetupError:
             raise  # the backend cannot probe at all: an operator must act
         except Exception as exc:  # an API, Ray or disk error: monitoring goes on

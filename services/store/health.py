@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, text
+from sqlalchemy import func, insert, select, text, tuple_
 from sqlalchemy.orm import Session
 
 from services.store.models import FaultState, Finding, LinkHealth, OutboxEvent
@@ -65,7 +65,9 @@ def write_links(session: Session, inserts: Sequence[dict[str, Any]],
 
 
 def list_links(session: Session, status: str | None = None, scope: str | None = None,
-               node: str | None = None) -> list[LinkHealth]:
+               node: str | None = None, *, after: tuple[str, str, str] | None = None,
+               limit: int | None = None) -> list[LinkHealth]:
+    """Links in (scope, group key, op) order, from just past ``after``, at most ``limit``."""
     q = select(LinkHealth).order_by(LinkHealth.scope, LinkHealth.group_key, LinkHealth.op)
     if status:
         q = q.where(LinkHealth.status == status)
@@ -73,6 +75,10 @@ def list_links(session: Session, status: str | None = None, scope: str | None = 
         q = q.where(LinkHealth.scope == scope)
     if node:
         q = q.where(LinkHealth.nodes.contains([node]))
+    if after is not None:
+        q = q.where(tuple_(LinkHealth.scope, LinkHealth.group_key, LinkHealth.op) > tuple_(*after))
+    if limit is not None:
+        q = q.limit(limit)
     return list(session.scalars(q))
 
 
@@ -133,10 +139,14 @@ def resolve_finding(session: Session, finding: Finding, at: datetime) -> None:
     finding.resolved_at = at
 
 
-def list_findings(session: Session, status: str | None = None, limit: int = 500) -> list[Finding]:
-    q = select(Finding).order_by(Finding.opened_at.desc()).limit(limit)
+def list_findings(session: Session, status: str | None = None, limit: int = 500,
+                  before_id: int | None = None) -> list[Finding]:
+    """Findings newest first (by id), older than ``before_id`` when given."""
+    q = select(Finding).order_by(Finding.id.desc()).limit(limit)
     if status:
         q = q.where(Finding.status == status)
+    if before_id is not None:
+        q = q.where(Finding.id < before_id)
     return list(session.scalars(q))
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text, tuple_
+from sqlalchemy import func, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -171,13 +171,23 @@ def known_nodes(session: Session, names: Sequence[str]) -> set[str]:
     return set(session.scalars(select(Node.name).where(Node.name.in_(set(names)))).all())
 
 
-def list_nodes(session: Session) -> list[tuple[Node, list[Gpu]]]:
-    nodes = session.scalars(select(Node).order_by(Node.name)).all()
-    gpus = session.scalars(select(Gpu).order_by(Gpu.node_id, Gpu.local_index)).all()
+def list_nodes(session: Session, *, after: str | None = None,
+               limit: int | None = None) -> list[tuple[Node, list[Gpu]]]:
+    """Nodes by name (from just past ``after``, at most ``limit``) with their GPUs."""
+    q = select(Node).order_by(Node.name)
+    if after is not None:
+        q = q.where(Node.name > after)
+    nodes = session.scalars(q.limit(limit)).all()
+    gpus = session.scalars(select(Gpu).where(Gpu.node_id.in_([n.id for n in nodes]))
+                           .order_by(Gpu.node_id, Gpu.local_index)).all()
     by_node: dict[int, list[Gpu]] = {}
     for g in gpus:
         by_node.setdefault(g.node_id, []).append(g)
     return [(n, by_node.get(n.id, [])) for n in nodes]
+
+
+def node_count(session: Session) -> int:
+    return session.scalar(select(func.count()).select_from(Node)) or 0
 
 
 def group_by_key(session: Session, key: str) -> Group | None:

@@ -3,6 +3,7 @@ link health, findings, webhooks with their outbox and deliveries, API tokens."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 from typing import Any
 
@@ -19,7 +20,9 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    Uuid,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -202,7 +205,10 @@ class LinkHealth(Base):
     """Current health of one link or group for one op (the largest probed size)."""
 
     __tablename__ = "link_health"
-    __table_args__ = (UniqueConstraint("group_key", "op", name="uq_link_health_group_op"),)
+    __table_args__ = (UniqueConstraint("group_key", "op", name="uq_link_health_group_op"),
+                      Index("ix_link_health_updated_at", "updated_at"),
+                      Index("ix_link_health_not_ok", "status",
+                            postgresql_where=text("status <> 'ok'")))
 
     id: Mapped[int] = mapped_column(primary_key=True)
     group_key: Mapped[str] = mapped_column(Text)
@@ -276,9 +282,15 @@ class Webhook(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     url: Mapped[str] = mapped_column(Text)
+    # ``fernet:`` and the secret encrypted with RINGWATCH_SECRET_KEY; without the prefix, a
+    # secret stored in plain text before encryption (the notifier seals it once it can).
     secret: Mapped[str] = mapped_column(Text)
+    # The secret a rotation replaced, signed with as well until its grace period ends.
+    previous_secret: Mapped[str | None] = mapped_column(Text)
+    previous_secret_expires_at: Mapped[datetime | None] = mapped_column(TZ)
     events: Mapped[list[str]] = mapped_column(ARRAY(Text))
     format: Mapped[str] = mapped_column(String(16), default="json")
+    # False: no deliveries are made for new events, and queued ones wait.
     active: Mapped[bool] = mapped_column(default=True)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
@@ -311,6 +323,10 @@ class WebhookDelivery(Base):
     status: Mapped[str] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    # The notifier that claimed it last, and until when that claim holds (renewed while it
+    # sends, cleared when it is done); only the holder may record the outcome.
+    claimed_by: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    claim_expires_at: Mapped[datetime | None] = mapped_column(TZ)
     last_status_code: Mapped[int | None] = mapped_column(Integer)
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
@@ -327,6 +343,11 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     revoked_at: Mapped[datetime | None] = mapped_column(TZ)
+    expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    # Coarse (updated at most once a minute), so a busy token does not write on every request.
+    last_used_at: Mapped[datetime | None] = mapped_column(TZ)
+    # An agent token limited to these nodes' results; None: any node.
+    nodes: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
 
 
 class PreflightRequest(Base):
@@ -337,7 +358,8 @@ class PreflightRequest(Base):
     """
 
     __tablename__ = "preflight_requests"
-    __table_args__ = (Index("ix_preflight_requests_status_created", "status", "created_at"),)
+    __table_args__ = (Index("ix_preflight_requests_status_created", "status", "created_at"),
+                      Index("ix_preflight_requests_token_status", "token_id", "status"))
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     nodes: Mapped[list[str]] = mapped_column(ARRAY(Text))
@@ -350,3 +372,7 @@ class PreflightRequest(Base):
     created_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     lease_until: Mapped[datetime | None] = mapped_column(TZ)
     completed_at: Mapped[datetime | None] = mapped_column(TZ)
+    # The token that asked (a cap on each token's waiting requests) and the token holding
+    # the claim (only it, under the worker name it claimed with, completes the request).
+    token_id: Mapped[int | None] = mapped_column(Integer)
+    claim_token_id: Mapped[int | None] = mapped_column(Integer)

@@ -6,16 +6,17 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from services.store.models import PreflightRequest
 
 
 def create_request(session: Session, nodes: list[str], max_age_s: float,
-                   verdict: dict[str, Any] | None, now: datetime) -> PreflightRequest:
+                   verdict: dict[str, Any] | None, now: datetime,
+                   token_id: int | None = None) -> PreflightRequest:
     req = PreflightRequest(
-        id=str(uuid.uuid4()), nodes=nodes, max_age_s=max_age_s, attempts=0,
+        id=str(uuid.uuid4()), nodes=nodes, max_age_s=max_age_s, attempts=0, token_id=token_id,
         status="done" if verdict is not None else "pending", verdict=verdict,
         completed_at=now if verdict is not None else None,
     )
@@ -28,20 +29,33 @@ def get_request(session: Session, request_id: str) -> PreflightRequest | None:
     return session.get(PreflightRequest, request_id)
 
 
-def claim_next(session: Session, worker: str, lease_s: float, now: datetime) -> PreflightRequest | None:
-    """The oldest pending request, or one whose claimer's lease ran out; leased to ``worker``."""
-    req = session.scalar(
+def waiting_count(session: Session, token_id: int) -> int:
+    """Requests of one token not answered yet."""
+    return session.scalar(
+        select(func.count()).select_from(PreflightRequest)
+        .where(PreflightRequest.token_id == token_id,
+               PreflightRequest.status.in_(("pending", "running")))) or 0
+
+
+def claim_next(session: Session, worker: str, lease_s: float, now: datetime,
+               token_id: int | None = None,
+               within: frozenset[str] | None = None) -> PreflightRequest | None:
+    """The oldest pending request, or one whose claimer's lease ran out, among those whose
+    nodes all lie ``within`` (when given); leased to ``worker`` under ``token_id``."""
+    query = (
         select(PreflightRequest)
         .where(or_(PreflightRequest.status == "pending",
                    (PreflightRequest.status == "running") & (PreflightRequest.lease_until < now)))
-        .order_by(PreflightRequest.created_at)
-        .limit(1)
-        .with_for_update(skip_locked=True)
     )
+    if within is not None:
+        query = query.where(PreflightRequest.nodes.contained_by(sorted(within)))
+    req = session.scalar(
+        query.order_by(PreflightRequest.created_at).limit(1).with_for_update(skip_locked=True))
     if req is None:
         return None
     req.status = "running"
     req.claimed_by = worker
+    req.claim_token_id = token_id
     req.attempts += 1
     req.lease_until = now + timedelta(seconds=lease_s)
     session.flush()

@@ -1,36 +1,119 @@
-"""API tokens: stored as sha256 hashes; the plain token is shown once at creation."""
+"""API tokens: stored as sha256 hashes; the plain token is shown once at creation.
+
+A token is looked up by its hash (an index probe, so the time taken does not depend on
+how much of a guess matches), and is refused once revoked or past its expiry.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.orm import Session
 
+from agents.spec import utcnow
 from services.store.models import ApiToken
 
 ROLES = ("agent", "reader", "admin")
+# last_used_at is written at most this often per token, so reads do not all become writes.
+LAST_USED_GRANULARITY_S = 60
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request is from: its token's id, role, and node scope (None: every node)."""
+
+    token_id: int
+    role: str
+    nodes: frozenset[str] | None = None
+
+    def may_report(self, nodes: set[str] | frozenset[str]) -> set[str]:
+        """The nodes among ``nodes`` this principal may not report or act for."""
+        return set() if self.nodes is None else set(nodes) - self.nodes
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(session: Session, role: str, name: str = "", token: str | None = None) -> str:
-    """Store a new token for ``role`` and return it in plain text (the only time it is seen)."""
+def issue(session: Session, role: str, name: str = "", token: str | None = None, *,
+          expires_at: datetime | None = None,
+          nodes: list[str] | None = None) -> tuple[ApiToken, str]:
+    """Store a new token; return its row and its plain text (the only time it is seen)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if nodes is not None and role != "agent":
+        raise ValueError("only agent tokens are scoped to nodes")
     token = token or f"rw_{secrets.token_urlsafe(32)}"
-    session.add(ApiToken(role=role, name=name, token_hash=hash_token(token)))
+    row = ApiToken(role=role, name=name, token_hash=hash_token(token), expires_at=expires_at,
+                   nodes=sorted(set(nodes)) if nodes is not None else None)
+    session.add(row)
     session.flush()
-    return token
+    return row, token
+
+
+def create_token(session: Session, role: str, name: str = "", token: str | None = None, *,
+                 expires_at: datetime | None = None, nodes: list[str] | None = None) -> str:
+    """Store a new token for ``role`` and return it in plain text."""
+    return issue(session, role, name, token, expires_at=expires_at, nodes=nodes)[1]
+
+
+def expiry(ttl_days: float | None, now: datetime | None = None) -> datetime | None:
+    """The expiry of a token made now that lives ``ttl_days`` (0 or None: never)."""
+    if not ttl_days:
+        return None
+    return (now or utcnow()) + timedelta(days=ttl_days)
+
+
+def authenticate(session: Session, token: str) -> Principal | str:
+    """The principal of a live token, or why the token is refused."""
+    row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
+    if row is None or row.revoked_at is not None:
+        return "unknown or revoked token"
+    now = utcnow()
+    if row.expires_at is not None and row.expires_at <= now:
+        return f"token expired at {row.expires_at.isoformat(timespec='seconds')}"
+    stale = now - timedelta(seconds=LAST_USED_GRANULARITY_S)
+    session.execute(
+        update(ApiToken).where(ApiToken.id == row.id,
+                               or_(ApiToken.last_used_at.is_(None), ApiToken.last_used_at < stale))
+        .values(last_used_at=func.now()))
+    return Principal(row.id, row.role, frozenset(row.nodes) if row.nodes is not None else None)
 
 
 def role_of(session: Session, token: str) -> str | None:
-    row = session.scalar(
-        select(ApiToken.role).where(
-            ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None)
-        )
-    )
+    found = authenticate(session, token)
+    return found.role if isinstance(found, Principal) else None
+
+
+def list_tokens(session: Session, *, after_id: int = 0, limit: int = 100,
+                include_revoked: bool = False) -> list[ApiToken]:
+    query = select(ApiToken).where(ApiToken.id > after_id)
+    if not include_revoked:
+        query = query.where(ApiToken.revoked_at.is_(None))
+    return list(session.scalars(query.order_by(ApiToken.id).limit(limit)))
+
+
+def revoke(session: Session, token_id: int) -> ApiToken | None:
+    """Revoke a token (idempotent); None when there is no such token."""
+    row = session.get(ApiToken, token_id, with_for_update=True)
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = utcnow()
+        session.flush()
     return row
+
+
+def bootstrap(session: Session, token: str, ttl_days: float | None) -> bool:
+    """Store ``token`` as an admin token only when no token exists at all; True if stored.
+
+    The lock makes two replicas starting at once store it once; a table with tokens in it
+    (the bootstrap token revoked, or replaced by others) is left as the operator left it.
+    """
+    session.execute(text("LOCK TABLE api_tokens IN SHARE ROW EXCLUSIVE MODE"))
+    if session.scalar(select(func.count()).select_from(ApiToken)):
+        return False
+    issue(session, "admin", "bootstrap", token, expires_at=expiry(ttl_days))
+    return True

@@ -1,0 +1,96 @@
+"""Authentication before anything reads the request body.
+
+FastAPI parses and validates a body before it runs an endpoint's dependencies, so a
+token checked in a dependency comes too late: a client with no token could make the API
+read and parse whatever it sent, and learn from a 422 what the schema wants. This ASGI
+middleware looks the bearer token up first (in a short transaction of its own, so no
+database connection is held while the endpoint works or waits) and answers 401 at once;
+the endpoint's role check then reads the principal it left in the request's state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import anyio
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.store import db, tokens
+from services.store.tokens import Principal
+
+log = logging.getLogger(__name__)
+
+# Paths anyone may read without a token (liveness, the API's own description, and
+# /metrics unless RINGWATCH_METRICS_TOKEN_REQUIRED; that check is the route's own).
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc",
+                          "/docs/oauth2-redirect"})
+STATE_KEY = "principal"
+
+
+def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The bearer token of an Authorization header; "" when the header is malformed."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+class Authenticate:
+    """ASGI middleware: resolve the bearer token to a Principal, or refuse with 401."""
+
+    def __init__(self, app: Any, session_factory: sessionmaker[Session]) -> None:
+        self.app = app
+        self.factory = session_factory
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        token = bearer(scope.get("headers") or [])
+        if token is None and scope.get("path") in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if not token:
+            await _answer(send, 401, "unauthorized",
+                          "missing bearer token: send 'Authorization: Bearer <token>'")
+            return
+        try:
+            found = await anyio.to_thread.run_sync(self._lookup, token)
+        except PoolTimeout:
+            await _answer(send, 503, "busy", "the database is busy (no free connection); "
+                                             "retry later", retry_after="5")
+            return
+        except OperationalError as exc:
+            reason = str(exc.orig).splitlines()[0] if exc.orig else "unavailable"
+            log.warning("database unavailable: %s", reason)
+            await _answer(send, 503, "database_unavailable",
+                          f"the database is unavailable or too slow ({reason}); retry later",
+                          retry_after="10")
+            return
+        if isinstance(found, str):
+            await _answer(send, 401, "unauthorized", found)
+            return
+        scope.setdefault("state", {})[STATE_KEY] = found
+        await self.app(scope, receive, send)
+
+    def _lookup(self, token: str) -> Principal | str:
+        with db.transaction(self.factory) as s:
+            return tokens.authenticate(s, token)
+
+
+async def _answer(send: Any, status: int, code: str, message: str,
+                  retry_after: str | None = None) -> None:
+    body = json.dumps({"error": code, "message": message}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if retry_after:
+        headers.append((b"retry-after", retry_after.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
