@@ -12,6 +12,7 @@ import threading
 import uuid
 from typing import Any
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -115,6 +116,18 @@ def _install_error_handlers(app: FastAPI) -> None:
         # number out of range) are the client's input, not a server fault.
         reason = str(exc.orig).splitlines()[0] if exc.orig else "value out of range"
         return _error(422, "invalid_input", f"the database cannot store this input: {reason}")
+
+    @app.exception_handler(psycopg.DataError)
+    async def copy_data_error(_: Request, exc: psycopg.DataError) -> JSONResponse:
+        # The same, from the COPY paths, which use psycopg's cursor without SQLAlchemy.
+        reason = str(exc).splitlines()[0] if str(exc) else "value out of range"
+        return _error(422, "invalid_input", f"the database cannot store this input: {reason}")
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def not_utf8(_: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON may carry a lone surrogate (\ud800) that no UTF-8 text can hold.
+        return _error(422, "invalid_input", "the input holds text that is not valid Unicode "
+                                            f"({exc.reason} at position {exc.start})")
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

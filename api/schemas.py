@@ -17,7 +17,8 @@ BackendT = Literal["nccl", "gloo", "sim"]
 RedOp = Literal["sum", "prod", "min", "max", "avg"]
 Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
                 "probe.error"]
-NodeName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^/\s,]+$")]
+# No separators, no whitespace, no control characters (a NUL cannot be stored).
+NodeName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^/\s,\x00-\x1f\x7f]+$")]
 
 
 class Strict(BaseModel):
@@ -29,7 +30,7 @@ class MeasurementIn(Strict):
     scope: ScopeT
     members: list[str] = Field(min_length=1, max_length=65536)
     size_bytes: int = Field(gt=0, le=1 << 40)
-    dtype: str = Field(default="float32", max_length=16)
+    dtype: str = Field(default="float32", max_length=16, pattern=r"^[a-z0-9_]+$")
     warmup: int = Field(default=0, ge=0)
     iters: int = Field(ge=1)
     time_us: float = Field(gt=0)

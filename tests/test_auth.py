@@ -28,7 +28,7 @@ def api(clean_db):
 def _stale(api) -> None:
     old = fleet_batch(batch_id="old")
     for m in old["measurements"]:
-        m["time"] = "2020-01-01T00:00:00+00:00"
+        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
     api.post("/v1/measurements", json=old, headers=api.h["agent"]).raise_for_status()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -22,7 +23,7 @@ def stale(api) -> None:
     """Register the nodes with results too old for any preflight."""
     old = fleet_batch(batch_id="old")
     for m in old["measurements"]:
-        m["time"] = "2020-01-01T00:00:00+00:00"
+        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
     api.post("/v1/measurements", json=old, headers=api.h["agent"]).raise_for_status()
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -36,7 +37,7 @@ def test_preflight_of_a_dead_scheduler_completes_after_restart(server, tmp_path)
     # The nodes are known, but only from results too old for this preflight.
     old = fleet_batch()
     for m in old["measurements"]:
-        m["time"] = "2020-01-01T00:00:00+00:00"
+        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
     httpx.post(f"{api}/v1/measurements", json=old, headers=h).raise_for_status()
     nodes = ["node-000", "node-001", "node-002", "node-003"]
     req = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes, "max_age_s": 60}, headers=h).json()

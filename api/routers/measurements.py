@@ -57,6 +57,7 @@ def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
         shipper=batch.shipper.model_dump() if batch.shipper else None,
         counters=[c.model_dump() for c in batch.counters],
         max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+        max_age=timedelta(days=settings.retention_raw_days),
         allowed_nodes=allowed_nodes,
     )
     return result

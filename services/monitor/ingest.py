@@ -64,6 +64,7 @@ def ingest_batch(
     shipper: dict[str, Any] | None = None,
     counters: list[dict[str, Any]] | None = None,
     max_clock_skew: timedelta = MAX_CLOCK_SKEW,
+    max_age: timedelta | None = None,
     allowed_nodes: frozenset[str] | None = None,
 ) -> IngestResult:
     """Store a batch exactly once (by ``batch_id``) and apply its judgement to link health
@@ -83,6 +84,11 @@ def ingest_batch(
         raise BadInput(f"measurement time more than {max_clock_skew} ahead of the server's "
                        f"clock ({now.isoformat()}): check the agents' clocks "
                        "(RINGWATCH_MAX_CLOCK_SKEW_S)")
+    # Older than raw retention keeps, a row would be dropped at the next maintenance pass;
+    # and each day named costs a partition, so a batch of made-up dates cannot make tables.
+    if max_age is not None and any(r["time"] < now - max_age for r in rows):
+        raise BadInput(f"measurement time more than {max_age.days} days old, past what raw "
+                       "results are kept (RINGWATCH_RETENTION_RAW_DAYS)")
     seen_at = max((m["time"] for m in rows), default=now)
     node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in ranks or []}
     node_names |= {f["node"] for f in findings or [] if f.get("node")}
