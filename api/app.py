@@ -21,6 +21,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api import errors
 from api.auth import Authenticate
 from api.limits import BodyLimit
 from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
@@ -69,58 +70,37 @@ def _bootstrap_admin(settings: Settings, factory: sessionmaker[Session]) -> None
 
 
 def _error(status: int, code: str, message: str, detail: list | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": code, "message": message}
-    if detail is not None:
-        body["detail"] = detail
-    return JSONResponse(status_code=status, content=body)
+    return JSONResponse(status_code=status, content=errors.body(code, message, detail))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RingwatchError)
     async def ringwatch_error(_: Request, exc: RingwatchError) -> JSONResponse:
-        resp = _error(exc.status_code, exc.code, exc.message)
-        retry_after = getattr(exc, "retry_after_s", None)
-        if retry_after is not None:
-            resp.headers["Retry-After"] = str(max(1, round(retry_after)))
-        return resp
+        return errors.response(exc)
 
     @app.exception_handler(PoolTimeout)
-    async def pool_exhausted(_: Request, exc: PoolTimeout) -> JSONResponse:
-        # Every database connection is busy: back off, do not pile on.
-        resp = _error(503, "busy", "the database is busy (no free connection); retry later")
-        resp.headers["Retry-After"] = "5"
-        return resp
-
     @app.exception_handler(OperationalError)
-    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
-        reason = str(exc.orig).splitlines()[0] if exc.orig else "unavailable"
-        log.warning("database unavailable: %s", reason)
-        resp = _error(503, "database_unavailable",
-                      f"the database is unavailable or too slow ({reason}); retry later")
-        resp.headers["Retry-After"] = "10"
-        return resp
+    async def database_unavailable(_: Request, exc: PoolTimeout | OperationalError) -> JSONResponse:
+        return errors.response(errors.unavailable(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
+        found = exc.errors()
+        first = found[0] if found else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid")
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
-                  for e in errors[:50]]
+                  for e in found[:50]]
         return _error(422, "invalid_input", message, detail)
 
     @app.exception_handler(DataError)
-    async def data_error(_: Request, exc: DataError) -> JSONResponse:
-        # Values the schema admits but Postgres cannot hold (a NUL byte in a string, a
-        # number out of range) are the client's input, not a server fault.
-        reason = str(exc.orig).splitlines()[0] if exc.orig else "value out of range"
-        return _error(422, "invalid_input", f"the database cannot store this input: {reason}")
-
     @app.exception_handler(psycopg.DataError)
-    async def copy_data_error(_: Request, exc: psycopg.DataError) -> JSONResponse:
-        # The same, from the COPY paths, which use psycopg's cursor without SQLAlchemy.
-        reason = str(exc).splitlines()[0] if str(exc) else "value out of range"
+    async def data_error(_: Request, exc: DataError | psycopg.DataError) -> JSONResponse:
+        # Values the schema admits but Postgres cannot hold (a NUL byte in a string, a
+        # number out of range) are the client's input, not a server fault; the COPY paths
+        # raise psycopg's own error, the rest SQLAlchemy's wrapping of it.
+        cause = exc.orig if isinstance(exc, DataError) else exc
+        reason = str(cause).splitlines()[0] if str(cause) else "value out of range"
         return _error(422, "invalid_input", f"the database cannot store this input: {reason}")
 
     @app.exception_handler(UnicodeEncodeError)

@@ -10,8 +10,6 @@ the endpoint's role check then reads the principal it left in the request's stat
 
 from __future__ import annotations
 
-import json
-import logging
 from typing import Any
 
 import anyio
@@ -19,16 +17,17 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
+from api import errors
+from services.errors import Unauthorized
 from services.store import db, tokens
 from services.store.tokens import Principal
-
-log = logging.getLogger(__name__)
 
 # Paths anyone may read without a token (liveness, the API's own description, and
 # /metrics unless RINGWATCH_METRICS_TOKEN_REQUIRED; that check is the route's own).
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc",
                           "/docs/oauth2-redirect"})
 STATE_KEY = "principal"
+MISSING_TOKEN = "missing bearer token: send 'Authorization: Bearer <token>'"
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -56,24 +55,15 @@ class Authenticate:
             await self.app(scope, receive, send)
             return
         if not token:
-            await _answer(send, 401, "unauthorized",
-                          "missing bearer token: send 'Authorization: Bearer <token>'")
+            await _refuse(send, MISSING_TOKEN)
             return
         try:
             found = await anyio.to_thread.run_sync(self._lookup, token)
-        except PoolTimeout:
-            await _answer(send, 503, "busy", "the database is busy (no free connection); "
-                                             "retry later", retry_after="5")
-            return
-        except OperationalError as exc:
-            reason = str(exc.orig).splitlines()[0] if exc.orig else "unavailable"
-            log.warning("database unavailable: %s", reason)
-            await _answer(send, 503, "database_unavailable",
-                          f"the database is unavailable or too slow ({reason}); retry later",
-                          retry_after="10")
+        except (PoolTimeout, OperationalError) as exc:
+            await errors.send(send, errors.unavailable(exc))
             return
         if isinstance(found, str):
-            await _answer(send, 401, "unauthorized", found)
+            await _refuse(send, found)
             return
         scope.setdefault("state", {})[STATE_KEY] = found
         await self.app(scope, receive, send)
@@ -83,14 +73,5 @@ class Authenticate:
             return tokens.authenticate(s, token)
 
 
-async def _answer(send: Any, status: int, code: str, message: str,
-                  retry_after: str | None = None) -> None:
-    body = json.dumps({"error": code, "message": message}).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    if retry_after:
-        headers.append((b"retry-after", retry_after.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _refuse(send: Any, reason: str) -> None:
+    await errors.send(send, Unauthorized(reason), {"WWW-Authenticate": "Bearer"})

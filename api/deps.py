@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from api.auth import STATE_KEY
+from api.auth import MISSING_TOKEN, STATE_KEY
 from services.config import Settings
 from services.errors import Forbidden, Unauthorized
 from services.store import db
@@ -40,7 +40,7 @@ def principal(request: Request) -> Principal:
     found = request.scope.get("state", {}).get(STATE_KEY)
     if found is None:
         # Only public paths pass the middleware without a token.
-        raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+        raise Unauthorized(MISSING_TOKEN)
     return found
 
 

@@ -4,8 +4,10 @@ Either way the client gets 413 with the JSON error shape and the limit in the me
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from api import errors
+from services.errors import TooLarge
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -65,10 +67,5 @@ class BodyLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"error": "too_large",
-                           "message": f"request body over the limit of {self.max_bytes} bytes "
-                                      "(RINGWATCH_MAX_BODY_BYTES); send smaller batches"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await errors.send(send, TooLarge(f"request body over the limit of {self.max_bytes} bytes "
+                                         "(RINGWATCH_MAX_BODY_BYTES); send smaller batches"))

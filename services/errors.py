@@ -39,23 +39,37 @@ class TooLarge(RingwatchError):
     code = "too_large"
 
 
-class TooManyRequests(RingwatchError):
-    """This client has too much outstanding; it should retry after ``retry_after_s``."""
+class RetryLater(RingwatchError):
+    """An error the client should retry after ``retry_after_s`` (sent as ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class TooManyRequests(RetryLater):
+    """This client has too much outstanding."""
 
     status_code = 429
     code = "too_many_requests"
 
-    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
-
-class Busy(RingwatchError):
-    """The service cannot take this now; the client should retry after ``retry_after_s``."""
+class Busy(RetryLater):
+    """The service cannot take this now."""
 
     status_code = 503
     code = "busy"
 
-    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+
+class DatabaseUnavailable(RetryLater):
+    """The database is down or too slow to answer."""
+
+    status_code = 503
+    code = "database_unavailable"
+
+
+class NotConfigured(RingwatchError):
+    """The operator has not set what this needs (a setting named in the message)."""
+
+    status_code = 503
+    code = "not_configured"

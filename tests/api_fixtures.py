@@ -68,3 +68,17 @@ def api_client(factory, settings: dict[str, Any] | None = None):
     client.tokens = toks  # type: ignore[attr-defined]
     client.h = {r: {"Authorization": f"Bearer {t}"} for r, t in toks.items()}  # type: ignore[attr-defined]
     return client
+
+
+# The secret test receivers verify webhook signatures with.
+WEBHOOK_SECRET = "s3cret-for-tests"
+WEBHOOK_EVENTS = ("health.degraded", "health.recovered", "probe.hang")
+
+
+def register_webhook(api, url: str, secret: str = WEBHOOK_SECRET,
+                     events: tuple[str, ...] | list[str] = WEBHOOK_EVENTS, **extra: Any) -> int:
+    """Register a webhook through the API as its admin; its id."""
+    resp = api.post("/v1/webhooks", headers=api.h["admin"],
+                    json={"url": url, "secret": secret, "events": list(events), **extra})
+    assert resp.status_code == 201, resp.text
+    return resp.json()["id"]

@@ -76,3 +76,22 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch):
     fake = FakeCuda()
     monkeypatch.setattr(device, "cuda", fake)
     return fake
+
+
+@pytest.fixture
+def api(clean_db):
+    """A client of the real app on a clean database, with a token per role (api_fixtures)."""
+    from tests.api_fixtures import api_client
+
+    with api_client(clean_db) as client:
+        yield client
+
+
+@pytest.fixture
+def receiver():
+    """A webhook receiver on 127.0.0.1 that verifies signatures with WEBHOOK_SECRET."""
+    from services.notifier.receiver import WebhookReceiver
+    from tests.api_fixtures import WEBHOOK_SECRET
+
+    with WebhookReceiver(WEBHOOK_SECRET) as r:
+        yield r

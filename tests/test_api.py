@@ -13,12 +13,6 @@ from services.store import db, tokens
 from tests.api_fixtures import api_client, fleet_batch, measurement
 
 
-@pytest.fixture
-def api(clean_db):
-    with api_client(clean_db) as client:
-        yield client
-
-
 def auth(client, role: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {client.tokens[role]}"}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from datetime import UTC, datetime, timedelta
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select
 
@@ -17,12 +16,6 @@ from services.store.models import ApiToken
 from tests.api_fixtures import api_client, fleet_batch, measurement
 
 NODES = ["node-000", "node-001", "node-002", "node-003"]
-
-
-@pytest.fixture
-def api(clean_db):
-    with api_client(clean_db) as client:
-        yield client
 
 
 def _stale(api) -> None:

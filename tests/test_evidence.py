@@ -64,6 +64,14 @@ def test_a_link_always_slower_than_its_peers_but_steady_is_normal_for_itself() -
 
 def test_a_fifteen_percent_loss_under_eight_percent_noise_is_found() -> None:
     assert _rates(2, level=100, truth=0.85, noise=0.08)[DEGRADED] >= 0.95
+    # A decision says how sure it is: past the test's bounds, in either direction.
+    learned = expectation([100.0, 92.0, 108.0, 96.0, 104.0, 100.0])
+    assert learned is not None
+    slow, fine = Sprt.against(SprtPolicy(), learned), Sprt.against(SprtPolicy(), learned)
+    while slow.add(0.8) == "undecided" or fine.add(1.0) == "undecided":
+        pass
+    assert slow.decision == DEGRADED and slow.confidence >= 0.95
+    assert fine.decision == HEALTHY and fine.confidence >= 0.95
     healthy = _rates(3, level=100, truth=1.0, noise=0.08)
     # Undecided at the bound is a suspect, never an exclusion; most clear well before it.
     assert healthy[DEGRADED] <= 0.02 and healthy[HEALTHY] >= 0.95

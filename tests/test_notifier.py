@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from services.notifier.channels import sign, verify
 from services.notifier.loop import Notifier, RetryPolicy
-from services.notifier.receiver import WebhookReceiver
 from services.notifier.secret_box import SecretBox
-from tests.api_fixtures import TEST_SECRET_KEY, WEBHOOK_TEST_SETTINGS, api_client, fleet_batch
+from tests.api_fixtures import (
+    TEST_SECRET_KEY,
+    WEBHOOK_SECRET,
+    WEBHOOK_TEST_SETTINGS,
+    fleet_batch,
+)
+from tests.api_fixtures import register_webhook as register
 
-SECRET = "s3cret-for-tests"
+SECRET = WEBHOOK_SECRET
 # Retries come due at once, so tests need no sleeping.
 NO_WAIT = RetryPolicy(base_s=0.0, cap_s=0.0)
 
@@ -24,25 +27,6 @@ def make_notifier(factory, **kw) -> Notifier:
     kw.setdefault("box", SecretBox.from_setting(TEST_SECRET_KEY))
     kw.setdefault("allowed_networks", WEBHOOK_TEST_SETTINGS["webhook_allowed_networks"])
     return Notifier(factory, **kw)
-
-
-@pytest.fixture
-def api(clean_db):
-    with api_client(clean_db) as client:
-        yield client
-
-
-@pytest.fixture
-def receiver():
-    with WebhookReceiver(SECRET) as r:
-        yield r
-
-
-def register(api, url: str, events=("health.degraded", "health.recovered", "probe.hang")) -> int:
-    resp = api.post("/v1/webhooks", headers={"Authorization": f"Bearer {api.tokens['admin']}"},
-                    json={"url": url, "secret": SECRET, "events": list(events)})
-    resp.raise_for_status()
-    return resp.json()["id"]
 
 
 def ingest(api, batch) -> dict:

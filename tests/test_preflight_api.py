@@ -5,18 +5,10 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
-import pytest
-
 from services.store import db
 from tests.api_fixtures import api_client, fleet_batch, measurement
 
 NODES = ["node-000", "node-001", "node-002", "node-003"]
-
-
-@pytest.fixture
-def api(clean_db):
-    with api_client(clean_db) as client:
-        yield client
 
 
 def stale(api) -> None:

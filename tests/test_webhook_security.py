@@ -24,30 +24,12 @@ from services.notifier.secret_box import SEALED_PREFIX, SecretBox, box_from_sett
 from services.store import db
 from services.store import webhooks as store
 from services.store.models import Webhook, WebhookDelivery
-from tests.api_fixtures import TEST_SECRET_KEY, api_client, fleet_batch
+from tests.api_fixtures import TEST_SECRET_KEY, WEBHOOK_EVENTS, api_client, fleet_batch
+from tests.api_fixtures import register_webhook as register
 from tests.test_notifier import SECRET, drain, ingest, make_notifier
 
 ROOT = Path(__file__).resolve().parents[1]
-EVENTS = ["health.degraded", "health.recovered", "probe.hang"]
-
-
-@pytest.fixture
-def api(clean_db):
-    with api_client(clean_db) as client:
-        yield client
-
-
-@pytest.fixture
-def receiver():
-    with WebhookReceiver(SECRET) as r:
-        yield r
-
-
-def register(api, url: str, secret: str = SECRET, **extra) -> int:
-    resp = api.post("/v1/webhooks", headers=api.h["admin"],
-                    json={"url": url, "secret": secret, "events": EVENTS, **extra})
-    assert resp.status_code == 201, resp.text
-    return resp.json()["id"]
+EVENTS = list(WEBHOOK_EVENTS)
 
 
 def delivery_log(api, hook: int, **params) -> list[dict]:

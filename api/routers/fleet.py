@@ -1,15 +1,12 @@
 """Reading the fleet: nodes, links, series, findings and the summary."""
 
-import base64
-import binascii
-import json
 from datetime import datetime
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
 from api.deps import ReaderDep, SessionDep, SettingsDep
-from api.pages import link_next
+from api.pages import decode_cursor, encode_cursor, link_next
 from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
 from services.errors import BadInput
 from services.monitor import fleet
@@ -46,25 +43,12 @@ def get_links(
     in (scope, group key, op) order. A full page names the next in ``X-Next-Cursor`` and
     ``Link: rel="next"``."""
     out = fleet.links(session, status=status, scope=scope, node=node,
-                      after=_link_cursor(after) if after else None, limit=limit)
+                      after=decode_cursor(after, 3) if after else None,
+                      limit=limit)
     last = out[-1] if out else None
     link_next(request, response, out, limit,
-              _encode_cursor([last["scope"], last["group_key"], last["op"]]) if last else None)
+              encode_cursor([last["scope"], last["group_key"], last["op"]]) if last else None)
     return out
-
-
-def _encode_cursor(parts: list[str]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(parts).encode()).decode().rstrip("=")
-
-
-def _link_cursor(text: str) -> tuple[str, str, str]:
-    try:
-        parts = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-        if isinstance(parts, list) and len(parts) == 3 and all(isinstance(p, str) for p in parts):
-            return parts[0], parts[1], parts[2]
-    except (ValueError, binascii.Error):
-        pass
-    raise BadInput("after: not a cursor this API gave (use X-Next-Cursor as it came)")
 
 
 @router.get("/series", response_model=SeriesOut)

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from services.cli.api_process import free_port
+from services.cli.api_process import ApiDidNotStart, free_port, serve_args, stop, wait_ready
 from services.config import STATE_DIR, Settings
 from services.notifier.receiver import WebhookReceiver
 from services.store import db, tokens
@@ -117,21 +117,11 @@ class Stage:
     def start_api(self, *, notifier: bool = False, env: dict[str, str] | None = None,
                   timeout_s: float = 60.0) -> subprocess.Popen:
         """``ringwatch serve`` on this stage's port; returns once /healthz answers 200."""
-        port = self.api_url.rsplit(":", 1)[1]
-        proc = self.spawn("api", "serve", "--port", port, *([] if notifier else ["--no-notifier"]),
-                          env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the API exited with {proc.returncode}: {tail(proc)}")
-            try:
-                if httpx.get(f"{self.api_url}/healthz", timeout=2).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        stop(proc)
-        raise RuntimeError(f"the API did not answer /healthz within {timeout_s:.0f} s: {tail(proc)}")
+        proc = self.spawn("api", *serve_args(self.api_url, notifier), env=env)
+        try:
+            return wait_ready(proc, self.api_url, timeout_s)
+        except ApiDidNotStart as exc:
+            raise RuntimeError(f"{exc}: {tail(proc)}") from None
 
     def close(self, keep_logs: bool = False) -> None:
         for proc in self.procs:
@@ -165,15 +155,6 @@ class Stage:
         if resp.status_code != 201:
             raise RuntimeError(f"POST /v1/webhooks answered {resp.status_code}: {resp.text[:300]}")
         return int(resp.json()["id"])
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def kill9(proc: subprocess.Popen) -> None:

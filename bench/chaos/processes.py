@@ -24,9 +24,9 @@ from bench.chaos.harness import (
     flip_fleets,
     kill9,
     results_lost,
-    stop,
     wait_until,
 )
+from services.cli.api_process import stop
 from services.notifier.receiver import WebhookReceiver
 
 SECRET = "chaos-webhook-secret"
@@ -84,13 +84,18 @@ def kill_api_mid_ingest(admin_url: str | None = None, kills: int = 3) -> Row:
         stage.close(keep_logs=not row.met)
 
 
+def _notifier_stage(name: str, admin_url: str | None) -> Stage:
+    """A stage whose notifiers give up on a request after 1 s (so the claim lease, 3
+    timeouts + 5 s, is short) and look for due work every 0.2 s."""
+    return Stage(name, admin_url, env={**REACT_AT_ONCE, "RINGWATCH_WEBHOOK_TIMEOUT_S": "1",
+                                       "RINGWATCH_NOTIFIER_POLL_S": "0.2"})
+
+
 def kill_notifier_mid_delivery(admin_url: str | None = None) -> Row:
     """A notifier is killed -9 while its request to a stalled receiver is in flight; a second
     notifier, and more events, follow. Every event arrives once, under its delivery id."""
     row = Row("kill -9 notifier mid-delivery, request unanswered", False)
-    # A 1 s timeout makes the claim lease (3 timeouts + 5 s) short.
-    stage = Stage("kill-notifier", admin_url, env={**REACT_AT_ONCE, "RINGWATCH_WEBHOOK_TIMEOUT_S": "1",
-                                                   "RINGWATCH_NOTIFIER_POLL_S": "0.2"})
+    stage = _notifier_stage("kill-notifier", admin_url)
     try:
         stage.start_api()
         with WebhookReceiver(SECRET) as rx, stage.client(stage.admin) as admin, \
@@ -127,8 +132,7 @@ def kill_notifier_mid_burst(admin_url: str | None = None, fleets: int = 15, kill
     sender can do better), which a receiver deduplicating on it acts on once; an event sent
     under two ids would be doubled. Nothing may be lost."""
     row = Row("kill -9 notifier mid-burst", False)
-    stage = Stage("kill-notifier-burst", admin_url, env={**REACT_AT_ONCE, "RINGWATCH_WEBHOOK_TIMEOUT_S": "1",
-                                                         "RINGWATCH_NOTIFIER_POLL_S": "0.2"})
+    stage = _notifier_stage("kill-notifier-burst", admin_url)
     try:
         stage.start_api()
         with WebhookReceiver(SECRET) as rx, stage.client(stage.admin) as admin, \

@@ -88,7 +88,7 @@ def ssrf(admin_url: str | None = None) -> Row:
 
 
 def stop_api(proc) -> None:
-    from bench.chaos.harness import stop
+    from services.cli.api_process import stop
 
     stop(proc)
 

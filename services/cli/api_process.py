@@ -25,8 +25,18 @@ def start_api(env: dict[str, str], *, notifier: bool = True, timeout_s: float = 
     """``ringwatch serve`` on the port of ``env["RINGWATCH_API_URL"]``; returns once
     ``/healthz`` answers 200, stops the child and raises ApiDidNotStart otherwise."""
     api_url = env["RINGWATCH_API_URL"]
-    args = [sys.executable, "-m", "services.cli.main", "serve", "--port", api_url.rsplit(":", 1)[1]]
-    proc = subprocess.Popen(args if notifier else [*args, "--no-notifier"], env=env)
+    args = [sys.executable, "-m", "services.cli.main", *serve_args(api_url, notifier)]
+    return wait_ready(subprocess.Popen(args, env=env), api_url, timeout_s)
+
+
+def serve_args(api_url: str, notifier: bool = True) -> list[str]:
+    """The CLI arguments that serve the API on ``api_url``'s port."""
+    args = ["serve", "--port", api_url.rsplit(":", 1)[1]]
+    return args if notifier else [*args, "--no-notifier"]
+
+
+def wait_ready(proc: subprocess.Popen, api_url: str, timeout_s: float = 60.0) -> subprocess.Popen:
+    """``proc`` once its ``/healthz`` answers 200; stopped, and ApiDidNotStart, otherwise."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -35,7 +45,8 @@ def start_api(env: dict[str, str], *, notifier: bool = True, timeout_s: float = 
             if httpx.get(f"{api_url}/healthz", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     stop(proc)
     raise ApiDidNotStart(f"the API server did not answer /healthz within {timeout_s:.0f} s")
 

@@ -33,7 +33,7 @@ def require_nodes(session: Session, names: list[str]) -> None:
 
 
 def links(session: Session, *, status: str | None, scope: str | None, node: str | None,
-          after: tuple[str, str, str] | None = None,
+          after: tuple[str, ...] | None = None,
           limit: int | None = None) -> list[dict[str, Any]]:
     if node:
         require_nodes(session, [node])

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.pbkdf2 import PBKDF2HMAC
 
 from services.config import PLACEHOLDER_SECRET, Settings
-from services.errors import RingwatchError
+from services.errors import NotConfigured
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,6 @@ MIN_PASSPHRASE = 16
 _SALT = b"ringwatch webhook secrets v1"
 _ITERATIONS = 600_000
 DEMO_KEY_FILE = "webhook-secret.key"
-
-
-class NotConfigured(RingwatchError):
-    status_code = 503
-    code = "not_configured"
 
 
 class SecretUnreadable(Exception):

@@ -13,8 +13,8 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from services.config import Settings
-from services.errors import NotFound
-from services.notifier.secret_box import NotConfigured, SecretUnreadable, require_box
+from services.errors import NotConfigured, NotFound
+from services.notifier.secret_box import SecretUnreadable, require_box
 from services.notifier.url_policy import check_url
 from services.store import health as health_store
 from services.store import webhooks as store

@@ -200,7 +200,10 @@ class DutyCycle:
         self.owed_s = 0.0
 
     def add(self, cycle: CycleResult) -> None:
-        for member, seconds in cycle.busy_s.items():
+        self._hold(cycle.busy_s)
+
+    def _hold(self, busy_s: dict[str, float]) -> None:
+        for member, seconds in busy_s.items():
             self.busy_s[member] = self.busy_s.get(member, 0.0) + seconds
 
     def rest_after(self, held_s: float) -> float:
@@ -208,8 +211,7 @@ class DutyCycle:
         return held_s / self.max_duty - held_s if self.max_duty > 0 else 0.0
 
     def charge_preflight(self, busy_s: dict[str, float]) -> None:
-        for member, seconds in busy_s.items():
-            self.busy_s[member] = self.busy_s.get(member, 0.0) + seconds
+        self._hold(busy_s)
         self.owed_s += self.rest_after(max(busy_s.values(), default=0.0))
 
     def take_owed(self) -> float:

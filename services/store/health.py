@@ -65,7 +65,7 @@ def write_links(session: Session, inserts: Sequence[dict[str, Any]],
 
 
 def list_links(session: Session, status: str | None = None, scope: str | None = None,
-               node: str | None = None, *, after: tuple[str, str, str] | None = None,
+               node: str | None = None, *, after: tuple[str, ...] | None = None,
                limit: int | None = None) -> list[LinkHealth]:
     """Links in (scope, group key, op) order, from just past ``after``, at most ``limit``."""
     q = select(LinkHealth).order_by(LinkHealth.scope, LinkHealth.group_key, LinkHealth.op)

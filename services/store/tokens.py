@@ -30,10 +30,6 @@ class Principal:
     role: str
     nodes: frozenset[str] | None = None
 
-    def may_report(self, nodes: set[str] | frozenset[str]) -> set[str]:
-        """The nodes among ``nodes`` this principal may not report or act for."""
-        return set() if self.nodes is None else set(nodes) - self.nodes
-
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
@@ -82,11 +78,6 @@ def authenticate(session: Session, token: str) -> Principal | str:
                                or_(ApiToken.last_used_at.is_(None), ApiToken.last_used_at < stale))
         .values(last_used_at=func.now()))
     return Principal(row.id, row.role, frozenset(row.nodes) if row.nodes is not None else None)
-
-
-def role_of(session: Session, token: str) -> str | None:
-    found = authenticate(session, token)
-    return found.role if isinstance(found, Principal) else None
 
 
 def list_tokens(session: Session, *, after_id: int = 0, limit: int = 100,
