@@ -2,9 +2,10 @@
 
 Built from a scenario (DESIGN.md, "Fabric scenario file"). Each group's time follows the
 links its algorithm loads: a ring runs at its slowest edge, an all-to-all ends with its
-slowest flow. Faults scale what they name; per-link variation and measurement noise are
-seeded. The analyzer sees only the measurements and the ranks' telemetry, never the
-fault list. Model and figures: docs/analysis.md.
+slowest flow. Faults scale what they name, and may drift: lose more each monitoring cycle.
+Per-link variation and measurement noise are seeded; each cycle draws its own noise. The
+analyzer sees only the measurements and the ranks' telemetry, never the fault list. Model
+and figures: docs/analysis.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from agents.spec import (
 )
 
 FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "error")
+# Faults that scale a rate: they take a "factor" and may drift.
+RATE_KINDS = ("nvlink", "nic", "net_path")
+# A drifting fault's factor never falls below this: a link that drifted out is very slow,
+# not gone.
+DRIFT_FLOOR = 0.01
 RING_OPS = ("allreduce", "allgather", "reducescatter")
 # Communicator setup: a fixed part plus one bootstrap all-gather step per doubling of ranks.
 SETUP_S = 0.05
@@ -172,16 +178,35 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
             raise ValueError(f"{where}: {kind} needs two different gpus")
     if kind in ("hang", "corrupt", "error"):
         _gpu_index(where, f.get("gpu", 0), gpus)
-    if kind in ("nvlink", "nic", "net_path"):
+    if kind in RATE_KINDS:
         factor = f.get("factor", 0.5)
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
             raise ValueError(f"{where}: factor must lie in (0, 1], got {factor!r}")
+        drift = f.get("drift", 0)
+        if isinstance(drift, bool) or not isinstance(drift, int | float) or not 0 <= drift < 1:
+            raise ValueError(f"{where}: drift must be a number in [0, 1), got {drift!r}")
+    elif "drift" in f:
+        raise ValueError(f"{where}: drift applies to {', '.join(RATE_KINDS)} faults only, "
+                         f"not {kind}")
+
+
+def fault_factor(f: dict[str, Any], cycle: int = 0) -> float:
+    """A rate fault's factor at monitoring cycle ``cycle`` (0-based): ``factor`` less
+    ``drift`` per cycle, never below DRIFT_FLOOR; a fault without drift keeps its factor."""
+    factor = float(f.get("factor", 0.5))
+    drift = float(f.get("drift", 0))
+    if drift == 0:
+        return factor
+    return max(factor - drift * cycle, DRIFT_FLOOR)
 
 
 class Fabric:
-    """Link rates of the whole fleet as arrays: no per-rank objects on the hot path."""
+    """Link rates of the whole fleet as arrays: no per-rank objects on the hot path.
 
-    def __init__(self, s: Scenario) -> None:
+    ``cycle`` is the monitoring cycle whose drifting faults it models; the per-link
+    variation depends on the seed alone, so it is the same at every cycle."""
+
+    def __init__(self, s: Scenario, cycle: int = 0) -> None:
         hw = preset(s.gpu)
         self.hw = hw
         self.n, self.g = s.nodes, s.gpus_per_node
@@ -189,6 +214,7 @@ class Fabric:
         self.net_gbs = s.net_gbs or hw.net_gbs
         self.variation = s.variation
         self.seed = s.seed
+        self.cycle = cycle
         rng = np.random.default_rng([s.seed, 0])
         v = s.variation
         upper = np.triu(rng.uniform(1 - v, 1 + v, (self.n, self.g, self.g)), 1)
@@ -211,11 +237,11 @@ class Fabric:
         kind = f["kind"]
         if kind == "net_path":
             a, b = sorted(int(x[5:]) for x in f["nodes"])
-            self.path_fault[(a, b)] = self.path_fault.get((a, b), 1.0) * float(f.get("factor", 0.5))
+            self.path_fault[(a, b)] = self.path_fault.get((a, b), 1.0) * fault_factor(f, self.cycle)
             return
         node = int(f["node"][5:])
         if kind == "nic":
-            self.nic[node] *= float(f.get("factor", 0.5))
+            self.nic[node] *= fault_factor(f, self.cycle)
         elif kind in ("nvlink", "pcie_only"):
             a, b = f["gpus"]
             if kind == "pcie_only":
@@ -223,7 +249,7 @@ class Fabric:
                 scale = self.hw.pcie_gbs / self.nvlink_gbs
                 self.pcie[node, a, b] = self.pcie[node, b, a] = True
             else:
-                scale = float(f.get("factor", 0.5))
+                scale = fault_factor(f, self.cycle)
             self.pair[node, a, b] *= scale
             self.pair[node, b, a] = self.pair[node, a, b]
         elif kind == "hang":
@@ -344,7 +370,11 @@ class SimBackend:
         self.fabric = Fabric(self.scenario)
         self.model = CostModel(self.fabric)
         self._nominal = CostModel(_nominal_fabric(self.scenario))
+        # Cycle 0 until begin_cycle says otherwise. SeedSequence ignores trailing zeros, so
+        # this is the noise stream begin_cycle(0) draws too.
+        self._cycle = 0
         self._noise_rng = np.random.default_rng([self.scenario.seed, 1])
+        self._drifts = any(f.get("drift", 0) for f in self.scenario.faults)
         self._index = {node_name(i): i for i in range(self.scenario.nodes)}
         self._expected_cache: dict[tuple[Any, ...], float] = {}
         self._ranks: list[RankInfo] | None = None
@@ -369,6 +399,18 @@ class SimBackend:
 
     def close(self) -> None:
         pass
+
+    def begin_cycle(self, index: int) -> None:
+        """Model monitoring cycle ``index``: drifting faults at that cycle's factor, and that
+        cycle's own measurement noise (the same index always draws the same noise)."""
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"cycle index must be a non-negative integer, got {index!r}")
+        if self._drifts and index != self._cycle:
+            # Variation is seeded apart from the faults: only the drifting rates move.
+            self.fabric = Fabric(self.scenario, cycle=index)
+            self.model = CostModel(self.fabric)
+        self._cycle = index
+        self._noise_rng = np.random.default_rng([self.scenario.seed, 1, index])
 
     def ranks(self) -> list[RankInfo]:
         if self._ranks is None:
@@ -467,7 +509,8 @@ class SimBackend:
 
 def _nominal_fabric(s: Scenario) -> Fabric:
     """The named hardware profile with every link at its rated rate: no variation, no
-    faults, and none of the scenario's own link rates (a fleet built slower than its
-    hardware is rated, `nvlink_gbs` or `net_gbs` below the profile's, must look slow)."""
+    faults (so no drift at any cycle), and none of the scenario's own link rates (a fleet
+    built slower than its hardware is rated, `nvlink_gbs` or `net_gbs` below the
+    profile's, must look slow)."""
     return Fabric(Scenario(nodes=s.nodes, gpus_per_node=s.gpus_per_node, gpu=s.gpu,
                            noise=0.0, variation=0.0, seed=s.seed, faults=[]))

@@ -280,6 +280,12 @@ class ProbeBackend(Protocol):
         """Every rank this backend can probe, with its identity."""
         ...
 
+    def begin_cycle(self, index: int) -> None:
+        """Called by the scheduler before each monitoring cycle with the cycle's persistent
+        index (the node-pair rotation position), so a modeled fabric can move its drifting
+        faults and draw that cycle's noise; real backends do nothing."""
+        ...
+
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         """Run disjoint groups concurrently; never raises for a sick rank (a hang is a finding)."""
         ...

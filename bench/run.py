@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "monitoring", "floors", "scale")
+BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors", "scale")
 
 
 def main(argv: list[str]) -> int:

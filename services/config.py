@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from services.analyzer.evidence import CusumPolicy
 from services.analyzer.hysteresis import Policy
 
 # The project's own state folder (embedded Postgres, Ray temp dir, spool); ignored by git.
@@ -47,6 +48,11 @@ class Settings(BaseSettings):
     hysteresis_k_bad: int = Field(default=Policy.k_bad, ge=1)
     hysteresis_n_window: int = Field(default=Policy.n_window, ge=1)
     hysteresis_m_good: int = Field(default=Policy.m_good, ge=1)
+    # Slow drift: each place's one-sided CUSUM, in sigmas, opens a finding past the
+    # threshold (h); the slack (k) is half the loss (in sigmas) it is tuned to find. Defaults:
+    # services.analyzer.evidence.CusumPolicy (docs/analysis.md, "Slow drift").
+    drift_threshold: float = Field(default=CusumPolicy.threshold, gt=0)
+    drift_slack: float = Field(default=CusumPolicy.slack, gt=0)
     # The largest request body the API reads (a 1024 x 8 cycle's batch is a few MB).
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
     # Backpressure: batches stored at once, how long another waits for a turn before a 503
@@ -108,6 +114,9 @@ class Settings(BaseSettings):
 
     def hysteresis(self) -> Policy:
         return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)
+
+    def drift(self) -> CusumPolicy:
+        return CusumPolicy(slack=self.drift_slack, threshold=self.drift_threshold)
 
     def thresholds(self, backend: str):  # -> services.analyzer.assess.Thresholds
         """The judgement's thresholds for results from ``backend``."""

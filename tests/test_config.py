@@ -2,6 +2,7 @@
 
 import pytest
 
+from services.analyzer.evidence import CusumPolicy
 from services.config import PLACEHOLDER_SECRET, Settings
 
 
@@ -12,6 +13,16 @@ def test_settings_read_the_environment(monkeypatch) -> None:
     s = Settings()
     assert s.probe_interval_s == 42.0
     assert (s.hysteresis().k_bad, s.hysteresis().n_window) == (3, 4)
+
+
+def test_drift_settings_make_the_cusum_policy(monkeypatch) -> None:
+    assert Settings().drift() == CusumPolicy()  # the defaults are the policy's own
+    monkeypatch.setenv("RINGWATCH_DRIFT_THRESHOLD", "12")
+    monkeypatch.setenv("RINGWATCH_DRIFT_SLACK", "0.75")
+    assert Settings().drift() == CusumPolicy(slack=0.75, threshold=12.0)
+    monkeypatch.setenv("RINGWATCH_DRIFT_SLACK", "0")
+    with pytest.raises(ValueError, match="drift_slack"):
+        Settings()
 
 
 def test_placeholder_secrets_are_refused_outside_the_demo() -> None:

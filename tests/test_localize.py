@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agents.spec import Finding, Measurement, RankInfo
 from services.analyzer.assess import assess
 from services.analyzer.localize import localize
@@ -54,15 +56,27 @@ def test_slow_nvlink_pair_is_named():
     found = run(ms)
     assert kinds(found) == [("nvlink_degraded", "node-003")]
     f = found[0]
-    assert f.gpus == [1, 2] and f.measured_gbs == 50.0 and f.expected_gbs == 100.0
+    assert f.gpus == [1, 2] and f.measured_gbs == 50.0 and f.expected_gbs == pytest.approx(100.0)
     assert f.severity == "warning"
 
 
 def test_gpu_slow_with_every_partner_is_named_as_the_gpu():
     ms = [intra(n, 100.0) for n in range(3)] + [intra(3, 40.0)]
-    ms += all_pairs(3, lambda a, b: 40.0 if 2 in (a, b) else 100.0)
-    found = run(ms)
+    # Eight GPUs: GPU 2 is slow with each of its seven partners, the other 21 pairs fine.
+    pairs = [gpu_pair(3, a, b, 40.0 if 2 in (a, b) else 100.0)
+             for a in range(8) for b in range(a + 1, 8)]
+    for m in pairs:
+        m.members = [f"node-003/{x.split('/')[1]}" for x in m.members]
+    found = run(ms + pairs)
     assert len(found) == 1 and found[0].gpu == 2 and found[0].severity == "critical"
+
+
+def test_half_the_pairs_slow_after_one_measurement_each_names_nothing_yet():
+    # Four GPUs, GPU 2 in half of the six pairs: one measurement each cannot tell which
+    # half is normal (their spread is all there is to go by); the check measures again.
+    ms = [intra(n, 100.0) for n in range(3)] + [intra(3, 40.0)]
+    ms += all_pairs(3, lambda a, b: 40.0 if 2 in (a, b) else 100.0)
+    assert run(ms) == []
 
 
 def test_unconfirmed_intra_result_is_dropped():

@@ -34,6 +34,9 @@ class SlowRankBackend:
     def ranks(self) -> list[RankInfo]:
         return self._ranks
 
+    def begin_cycle(self, index: int) -> None:
+        """Nothing to do: the double's ranks keep their pace."""
+
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         self.rounds.append(groups)
         out = RoundResult()

@@ -148,3 +148,122 @@ def test_a_thousand_nodes_run_in_process():
     r = b.run_round([world])
     assert {m.op for m in r.measurements} == {"allreduce", "alltoall"}
     assert 0 < r.fabric_time_s < 5
+
+
+# ---- drift and per-cycle noise --------------------------------------------------------
+
+def exact(faults=(), **kw) -> SimBackend:
+    """No noise and no variation: rates are exactly what the faults make them."""
+    return sim(faults=faults, noise=0.0, variation=0.0, **kw)
+
+
+def nvlink(factor: float, drift: float = 0.0) -> dict:
+    f = {"kind": "nvlink", "node": "node-001", "gpus": [2, 5], "factor": factor}
+    return {**f, "drift": drift} if drift else f
+
+
+def test_drifting_nvlink_loses_drift_per_cycle_and_stops_at_the_floor():
+    b = exact([nvlink(1.0, drift=0.02)])
+    healthy = busbw(b, pair(1, 2, 3))
+    assert busbw(b, pair(1, 2, 5)) == healthy  # cycle 0: factor 1.0, no loss yet
+    b.begin_cycle(10)
+    drifted = busbw(b, pair(1, 2, 5))
+    assert drifted == pytest.approx(busbw(exact([nvlink(0.8)]), pair(1, 2, 5)), rel=1e-12)
+    assert drifted / healthy == pytest.approx(1 - 0.02 * 10, rel=0.01)
+    assert busbw(b, pair(1, 2, 3)) == healthy  # the other links do not move
+    b.begin_cycle(60)  # 1.0 - 0.02 * 60 < 0: clipped at 0.01
+    assert busbw(b, pair(1, 2, 5)) == pytest.approx(
+        busbw(exact([nvlink(0.01)]), pair(1, 2, 5)), rel=1e-12)
+    assert busbw(b, pair(1, 2, 5)) < 0.011 * healthy
+    b.begin_cycle(0)
+    assert busbw(b, pair(1, 2, 5)) == healthy
+
+
+def test_drift_never_reaches_the_nominal_figure_and_keeps_variation():
+    b = sim(faults=[nvlink(0.9, drift=0.05)], noise=0.0)
+    (m0,) = b.run_round([pair(1, 2, 5)]).measurements
+    (other0,) = b.run_round([pair(1, 2, 3)]).measurements
+    b.begin_cycle(8)
+    (m8,) = b.run_round([pair(1, 2, 5)]).measurements
+    (other8,) = b.run_round([pair(1, 2, 3)]).measurements
+    assert m8.busbw_gbs < 0.6 * m0.busbw_gbs
+    assert m8.preset_gbs == m0.preset_gbs == b.expected_busbw(m8)
+    assert 440 < m8.preset_gbs < 450  # the profile's NVLink rate less latency, no fault
+    # Per-link variation is persistent: an undrifting pair measures the same at cycle 8.
+    assert other8.busbw_gbs == other0.busbw_gbs
+
+
+def test_each_cycle_draws_its_own_reproducible_noise():
+    def times(b: SimBackend) -> list[float]:
+        return [m.time_us for m in b.run_round([intra(0), nodes(1, 2)]).measurements]
+
+    b = sim(noise=0.05)
+    b.begin_cycle(3)
+    third = times(b)
+    b.begin_cycle(4)
+    fourth = times(b)
+    b.begin_cycle(3)
+    assert times(b) == third  # the same index replays the same draws
+    assert all(x != y for x, y in zip(third, fourth, strict=True))
+    other = sim(noise=0.05)
+    other.begin_cycle(3)
+    assert times(other) == third  # ... in another backend (another process) too
+    # Cycle 0 is what a backend that never begins a cycle draws: preflight is unchanged.
+    never, zero = sim(noise=0.05), sim(noise=0.05)
+    zero.begin_cycle(0)
+    assert times(never) == times(zero)
+
+
+def test_begin_cycle_rebuilds_the_fabric_only_when_a_fault_drifts():
+    still = sim(faults=[nvlink(0.5)])
+    fabric = still.fabric
+    still.begin_cycle(5)
+    assert still.fabric is fabric
+    moving = sim(faults=[nvlink(0.5, drift=0.01)])
+    moving.begin_cycle(5)
+    assert moving.fabric.cycle == 5
+    with pytest.raises(ValueError, match="cycle index"):
+        moving.begin_cycle(-1)
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ({"kind": "nvlink", "node": "node-001", "gpus": [0, 1], "drift": -0.1}, "drift must be"),
+    ({"kind": "nic", "node": "node-001", "drift": 1}, "drift must be"),
+    ({"kind": "nic", "node": "node-001", "drift": 1.5}, "drift must be"),
+    ({"kind": "net_path", "nodes": ["node-000", "node-001"], "drift": "0.1"}, "drift must be"),
+    ({"kind": "nic", "node": "node-001", "drift": True}, "drift must be"),
+    ({"kind": "nic", "node": "node-001", "drift": float("nan")}, "drift must be"),
+    ({"kind": "hang", "node": "node-001", "gpu": 0, "drift": 0.1}, "drift applies to"),
+    ({"kind": "pcie_only", "node": "node-001", "gpus": [0, 1], "drift": 0}, "drift applies to"),
+])
+def test_bad_drift_is_refused_naming_the_fault_and_field(fault, message):
+    ok = {"kind": "nic", "node": "node-000", "drift": 0.5}
+    with pytest.raises(ValueError) as err:
+        SimBackend({"nodes": 2, "gpus_per_node": 2, "faults": [ok, fault]})
+    assert str(err.value).startswith("faults[1]: ") and message in str(err.value)
+
+
+def test_nic_and_net_path_drift_move_their_node_pair_groups():
+    nic = {"kind": "nic", "node": "node-002", "factor": 0.9, "drift": 0.05}
+    path = {"kind": "net_path", "nodes": ["node-003", "node-001"], "factor": 1.0, "drift": 0.1}
+    b = exact([nic, path])
+    healthy = busbw(b, nodes(0, 1))
+    assert busbw(b, nodes(0, 2)) == pytest.approx(0.9 * healthy, rel=0.01)
+    assert busbw(b, nodes(1, 3)) == healthy
+    b.begin_cycle(4)
+    static = exact([{**nic, "factor": 0.7, "drift": 0}, {**path, "factor": 0.6, "drift": 0}])
+    assert busbw(b, nodes(0, 2)) == pytest.approx(busbw(static, nodes(0, 2)), rel=1e-12)
+    assert busbw(b, nodes(1, 3)) == pytest.approx(busbw(static, nodes(1, 3)), rel=1e-12)
+    # About the factor: the network's latency is a few % of this size's time.
+    assert busbw(b, nodes(0, 2)) == pytest.approx(0.7 * healthy, rel=0.02)
+    assert busbw(b, nodes(1, 3)) == pytest.approx(0.6 * healthy, rel=0.02)
+    assert busbw(b, nodes(0, 1)) == healthy  # neither fault is on this pair
+
+
+def test_a_monitoring_cycle_begins_the_backends_cycle_at_its_rotation():
+    from services.scheduler.cycle import ProbeOptions, run_cycle
+
+    b = sim(nodes=4, gpus=2, faults=[{"kind": "nic", "node": "node-002", "factor": 1.0,
+                                      "drift": 0.1}])
+    run_cycle(b, ProbeOptions(), rotation=7)
+    assert b.fabric.cycle == 7

@@ -6,13 +6,15 @@ Pure functions over ``agents.spec.Measurement``: no database, no backend. The ru
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from agents.spec import Measurement
+from agents.spec import Measurement, split_member
+from services.analyzer.evidence import Weighing
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]
@@ -32,6 +34,9 @@ class Thresholds:
     min_peers: int = 1
     # A high quantile: in a small fleet the median of the peers can itself be faulty.
     peer_quantile: float = 0.75
+    # From this many peers on, their median: one faulty peer in eight can no longer move
+    # it, and a median is what a healthy link's ratio is centred on.
+    median_peers: int = 8
     # History needs this many past values before it becomes an expectation.
     min_history: int = 5
     history_window: int = 50
@@ -44,6 +49,8 @@ class Thresholds:
     # Below this share of its hardware profile's rated busbw a measurement is degraded
     # whatever its peers and history say (agents.profiles; RINGWATCH_RATED_FLOOR).
     rated_floor: float = 0.5
+    # How repeated measurements of a group are weighed into a decision (evidence.Weighing).
+    weighing: Weighing = Weighing()
 
     def severity(self, ratio: float) -> str:
         return "critical" if ratio < self.critical_ratio else "warning"
@@ -53,8 +60,10 @@ class Thresholds:
 # preflight and in each monitoring cycle alike), so 0.85 is affordable and catches a
 # 0.75-factor fault under 3 % noise.
 PREFLIGHT_THRESHOLDS = Thresholds(degraded_ratio=0.85)
-# gloo times CPU processes that share cores: tens of percent of jitter.
-GLOO_THRESHOLDS = Thresholds()
+# gloo times CPU processes that share cores: tens of percent of jitter, and each repeat
+# costs real seconds: a group is slow when both of two measurements are (Weighing.sequential
+# off), which finds the gross faults gloo can show.
+GLOO_THRESHOLDS = Thresholds(weighing=Weighing(sequential=False, max_repeats=2))
 
 
 def thresholds_for(backend: str) -> Thresholds:
@@ -77,6 +86,13 @@ class Assessment:
     severity: str | None = None
     # False for latency-bound sizes: their ratio is informative, never a verdict.
     judged: bool = True
+    # How far healthy links of this kind sit from the expectation: the relative spread of
+    # the source (peers: noise and between-link variation together; history: the link's
+    # own scatter), and the relative standard error of the expectation itself.
+    spread: float = 0.0
+    centre_se: float = 0.0
+    # Explained by a fleet-wide shortfall (analyzer.shortfall): not weighed against its link.
+    explained: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,35 +170,131 @@ def judged_flags(measurements: Sequence[Measurement]) -> list[bool]:
     return [m.size_bytes == largest[(m.op, m.scope, tuple(sorted(m.members)))] for m in measurements]
 
 
-def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds) -> list[float | None]:
-    by_key: dict[PeerKey, list[int]] = defaultdict(list)
+@dataclass(frozen=True)
+class PeerCentre:
+    """What a measurement's peers say: their centre, their relative spread, how many."""
+
+    value: float
+    spread: float
+    count: int
+    # True when the centre is a high quantile (few peers), not the median.
+    quantile: bool
+
+
+def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds
+                       ) -> list[PeerCentre | None]:
+    """Each measurement's peers: the other groups (not measurements: a group measured
+    again because it looked slow must not pull its peers' centre down) that did the same
+    work. A group's value is the geometric mean of its measurements."""
+    by_key: dict[PeerKey, dict[tuple[str, ...], list[int]]] = defaultdict(dict)
     for i, m in enumerate(measurements):
-        by_key[peer_key(m)].append(i)
-    out: list[float | None] = [None] * len(measurements)
-    for idx in by_key.values():
-        if len(idx) - 1 < max(t.min_peers, 1):
+        by_key[peer_key(m)].setdefault(tuple(sorted(m.members)), []).append(i)
+    out: list[PeerCentre | None] = [None] * len(measurements)
+    for groups in by_key.values():
+        if len(groups) - 1 < max(t.min_peers, 1):
             continue
-        values = np.array([measurements[i].busbw_gbs for i in idx], dtype=float)
-        for i, e in zip(idx, leave_one_out_quantile(values, t.peer_quantile), strict=True):
-            out[i] = float(e) if np.isfinite(e) and e > 0 else None
+        idx = list(groups.values())
+        values = np.array([_group_value([measurements[i].busbw_gbs for i in ix]) for ix in idx])
+        few = len(idx) - 1 < t.median_peers
+        q = t.peer_quantile if few else 0.5
+        spread = _relative_spread(values)
+        for ix, e in zip(idx, leave_one_out_quantile(values, q), strict=True):
+            if np.isfinite(e) and e > 0:
+                centre = PeerCentre(float(e), spread, len(idx) - 1, few)
+                for i in ix:
+                    out[i] = centre
     return out
 
 
-def _choose(
-    peer: float | None, hist: float | None, preset: float | None, t: Thresholds
-) -> tuple[float | None, str]:
-    """Peers first: measured under the same conditions, they cancel what presets can't know
-    (software versions, real link efficiency). History next, preset where nothing else is;
-    and a preset floors whatever was chosen."""
+def _group_value(busbw: list[float]) -> float:
+    """A group's busbw over its repeats: their geometric mean (ratios average in logs)."""
+    if len(busbw) == 1:
+        return busbw[0]
+    return math.exp(float(np.mean(np.log([max(x, 1e-12) for x in busbw]))))
+
+
+def _relative_spread(values: np.ndarray) -> float:
+    """MAD of the log values, scaled to a standard deviation: robust to a few slow peers."""
+    logs = np.log(values[values > 0])
+    if logs.size < 2:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(logs - np.median(logs))))
+
+
+# A hardware figure is reached by healthy links to within about this (relative, one sigma):
+# the band a preset-judged group gets.
+PRESET_VARIATION = 0.03
+
+
+@dataclass(frozen=True)
+class Chosen:
+    value: float | None
+    source: str
+    spread: float = 0.0
+    centre_se: float = 0.0
+    # Explained by a fleet-wide shortfall (analyzer.shortfall): not weighed against its link.
+    explained: bool = False
+
+
+def _own_normal(past: Sequence[float] | None, t: Thresholds) -> Baseline | None:
+    """The link's own history as a baseline, or None: too little of it, or so noisy that
+    even a critical loss would pass as its usual jitter (an expectation no measurement could
+    miss says nothing)."""
+    if not past or history_expected(past, t) is None:
+        return None
+    return history_baseline(past, t.history_window)
+
+
+def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
+            t: Thresholds) -> Chosen:
+    """The link's own normal first, where it has one and it lies within its peers' healthy
+    band (a link always a little slower than its peers is normal for itself; one always far
+    slower has been faulty from the start). Then its peers, measured under the same
+    conditions. Then the hardware preset; and a preset floors whatever was chosen."""
     floor = preset * t.preset_floor if preset is not None and preset > 0 else None
-    for value, source in ((peer, "peers"), (hist, "history")):
-        if value is not None and value > 0:
-            if floor is not None and value < floor:
-                return floor, "preset"
-            return value, source
+    chosen: Chosen | None = None
+    if own is not None and own.median > 0:
+        spread = 1.4826 * own.mad / own.median
+        centre_se = 1.2533 * max(spread, t.weighing.min_noise) / math.sqrt(own.count)
+        if peer is None or own.median >= peer.value * (1 - _peer_band(t)):
+            chosen = Chosen(own.median, "history", spread, centre_se)
+    if chosen is None and peer is not None:
+        se = 1.2533 * peer.spread / math.sqrt(max(peer.count, 1))
+        chosen = Chosen(peer.value, "peers", peer.spread, se)
+    if chosen is not None and chosen.value is not None:
+        if floor is not None and chosen.value < floor:
+            return Chosen(floor, "preset", PRESET_VARIATION, 0.0)
+        return chosen
     if preset is not None and preset > 0:
-        return preset, "preset"
-    return None, "none"
+        return Chosen(preset, "preset", PRESET_VARIATION, 0.0)
+    return Chosen(None, "none")
+
+
+def _is_union(m: Measurement) -> bool:
+    return m.scope in ("inter_node", "world") and len({split_member(x)[0] for x in m.members}) > 2
+
+
+def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None],
+                     t: Thresholds) -> dict[tuple[str, int, str], float]:
+    """What a group of many nodes should reach, as a share of its hardware model: it loads
+    every path between its nodes and runs at the slowest, so not at the node pairs' median
+    but below it by the spread healthy paths have (two between-link standard deviations).
+    Learned from this run's node pairs, per (op, size, dtype); none where no pair ran."""
+    shares: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+    for m, preset in zip(ms, presets, strict=True):
+        if (m.scope == "inter_node" and preset and m.busbw_gbs > 0
+                and len({split_member(x)[0] for x in m.members}) == 2):
+            shares[(m.op, m.size_bytes, m.dtype)].append(m.busbw_gbs / preset)
+    return {key: float(np.median(v)) * (1 - 2 * t.weighing.variation_prior)
+            for key, v in shares.items() if len(v) >= 3}
+
+
+def _peer_band(t: Thresholds) -> float:
+    """How far below its peers a healthy link may sit for good: ``band_z`` between-link
+    standard deviations (a link further down has been slow from the start, and its own
+    history is no normal to hold it to)."""
+    w = t.weighing
+    return w.band_z * w.variation_prior
 
 
 def assess(
@@ -200,12 +312,17 @@ def assess(
     t = thresholds
     peers = _peer_expectations(ms, t)
     judged = judged_flags(ms)
+    presets = [expected(m) if expected is not None else None for m in ms]
+    paths = _path_efficiency(ms, presets, t)
     out: list[Assessment] = []
-    for m, peer, is_judged in zip(ms, peers, judged, strict=True):
-        past = history.get(link_key(m)) if history else None
-        hist = history_expected(past, t) if past else None
-        preset = expected(m) if expected is not None else None
-        value, source = _choose(peer, hist, preset, t)
+    for m, peer, is_judged, preset in zip(ms, peers, judged, presets, strict=True):
+        own = _own_normal(history.get(link_key(m)) if history else None, t)
+        c = _choose(peer, own, preset, t)
+        if c.source == "preset" and preset and _is_union(m):
+            efficiency = paths.get((m.op, m.size_bytes, m.dtype))
+            if efficiency is not None:
+                c = Chosen(preset * efficiency, "paths", t.weighing.variation_prior, 0.0)
+        value, source = c.value, c.source
         ratio = m.busbw_gbs / value if value else None
         bad = is_judged and ratio is not None and ratio < t.degraded_ratio
         rated = m.rated_gbs
@@ -216,6 +333,6 @@ def assess(
             measurement=m, expected_gbs=value, ratio=ratio, bad=bad,
             source=source if is_judged else "latency",
             severity=t.severity(ratio) if bad and ratio is not None else None,
-            judged=is_judged,
+            judged=is_judged, spread=c.spread, centre_se=c.centre_se,
         ))
     return out

@@ -221,3 +221,139 @@ class Cusum:
         since = d.get("since")
         return cls(policy or CusumPolicy(), float(d.get("score", 0.0)),
                    datetime.fromisoformat(since) if since else None, int(d.get("cycles", 0)))
+
+
+# ---- the judgement's weighing of a group -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Weighing:
+    """How the judgement weighs a group's repeated measurements (settings read theirs from
+    here; docs/analysis.md, "Weighing evidence").
+
+    A group's log ratios to its expectation have a mean that differs from 0 for two
+    reasons: a fault (a loss of at least ``min_loss`` is what must be found), and the
+    group's own lasting offset from its peers (between-link variation, which no number of
+    repeats averages away). ``weigh`` compares "no loss" against "``min_loss``" on the mean
+    of the repeats, with the offset as a nuisance of known spread, and decides when the
+    likelihood ratio passes Wald's bounds for ``false_alarm`` and ``miss`` (per decision);
+    ``max_repeats`` bounds the measurements one decision may take (then the group stays a
+    suspect, never an exclusion).
+    """
+
+    false_alarm: float = 1e-4
+    miss: float = 0.1
+    min_loss: float = 0.10
+    max_repeats: int = 20
+    # The between-link spread assumed at least (links are never identical), and assumed
+    # where too few links of a kind ran to measure it.
+    min_variation: float = 0.01
+    variation_prior: float = 0.03
+    # The noise of one measurement is taken as at least this.
+    min_noise: float = 0.01
+    # False: no test, a group is slow when every measurement of it was (below the
+    # thresholds' degraded ratio), cleared by one that was not; for backends too noisy for
+    # a sequential test at any affordable number of repeats (gloo).
+    sequential: bool = True
+    # How far below its peers a link's own normal may sit and still be its normal, in
+    # between-link standard deviations (assess._choose).
+    band_z: float = 2.5
+
+    @property
+    def upper(self) -> float:
+        """Log-likelihood ratio at which "degraded" is decided."""
+        return math.log((1 - self.miss) / self.false_alarm)
+
+    @property
+    def lower(self) -> float:
+        """Log-likelihood ratio at which "healthy" is decided."""
+        return math.log(self.miss / (1 - self.false_alarm))
+
+
+def pooled_noise(series: Sequence[Sequence[float]], min_pairs: int = 8) -> float | None:
+    """The per-measurement relative noise, pooled over groups measured more than once: the
+    spread of each group's log values about their own mean (a fault or a slow link moves a
+    group's mean, never its scatter). None with fewer than ``min_pairs`` degrees of
+    freedom."""
+    ss, dof = 0.0, 0
+    for values in series:
+        logs = np.log(np.asarray([v for v in values if v > 0], dtype=float))
+        if logs.size >= 2:
+            ss += float(((logs - logs.mean()) ** 2).sum())
+            dof += logs.size - 1
+    if dof < min_pairs:
+        return None
+    return math.sqrt(ss / dof)
+
+
+@dataclass
+class Decision:
+    """One op of one group, weighed: the decision, how sure it is, and on what."""
+
+    decision: str
+    confidence: float
+    repeats: int
+    mean_ratio: float
+    # The standard deviation of the mean's log ratio the decision was weighed with.
+    sigma: float
+    exhausted: bool
+    # Decided, but on less evidence than a check should act on when it can measure again
+    # (the plain rule's single slow result): the check re-measures it; a batch judged
+    # after the fact (monitoring, with hysteresis across cycles) takes it as it stands.
+    provisional: bool = False
+
+    @property
+    def pending(self) -> bool:
+        """Worth measuring again: undecided or provisional, with repeats left."""
+        return not self.exhausted and (self.decision == UNDECIDED or self.provisional)
+
+    @property
+    def degraded(self) -> bool:
+        return self.decision == DEGRADED
+
+    @property
+    def cleared(self) -> bool:
+        return self.decision == HEALTHY
+
+
+def by_majority(bad: Sequence[bool], w: Weighing) -> Decision:
+    """The plain rule: slow when every measurement was, cleared by one that was not; a
+    single slow one is slow provisionally, and a check measures it again."""
+    n = len(bad)
+    decision = DEGRADED if n and all(bad) else HEALTHY
+    return Decision(decision, 0.9, n, 0.0, 0.0, n >= w.max_repeats,
+                    provisional=decision == DEGRADED and n < 2)
+
+
+def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se: float,
+          w: Weighing) -> Decision:
+    """Decide on a group's ratios to its expectation: healthy, degraded, or not yet.
+
+    The mean ``m`` of the n log ratios is normal about ``log(1 - loss)`` with variance
+    ``variation^2 + centre_se^2 + noise^2 / n``: the group's lasting offset from the centre
+    and the centre's own error are the same on every repeat, only the noise averages down.
+    The log-likelihood ratio of a loss of at least ``min_loss`` (the larger of it and the
+    loss ``m`` suggests: a generalized likelihood ratio) against none;
+    ``Decision.confidence`` is the posterior of the decided side at even prior odds. A link
+    whose lasting offset alone could explain its mean is never decided degraded, however
+    often it is measured: it stays undecided (a suspect) when its repeats run out.
+    """
+    n = len(ratios)
+    if n == 0:
+        return Decision(UNDECIDED, 0.5, 0, 1.0, 0.0, False)
+    m = sum(math.log(max(r, 1e-9)) for r in ratios) / n
+    s2 = variation ** 2 + centre_se ** 2 + max(noise, 1e-6) ** 2 / n
+    # Degraded is composite (any loss of at least min_loss): against the loss the mean
+    # itself suggests where that is larger, so a gross fault decides at once.
+    ell = min(math.log(1.0 - w.min_loss), m)
+    llr = (2.0 * m * ell - ell * ell) / (2.0 * s2)
+    if llr >= w.upper:
+        decision = DEGRADED
+    elif llr <= w.lower or (n >= w.max_repeats and llr <= 0):
+        # Out of repeats and more likely healthy than not: nothing to follow up.
+        decision = HEALTHY
+    else:
+        decision = UNDECIDED
+    p_bad = 1.0 / (1.0 + math.exp(-max(min(llr, 50.0), -50.0)))
+    confidence = p_bad if decision == DEGRADED or (decision == UNDECIDED and llr > 0) else 1 - p_bad
+    return Decision(decision, confidence, n, math.exp(m), math.sqrt(s2), n >= w.max_repeats)

@@ -59,7 +59,7 @@ def judge(
     assessed = assess(list(measurements), thresholds, expected or preset_of, history)
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
     assessments, fleet = fleet_shortfall(assessed)
-    verdicts = group_verdicts(assessments)
+    verdicts = group_verdicts(assessments, thresholds.weighing)
     findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)
     wanted = set(nodes)
     findings += [f for f in inventory_findings(rank_list) if not wanted or f.node in wanted]

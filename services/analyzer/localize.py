@@ -9,38 +9,113 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
-from services.analyzer.assess import Assessment
+from services.analyzer.assess import PRESET_VARIATION, Assessment
+from services.analyzer.evidence import (
+    Decision,
+    Weighing,
+    by_majority,
+    pooled_noise,
+    weigh,
+)
 
 # Best PCIe Gen5 x16 P2P copy rates sit near 55 GB/s; NVLink pairs do several times that.
 PCIE_CEILING_GBS = 64.0
 # A NIC is blamed when at least this share of its node-pair groups are slow.
 NIC_BAD_SHARE = 0.75
-# Two slow partners decide a NIC, unless every slow result is only this close to the
-# threshold: then noise could have made both, and a third partner decides.
-MARGINAL_RATIO = 0.75
+NIC_BAD_SHARE_SECOND = 0.6
 
 GroupKey = tuple[str, tuple[str, ...]]
 
 
 @dataclass
 class GroupVerdict:
-    """Every judged measurement of one group of ranks (possibly over several rounds)."""
+    """Every judged measurement of one group of ranks (possibly over several rounds), and
+    the weighing of them: per op a sequential test (``evidence.weigh``) decides degraded,
+    healthy, or not yet."""
 
     scope: str
     members: tuple[str, ...]
     nodes: tuple[str, ...]
     by_op: dict[str, list[Assessment]] = field(default_factory=dict)
+    weighing: Weighing = field(default_factory=Weighing)
+    # Per-measurement noise by op, and the between-link variation of each kind of group
+    # (``variation_key``), measured over the whole run (``group_verdicts``).
+    noise: Mapping[str, float] = field(default_factory=dict)
+    variation: Mapping[tuple[str, str, int], float] = field(default_factory=dict)
+    _decisions: dict[str, Decision] | None = field(default=None, repr=False)
+
+    @property
+    def decisions(self) -> dict[str, Decision]:
+        if self._decisions is None:
+            self._decisions = {op: self._weigh(op, items) for op, items in self.by_op.items()
+                               if any(not a.explained for a in items)}
+        return self._decisions
+
+    def _weigh(self, op: str, items: list[Assessment]) -> Decision:
+        live = [a for a in items if not a.explained]
+        if not self.weighing.sequential or any(a.source == "rated" for a in live):
+            # Below the hardware's rated floor there is nothing subtle left to weigh.
+            return by_majority([a.bad for a in live], self.weighing)
+        ratios = [a.ratio or 0.0 for a in live]
+        spread = max(statistics.median(a.spread for a in live), self.weighing.min_noise)
+        centre_se = statistics.median(a.centre_se for a in live)
+        noise = self.noise.get(op)
+        source = live[0].source
+        if noise is None:
+            # Nothing repeated yet to tell noise from lasting offsets. One measurement's
+            # ratio scatters by the peers' spread, whatever its parts; the mean of several
+            # is given no credit for averaging until the noise is measured.
+            noise, variation = spread, (spread if len(live) > 1 else 0.0)
+        elif source == "peers":
+            variation = self.variation.get(variation_key(self.scope, op, self.members),
+                                           self.weighing.variation_prior)
+        elif source == "preset":
+            variation = PRESET_VARIATION
+        elif source == "paths":
+            variation = self.weighing.variation_prior
+        else:
+            variation = 0.0
+        return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
+                     centre_se=centre_se, w=self.weighing)
 
     @property
     def bad(self) -> bool:
-        """Slow when, for some op, every judged measurement was slow: a single noisy
-        measurement is overruled by a clean re-test of the same group."""
-        return any(all(a.bad for a in items) for items in self.by_op.values() if items)
+        """Decided slow for some op."""
+        return any(d.degraded for d in self.decisions.values())
+
+    @property
+    def cleared(self) -> bool:
+        """Decided healthy for every op it ran."""
+        return bool(self.decisions) and all(d.cleared for d in self.decisions.values())
+
+    @property
+    def suspect(self) -> bool:
+        """Not cleared: slow, or not yet decided (a search never prunes what it has not
+        cleared)."""
+        return not self.cleared
+
+    @property
+    def pending_ops(self) -> tuple[str, ...]:
+        """Ops still undecided with repeats left: what a repeat of this group measures."""
+        ds = self.decisions
+        if any(d.degraded and not d.provisional for d in ds.values()):
+            return ()
+        return tuple(op for op, d in sorted(ds.items()) if d.pending)
+
+    @property
+    def confidence(self) -> float:
+        """How sure the group's decision is: of the slow ops' tests where it is slow, else of
+        the least sure op."""
+        ds = list(self.decisions.values())
+        slow = [d.confidence for d in ds if d.degraded]
+        if slow:
+            return max(slow)
+        return min((d.confidence for d in ds), default=0.0)
 
     @property
     def worst(self) -> Assessment | None:
@@ -54,9 +129,14 @@ def _nodes_of(members: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted({split_member(x)[0] for x in members}))
 
 
-def group_verdicts(assessments: Iterable[Assessment]) -> dict[GroupKey, GroupVerdict]:
-    """Judged assessments folded per group (scope and member set)."""
+def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None = None
+                   ) -> dict[GroupKey, GroupVerdict]:
+    """Judged assessments folded per group (scope and member set), each weighed with the
+    run's own measured noise."""
+    w = weighing or Weighing()
     out: dict[GroupKey, GroupVerdict] = {}
+    noise: dict[str, float] = {}
+    variation: dict[tuple[str, str, int], float] = {}
     for a in assessments:
         m = a.measurement
         if not a.judged or a.ratio is None:
@@ -64,8 +144,29 @@ def group_verdicts(assessments: Iterable[Assessment]) -> dict[GroupKey, GroupVer
         members = tuple(sorted(m.members))
         key = (m.scope, members)
         if key not in out:
-            out[key] = GroupVerdict(m.scope, members, _nodes_of(members))
+            out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w, noise=noise,
+                                    variation=variation)
         out[key].by_op.setdefault(m.op, []).append(a)
+    noise.update(measured_noise(out.values()))
+    return out
+
+
+def variation_key(scope: str, op: str, members: tuple[str, ...]) -> tuple[str, str, int]:
+    return (scope, op, len(members))
+
+
+def measured_noise(verdicts: Iterable[GroupVerdict]) -> dict[str, float]:
+    """Per op, the noise of one measurement, pooled over the groups measured more than once."""
+    series: dict[str, list[list[float]]] = defaultdict(list)
+    for v in verdicts:
+        for op, items in v.by_op.items():
+            if len(items) >= 2:
+                series[op].append([a.measurement.busbw_gbs for a in items])
+    out = {}
+    for op, values in series.items():
+        sigma = pooled_noise(values)
+        if sigma is not None:
+            out[op] = sigma
     return out
 
 
@@ -119,10 +220,15 @@ def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], **where: object) -
     expected = [a.expected_gbs for a in worst if a.expected_gbs is not None]
     severity = "critical" if any(a.severity == "critical" for a in worst) else "warning"
     slow = [a for x in verdicts for items in x.by_op.values() for a in items if a.bad]
+    detail: dict[str, object] = {"evidence": evidence_of(slow or worst)}
+    decided = [d for x in verdicts for d in x.decisions.values() if d.degraded]
+    if decided:
+        best = max(decided, key=lambda d: d.confidence)
+        detail["confidence"] = round(best.confidence, 4)
+        detail["repeats"] = best.repeats
     return Finding(kind=kind, severity=severity, measured_gbs=measured,
                    expected_gbs=statistics.median(expected) if expected else None,
-                   detail={"evidence": evidence_of(slow or worst)},
-                   **where)  # type: ignore[arg-type]
+                   detail=detail, **where)  # type: ignore[arg-type]
 
 
 def _gpus(v: GroupVerdict) -> list[int]:
@@ -201,30 +307,43 @@ def _two_node(verdicts: dict[GroupKey, GroupVerdict], blamed: set[str]) -> list[
 
 
 def nic_needs_more_partners(groups: list[GroupVerdict]) -> bool:
-    """True while a node's node-pair results can't yet decide its NIC either way."""
-    bad = [v for v in groups if v.bad]
-    if len(groups) < 2:
-        return True
-    marginal = all((v.worst.ratio if v.worst and v.worst.ratio else 0.0) >= MARGINAL_RATIO
-                   for v in bad)
-    return len(bad) == len(groups) and len(groups) < 3 and marginal
+    """True while a node's node-pair results can't yet decide its NIC either way: no
+    partner cleared it, and fewer than two found it slow (one slow pair may be its path,
+    an undecided one is no evidence)."""
+    if any(v.cleared for v in groups):
+        return False
+    return sum(v.bad for v in groups) < 2
 
 
-def _nic_findings(pairs: list[GroupVerdict]) -> list[Finding]:
+def _nic_findings(pairs: list[GroupVerdict], share: float = NIC_BAD_SHARE) -> list[Finding]:
     """A node slow with (nearly) every partner, while a partner is fine elsewhere: its NIC."""
     of_node: dict[str, list[GroupVerdict]] = defaultdict(list)
     for v in pairs:
         for n in v.nodes:
             of_node[n].append(v)
-    fine = {n for n, vs in of_node.items() if any(not v.bad for v in vs)}
+    fine = {n for n, vs in of_node.items() if any(v.cleared for v in vs)}
     out = []
     for node, vs in sorted(of_node.items()):
         bad = [v for v in vs if v.bad]
+        decided = [v for v in vs if v.bad or v.cleared]
         partners = {n for v in bad for n in v.nodes} - {node}
-        if (len(bad) >= NIC_BAD_SHARE * len(vs) and partners & fine
-                and not nic_needs_more_partners(vs)):
+        if len(bad) >= 2 and len(bad) >= share * len(decided) and partners & fine:
             out.append(_finding("nic_degraded", bad, node=node))
     return out
+
+
+def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
+    """Slow node pairs whose two ends are each proven elsewhere (a pair of theirs cleared)
+    and slow with no other partner: only then is the path, not an end's NIC, to blame. A
+    node slow with two partners but not enough for its NIC stays a suspect, unnamed."""
+    of_node: dict[str, list[GroupVerdict]] = defaultdict(list)
+    for v in pairs:
+        for n in v.nodes:
+            of_node[n].append(v)
+    proven = {n for n, vs in of_node.items() if any(v.cleared for v in vs)}
+    doubtful = {n for n, vs in of_node.items() if sum(v.bad for v in vs) >= 2}
+    return [v for v in pairs
+            if v.bad and set(v.nodes) <= proven and not doubtful.intersection(v.nodes)]
 
 
 def dedupe(findings: Iterable[Finding]) -> list[Finding]:
@@ -263,11 +382,12 @@ def localize(
     for node in sorted(set(local) - blamed):
         findings += _node_findings(node, local[node]["intra_node"], local[node]["gpu_pair"], links)
     blamed |= {f.node for f in findings if f.kind in EXCLUDING_KINDS and f.node}
-    nic = _nic_findings(_two_node(verdicts, blamed))
-    findings += nic
-    blamed |= {f.node for f in nic if f.node}
+    for share in (NIC_BAD_SHARE, NIC_BAD_SHARE_SECOND):
+        nic = _nic_findings(_two_node(verdicts, blamed), share)
+        findings += nic
+        blamed |= {f.node for f in nic if f.node}
     findings += [_finding("net_path_degraded", v, nodes=list(v.nodes))
-                 for v in _two_node(verdicts, blamed) if v.bad]
+                 for v in _path_suspects(_two_node(verdicts, blamed))]
     return _only(dedupe(findings), set(nodes))
 
 

@@ -52,14 +52,14 @@ def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], li
                 for i in idx:
                     nodes = {split_member(x)[0] for x in out[i].measurement.members}
                     if nodes <= short_nvlink and _below(out[i]):
-                        out[i] = replace(out[i], bad=False)
+                        out[i] = replace(out[i], bad=False, explained=True)
         below = sorted(n for n, idx in by_node.items() if all(_below(out[i]) for i in idx))
         if len(below) < 2 or len(below) < FLEET_SHARE * len(by_node):
             continue
         explained = sorted({i for n in below for i in by_node[n]})
         findings.append(_finding(cls, below, len(by_node), [out[i] for i in explained]))
         for i in explained:
-            out[i] = replace(out[i], bad=False)
+            out[i] = replace(out[i], bad=False, explained=True)
         if cls == "nvlink":
             short_nvlink = set(below)
     return out, findings

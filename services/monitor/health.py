@@ -1,6 +1,8 @@
 """Fold one ingested batch into link health and fault incidents, in the caller's transaction.
 
-The batch is judged by ``services.analyzer.judge`` (the same judgement a preflight makes).
+The batch is judged by ``services.analyzer.judge`` (the same judgement a preflight makes),
+and each place's slow-drift detector (``services.analyzer.drift``) weighs it too: a drift
+in alarm that the judgement has not already named is found like any other fault.
 Each localized fault (``fault_key``: kind and place) goes through the hysteresis: seen in a
 cycle is a bad observation, looked at and not seen a good one, not looked at none. A fault
 opens one incident however many links, ops and sizes show it, and resolves when its
@@ -22,9 +24,12 @@ from sqlalchemy.orm import Session
 from agents.spec import Finding, RankInfo
 from agents.spec import Measurement as ProbeMeasurement
 from services.analyzer.assess import Assessment, Thresholds, link_key
+from services.analyzer.drift import drift_observations, step_drift, unexplained
+from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS, fault_key, fault_nodes, policy_for
 from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, step
 from services.analyzer.judge import Judgement, judge
+from services.store import drift as drift_store
 from services.store import health as store
 from services.store import measurements as measurement_store
 from services.store.models import FaultState
@@ -78,6 +83,7 @@ def apply_round(
     at: datetime,
     thresholds: Thresholds,
     hysteresis: Policy | None = None,
+    drift: CusumPolicy | None = None,
     api_url: str = "",
     ranks: list[RankInfo] | None = None,
 ) -> HealthChanges:
@@ -89,19 +95,38 @@ def apply_round(
     links = store.get_links(session, list({(k, m.op) for k, m in zip(keys, probes, strict=True)}))
     j = judge(probes, [Finding.from_dict(f) for f in probe_findings], (), ranks,
               thresholds=thresholds, history=_history(probes, keys, links))
-    changes.findings = [f.to_dict() for f in j.findings]
+    found = j.findings + _drift(session, j, at, drift or CusumPolicy())
+    changes.findings = [f.to_dict() for f in found]
     _link_health(session, j, keys, links, at, policy)
-    _faults(session, j, at, policy, api_url, changes)
+    _faults(session, j, found, at, policy, api_url, changes)
     return changes
+
+
+# ---- slow drift: a CUSUM per place --------------------------------------------------------
+
+
+def _drift(session: Session, j: Judgement, at: datetime, policy: CusumPolicy) -> list[Finding]:
+    """Fold the batch into every place's drift detector and store what changed; the drift
+    findings in alarm that the judgement has not already made."""
+    # The assessments as the judgement localized them: those a fleet-wide shortfall explains
+    # are marked so there (``j.assessments`` are as first assessed), and must not count as
+    # each place's own loss.
+    assessments = [a for v in j.verdicts.values() for items in v.by_op.values() for a in items]
+    before = drift_store.drift_states(session)
+    after, findings = step_drift(before, drift_observations(assessments), at, policy)
+    drift_store.write_drift_states(
+        session, {k: s for k, s in after.items() if before.get(k) != s},
+        before.keys() - after.keys(), at)
+    return unexplained(findings, j.findings)
 
 
 # ---- incidents: one per localized fault ---------------------------------------------------
 
 
-def _faults(session: Session, j: Judgement, at: datetime, policy: Policy, api_url: str,
-            changes: HealthChanges) -> None:
+def _faults(session: Session, j: Judgement, findings: list[Finding], at: datetime,
+            policy: Policy, api_url: str, changes: HealthChanges) -> None:
     found: dict[str, Finding] = {}
-    for f in j.findings:
+    for f in findings:
         found.setdefault(fault_key(f), f)
     states = store.fault_states(session)
     coverage = j.coverage()

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from agents.spec import RankInfo, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
+from services.analyzer.evidence import CusumPolicy
 from services.analyzer.hysteresis import Policy
 from services.errors import BadInput, Forbidden
 from services.monitor.health import HealthChanges, apply_round
@@ -60,6 +61,7 @@ def ingest_batch(
     skipped: dict[str, str] | None = None,
     thresholds: Thresholds | None = None,
     hysteresis: Policy | None = None,
+    drift: CusumPolicy | None = None,
     api_url: str = "",
     shipper: dict[str, Any] | None = None,
     counters: list[dict[str, Any]] | None = None,
@@ -116,7 +118,7 @@ def ingest_batch(
     judging = time.perf_counter()
     changes = apply_round(session, rows, list(findings or []), at=seen_at,
                           thresholds=thresholds or thresholds_for(backend),
-                          hysteresis=hysteresis, api_url=api_url,
+                          hysteresis=hysteresis, drift=drift, api_url=api_url,
                           ranks=[RankInfo(**r) for r in ranks or []])
     done = time.perf_counter()
     return IngestResult(batch_id, True, run.id, stored, changes,

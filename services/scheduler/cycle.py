@@ -96,6 +96,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
     """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
     node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
     it is slow, the search for the slow path: the adaptive plan of a preflight."""
+    backend.begin_cycle(rotation)
     refresh = getattr(backend, "refresh_ranks", None)
     if refresh is not None:
         refresh()

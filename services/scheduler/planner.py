@@ -202,7 +202,7 @@ class AdaptivePlanner:
     round count: O(g) + O(1) + O(log N) per slow path.
     """
 
-    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = 96,
+    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = 512,
                  rotation: int = 0) -> None:
         self.nodes = nodes
         # Which node-pair matching of the round-robin tournament a large fleet gets: a
@@ -214,12 +214,12 @@ class AdaptivePlanner:
                                      shape.iters, shape.deadline_s)
         self.union_shape = ProbeShape(("alltoall",), largest, shape.dtype, shape.warmup,
                                       shape.iters, shape.deadline_s)
+        self.repeat_sizes = largest
         self.max_rounds = max_rounds
         self.rounds = 0
         self.phase = "intra"
         self.pair_rounds: list[list[GroupSpec]] = []
         self.awaiting_pairs: set[str] = set()
-        self.pairs_retested = False
         self.matching_rounds: list[list[GroupSpec]] = []
         self.repairs = 0
         # Nodes paired by the fallback for fleets with no proven node (once each), and
@@ -240,6 +240,12 @@ class AdaptivePlanner:
         return groups
 
     def _plan(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        # Every decision is made before the plan moves on: a group its test has not yet
+        # decided is measured again (only the undecided ops, at the judged size), so no
+        # step prunes, pairs or blames on one unlucky measurement.
+        repeats = self._repeats(v, blamed)
+        if repeats:
+            return repeats
         if self.phase == "intra":
             self.phase = "pairs"
             groups = intra_round(self.nodes, self.shape)
@@ -274,18 +280,26 @@ class AdaptivePlanner:
             self.phase = "done"
         return []
 
+    def _repeats(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        pending = []
+        for (scope, members), x in sorted(v.items()):
+            ops = x.pending_ops
+            if ops and blamed.isdisjoint(x.nodes):
+                pending.append(GroupSpec(scope=scope, members=members, ops=ops,
+                                         sizes=self.repeat_sizes, dtype=self.shape.dtype,
+                                         warmup=self.shape.warmup, iters=self.shape.iters,
+                                         deadline_s=self.shape.deadline_s,
+                                         redop=self.shape.redop))
+        return pack(pending)[0]
+
     def _first_pairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """GPU-pair round 1 on suspect nodes, beside one node-pair matching of the rest."""
         # Blamed or not, a slow intra-node group gets its GPU pairs tested: that is
         # what names the pair (or shows the intra-node result was noise).
         suspects = [n for n in sorted(self.nodes)
-                    if _bad(v, "intra_node", node_members(self.nodes, [n]))]
+                    if _suspect(v, "intra_node", node_members(self.nodes, [n]))]
         self.pair_rounds = gpu_pair_rounds(self.nodes, suspects, self.pair_shape)
         self.awaiting_pairs = {n for n in suspects if len(self.nodes[n]) >= 3}
-        # A two-GPU node has no smaller test than its intra group: run it again, so one
-        # noisy result does not blame the node.
-        retests = [shape_group for n in suspects if len(self.nodes[n]) == 2
-                   for shape_group in intra_round({n: self.nodes[n]}, self.shape)]
         others = [n for n in sorted(self.nodes) if n not in blamed and n not in suspects]
         # A small fleet meets every pair (at most 7 rounds): one matching alone would leave
         # a lone node-pair group with no peers to be judged against. A large one gets the
@@ -298,12 +312,9 @@ class AdaptivePlanner:
                                 for pairs in matchings]
         self.issued_pairs |= {frozenset(p) for pairs in matchings for p in pairs}
         first = self.matching_rounds.pop(0) if self.matching_rounds else []
-        return (self.pair_rounds.pop(0) if self.pair_rounds else []) + retests + first
+        return (self.pair_rounds.pop(0) if self.pair_rounds else []) + first
 
     def _gpu_pairs_and_repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        if not self.pair_rounds and self.awaiting_pairs and not self.pairs_retested:
-            self.pairs_retested = True
-            self.pair_rounds = self._pair_retests(v)
         groups = self.pair_rounds.pop(0) if self.pair_rounds else []
         if not groups:
             self.awaiting_pairs = set()
@@ -313,17 +324,6 @@ class AdaptivePlanner:
         if repairs:
             self.repairs += 1
         return groups + repairs
-
-    def _pair_retests(self, v: Verdicts) -> list[list[GroupSpec]]:
-        """Each slow GPU pair once more: a pair is blamed on two slow results, not one."""
-        pending = [self.pair_shape.group("gpu_pair", x.members) for (scope, _), x in sorted(v.items())
-                   if scope == "gpu_pair" and x.bad and _instances(x) < 2
-                   and x.nodes[0] in self.awaiting_pairs]
-        rounds = []
-        while pending:
-            now, pending = pack(pending)
-            rounds.append(now)
-        return rounds
 
     def _repair(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """Re-pair nodes that have no good node-pair result with nodes proven good, and
@@ -336,14 +336,9 @@ class AdaptivePlanner:
         for pair, x in two.items():
             for n in pair:
                 results[n].append(x)
-        good = sorted(n for n, xs in results.items() if any(not x.bad for x in xs))
+        good = sorted(n for n, xs in results.items() if any(x.cleared for x in xs))
         used: set[str] = set()
         groups = []
-        for pair, x in sorted(two.items(), key=lambda kv: sorted(kv[0])):
-            if x.bad and pair <= set(good) and _instances(x) < 2 and used.isdisjoint(pair):
-                used |= pair
-                a, b = sorted(pair)
-                groups.append(pair_group(self.nodes, a, b, self.shape))
         free = [p for p in good if p not in used]
         lonely = []
         for n in sorted(live):
@@ -376,7 +371,7 @@ class AdaptivePlanner:
             return []
         if not self.search_started:
             self.search_started = True
-            if not _bad(v, "world", self.world.members):
+            if not _suspect(v, "world", self.world.members):
                 return []
             live = tuple(sorted(nodes_of_members(self.world.members)))
             self.active = [_Issued(("within", live, ()))]
@@ -424,25 +419,22 @@ class AdaptivePlanner:
         return self.union_shape.group("inter_node", node_members(self.nodes, union))
 
     def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
-        return _bad(v, "inter_node", node_members(self.nodes, union))
+        # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
+        return _suspect(v, "inter_node", node_members(self.nodes, union))
 
 
 def nodes_of_members(members: Sequence[str]) -> set[str]:
     return {m.rpartition("/")[0] for m in members}
 
 
-def _bad(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
+def _suspect(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
     x = v.get((scope, tuple(sorted(members))))
-    return x is not None and x.bad
+    return x is not None and x.suspect
 
 
 def _slow_pairs(v: Verdicts) -> set[frozenset[str]]:
     return {frozenset(x.nodes) for (scope, _), x in v.items()
             if scope == "inter_node" and len(x.nodes) == 2 and x.bad}
-
-
-def _instances(x: GroupVerdict) -> int:
-    return max((len(items) for items in x.by_op.values()), default=0)
 
 
 def layout_of(ranks: Sequence[RankInfo], only: Sequence[str] | None) -> dict[str, list[int]]:

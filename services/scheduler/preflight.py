@@ -66,7 +66,7 @@ def run_adaptive(
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     rotation: int = 0,
-    max_rounds: int = 96,
+    max_rounds: int = 512,
     progress: Progress | None = None,
     label: str = "round",
 ) -> AdaptiveRun:
@@ -112,7 +112,7 @@ def run_preflight(
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     deadline_s: float | None = None,
-    max_rounds: int = 96,
+    max_rounds: int = 512,
 ) -> dict[str, Any]:
     """Probe ``nodes`` (all the backend's nodes when None) and return DESIGN.md's verdict.
 

@@ -333,6 +333,9 @@ class RayBackend:
 
     # ---- rounds -------------------------------------------------------------------
 
+    def begin_cycle(self, index: int) -> None:
+        """Nothing to do: real links drift on their own."""
+
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         """Run disjoint groups concurrently; a group past its deadline becomes hang findings."""
         self._check(groups)

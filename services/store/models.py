@@ -277,6 +277,24 @@ class FaultState(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class DriftState(Base):
+    """One place's CUSUM of slight, persistent loss (services.analyzer.drift), keyed by place
+    (``nvlink:node-003``, ``nvlink:node-003:gpus=2,5``, ``nic:node-011``).
+
+    A row exists while the place's score is above zero: a healthy place has none.
+    """
+
+    __tablename__ = "drift_states"
+
+    key: Mapped[str] = mapped_column(Text, primary_key=True)
+    # Accumulated shortfall, in sigmas beyond the slack.
+    score: Mapped[float] = mapped_column(Float)
+    # When the current excursion began, and how many cycles it has lasted.
+    since: Mapped[datetime | None] = mapped_column(TZ)
+    cycles: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
 class Webhook(Base):
     __tablename__ = "webhooks"
 

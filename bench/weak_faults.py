@@ -1,0 +1,184 @@
+"""Weak faults in noisy, uneven fleets: the regime where a fixed ratio fails.
+
+Random sim scenarios of 16-1024 nodes x 8 GPUs with bandwidth faults of 12-25 % loss (up
+to 8 per scenario, every fifth scenario fault-free), measurement noise of 5-8 % and
+per-link variation of 5 %, each through one ``run_preflight`` at default settings, as
+``ringwatch preflight --fabric`` runs it. (Monitoring over cycles, through the real
+scheduler process, API and Postgres, is ``bench.monitoring``.)
+
+Printed: recall by loss band, healthy nodes excluded, fault-free scenarios called healthy,
+the modeled preflight time at 1024 x 8, and a recall curve by loss (10-50 %) and noise
+(2-10 %). Nothing is asserted (docs/analysis.md, "Weak faults").
+
+    python -m bench.run weak_faults            # 30 scenarios, full curve
+    python -m bench.run weak_faults --quick    # 12 scenarios, a coarse curve
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.sim import SimBackend, node_name
+from bench.detection import GPUS, fault_of, faulty_nodes, matches
+from services.scheduler.preflight import run_preflight
+
+LOSS_KINDS = ("nvlink", "nic", "net_path")
+
+
+@dataclass
+class Tally:
+    found: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    total: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    healthy_nodes: int = 0
+    false_excluded: int = 0
+    false_findings: int = 0
+    clean: int = 0
+    clean_healthy: int = 0
+    fabric_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    worst: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def recall(self, band: str) -> str:
+        f, t = self.found[band], self.total[band]
+        return f"{f / t:.3f} ({f}/{t})" if t else "n/a"
+
+
+def band_of(loss: float) -> str:
+    return ">=15%" if loss >= 0.15 - 1e-9 else "12-15%"
+
+
+def scenario(rng: random.Random, nodes: int, n_faults: int, *, noise: float, variation: float,
+             loss: tuple[float, float]) -> dict[str, Any]:
+    picked = rng.sample(range(nodes), min(nodes, 2 * n_faults))
+    faults = []
+    for k in range(min(n_faults, len(picked) // 2)):
+        a, b = node_name(picked[2 * k]), node_name(picked[2 * k + 1])
+        factor = round(1.0 - rng.uniform(*loss), 3)
+        faults.append(fault_of(rng.choice(LOSS_KINDS), a, b, factor,
+                               sorted(rng.sample(range(GPUS), 2))))
+    return {"nodes": nodes, "gpus_per_node": GPUS, "gpu": "H100-SXM", "noise": round(noise, 3),
+            "variation": variation, "seed": rng.randrange(1 << 30), "faults": faults}
+
+
+def score(sc: dict[str, Any], findings: list[dict[str, Any]], exclude: list[str],
+          t: Tally) -> None:
+    bad_nodes = faulty_nodes(sc)
+    t.healthy_nodes += sc["nodes"] - len(bad_nodes)
+    false = sorted(set(exclude) - bad_nodes)
+    t.false_excluded += len(false)
+    t.false_findings += sum(not any(matches(x, f) for x in sc["faults"]) for f in findings)
+    if not sc["faults"]:
+        t.clean += 1
+        t.clean_healthy += not findings
+    for fault in sc["faults"]:
+        band = band_of(1.0 - fault["factor"])
+        t.total[band] += 1
+        t.found[band] += any(matches(fault, f) for f in findings)
+    if false:
+        t.worst.append((len(false), sc["nodes"], ",".join(false[:4])))
+
+
+def node_count(rng: random.Random) -> int:
+    return int(round(2 ** rng.uniform(4, 10)))
+
+
+def regime(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    """``n`` scenarios of the issue's regime; every fifth fault-free."""
+    out = []
+    for i in range(n):
+        faults = 0 if i % 5 == 4 else rng.randint(1, 8)
+        out.append(scenario(rng, node_count(rng), faults, noise=rng.uniform(0.05, 0.08),
+                            variation=0.05, loss=(0.12, 0.25)))
+    return out
+
+
+def preflight(scenarios: list[dict[str, Any]]) -> Tally:
+    t = Tally()
+    for sc in scenarios:
+        started = time.perf_counter()
+        v = run_preflight(SimBackend(sc), None)
+        t.wall_s.append(time.perf_counter() - started)
+        t.fabric_s.append(v["duration_s"])
+        score(sc, v["findings"], v["exclude"], t)
+    return t
+
+
+def report(name: str, t: Tally) -> None:
+    print(f"\n{name}")
+    print(f"  recall, loss >= 15 %:       {t.recall('>=15%')}")
+    print(f"  recall, loss 12-15 %:       {t.recall('12-15%')}")
+    share = 100.0 * t.false_excluded / t.healthy_nodes if t.healthy_nodes else 0.0
+    print(f"  healthy nodes excluded:     {t.false_excluded} of {t.healthy_nodes} ({share:.3f} %)")
+    print(f"  findings matching no fault: {t.false_findings}")
+    print(f"  fault-free scenarios healthy: {t.clean_healthy} of {t.clean}")
+    print(f"  fabric s per check: mean {statistics.mean(t.fabric_s):.2f}, "
+          f"max {max(t.fabric_s):.2f}; wall s mean {statistics.mean(t.wall_s):.2f}, "
+          f"max {max(t.wall_s):.2f}")
+    for count, nodes, which in sorted(t.worst, reverse=True)[:3]:
+        print(f"    {count} healthy node(s) excluded of {nodes}: {which}")
+
+
+def at_scale(rng: random.Random) -> None:
+    print("\npreflight at 1024 x 8 (noise 8 %, variation 5 %)")
+    print(f"  {'faults':>6} {'rounds':>6} {'fabric_s':>9} {'wall_s':>7} {'found':>7}")
+    for faults in (0, 8):
+        sc = scenario(rng, 1024, faults, noise=0.08, variation=0.05, loss=(0.12, 0.25))
+        started = time.perf_counter()
+        v = run_preflight(SimBackend(sc), None)
+        wall = time.perf_counter() - started
+        found = sum(any(matches(x, f) for f in v["findings"]) for x in sc["faults"])
+        print(f"  {faults:>6} {v['rounds']:>6} {v['duration_s']:>9.2f} {wall:>7.1f} "
+              f"{found:>3}/{faults:<3}")
+
+
+def curve(rng: random.Random, losses: Sequence[float], noises: Sequence[float],
+          per_cell: int, nodes: int) -> None:
+    print(f"\nrecall by loss (rows) and noise (columns): preflight, {nodes} x 8, variation 5 %, "
+          f"{per_cell} scenarios of 4 faults per cell")
+    print("  loss  " + "".join(f"{f'{n:.0%}':>8}" for n in noises))
+    for loss in losses:
+        row = []
+        for noise in noises:
+            t = Tally()
+            for _ in range(per_cell):
+                sc = scenario(rng, nodes, 4, noise=noise, variation=0.05,
+                              loss=(loss, loss))
+                v = run_preflight(SimBackend(sc), None)
+                score(sc, v["findings"], v["exclude"], t)
+            found = sum(t.found.values())
+            total = sum(t.total.values())
+            row.append(f"{found / total:8.2f}" if total else "     n/a")
+        print(f"  {loss:4.0%}  " + "".join(row))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.weak_faults", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seed", type=int, default=13)
+    p.add_argument("--only", choices=("preflight", "scale", "curve"))
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    started = time.perf_counter()
+    scenarios = regime(rng, 12 if args.quick else 30)
+    if args.only in (None, "preflight"):
+        report("preflight (one check per scenario)", preflight(scenarios))
+    if args.only in (None, "scale"):
+        at_scale(rng)
+    if args.only in (None, "curve"):
+        losses = (0.1, 0.2, 0.3, 0.5) if args.quick else (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
+        noises = (0.02, 0.06, 0.1) if args.quick else (0.02, 0.04, 0.06, 0.08, 0.1)
+        curve(rng, losses, noises, 1 if args.quick else 3, 64)
+    print(f"\nbenchmark wall time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Weak faults in noisy, uneven fleets: a link's own normal, repeated evidence, and a path
+search that one unlucky measurement cannot mislead (docs/analysis.md, "Weighing evidence")."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agents.sim import SimBackend
+from agents.spec import Measurement, RoundResult, nodes_of
+from services.analyzer.assess import Thresholds
+from services.analyzer.evidence import DEGRADED, HEALTHY, UNDECIDED, Weighing, weigh
+from services.analyzer.judge import judge
+from services.scheduler.preflight import run_preflight
+
+SIM = Thresholds(degraded_ratio=0.85)
+
+
+def intra(node: int, busbw: float) -> Measurement:
+    members = [f"node-{node:03d}/{g}" for g in range(8)]
+    return Measurement(op="allreduce", scope="intra_node", members=members, size_bytes=1 << 28,
+                       dtype="float32", warmup=5, iters=20, time_us=1.0, algbw_gbs=busbw,
+                       busbw_gbs=busbw, wrong=0)
+
+
+def test_a_link_always_slower_but_stable_is_normal_for_itself():
+    rng = random.Random(3)
+    noisy = [100.0 * (1 + rng.gauss(0, 0.05)) for _ in range(16)]
+    ms = [intra(n, bw) for n, bw in enumerate(noisy)]
+    # node-005 has always run 5 % under its peers, with the same jitter as they have.
+    slow = intra(5, 95.0)
+    ms[5] = slow
+    history = {("allreduce", "intra_node", 1 << 28, "float32", tuple(sorted(slow.members))):
+               [95.0 * (1 + rng.gauss(0, 0.05)) for _ in range(50)]}
+    j = judge(ms, [], thresholds=SIM, history=history)
+    assert j.findings == []
+    mine = next(a for a in j.assessments if a.measurement is slow)
+    assert mine.source == "history" and mine.ratio == pytest.approx(1.0, abs=0.06)
+    # Without its history the same link is judged against its peers: 5 % under them is
+    # not a finding either, but it is no longer "its own normal".
+    bare = judge(ms, [], thresholds=SIM)
+    assert next(a for a in bare.assessments if a.measurement is slow).source == "peers"
+
+
+def test_the_weighing_needs_repeats_under_noise_and_decides_a_true_loss():
+    w = Weighing()
+    rng = random.Random(11)
+    healthy = [1.0 + rng.gauss(0, 0.08) for _ in range(w.max_repeats)]
+    lossy = [0.82 * (1 + rng.gauss(0, 0.08)) for _ in range(w.max_repeats)]
+    first = weigh(healthy[:1], noise=0.08, variation=0.03, centre_se=0.005, w=w)
+    assert first.decision == UNDECIDED  # one measurement under 8 % noise decides nothing
+    assert weigh(healthy, noise=0.08, variation=0.03, centre_se=0.005, w=w).decision == HEALTHY
+    bad = weigh(lossy, noise=0.08, variation=0.03, centre_se=0.005, w=w)
+    assert bad.decision == DEGRADED and bad.confidence > 0.95
+    # A link whose lasting offset could explain its mean is never decided degraded.
+    offset = [0.94] * 50
+    assert weigh(offset, noise=0.08, variation=0.03, centre_se=0.0,
+                 w=Weighing(max_repeats=100)).decision != DEGRADED
+
+
+def sim(nodes: int, faults: list[dict], *, noise: float, seed: int) -> dict:
+    return {"nodes": nodes, "gpus_per_node": 8, "gpu": "H100-SXM", "noise": noise,
+            "variation": 0.05, "seed": seed, "faults": faults}
+
+
+def test_a_fault_of_15_percent_under_8_percent_noise_is_found():
+    # One seeded fleet; how often such faults are found over many is the benchmark's
+    # figure (make bench: weak_faults), not a test's.
+    seed = 3
+    faults = [{"kind": "nvlink", "node": "node-006", "gpus": [2, 5], "factor": 0.85},
+              {"kind": "nic", "node": "node-019", "factor": 0.85}]
+    v = run_preflight(SimBackend(sim(32, faults, noise=0.08, seed=seed)), None)
+    found = {(f["kind"], f.get("node"), tuple(f.get("gpus") or ())) for f in v["findings"]}
+    assert ("nvlink_degraded", "node-006", (2, 5)) in found
+    assert ("nic_degraded", "node-019", ()) in found
+    assert set(v["exclude"]) == {"node-006", "node-019"}
+    named = [f for f in v["findings"] if f["kind"] == "nvlink_degraded"]
+    assert 0.5 < named[0]["confidence"] <= 1.0
+
+
+class GlitchOnce(SimBackend):
+    """The sim, with the first group of many nodes the path search runs measured at half
+    its speed once: one unlucky measurement in the middle of the search."""
+
+    glitched = 0
+
+    def run_round(self, groups):
+        out: RoundResult = super().run_round(groups)
+        for m in out.measurements:
+            if (not self.glitched and m.scope == "inter_node"
+                    and len(nodes_of(m.members)) > 2 and m.op == "alltoall"):
+                m.busbw_gbs *= 0.5
+                m.algbw_gbs *= 0.5
+                self.glitched = 1
+        return out
+
+
+def test_a_noisy_measurement_in_the_slow_path_search_excludes_no_healthy_node():
+    faults = [{"kind": "net_path", "nodes": ["node-004", "node-027"], "factor": 0.6}]
+    backend = GlitchOnce(sim(32, faults, noise=0.03, seed=5))
+    v = run_preflight(backend, None)
+    assert backend.glitched == 1
+    assert v["exclude"] == []
+    assert [(f["kind"], f.get("nodes")) for f in v["findings"]] == [
+        ("net_path_degraded", ["node-004", "node-027"])]
