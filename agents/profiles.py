@@ -156,10 +156,10 @@ def detect(gpu_name: str | None, instance: str | None = None,
     return best[1] if best else None
 
 
-def scope_class(members: list[str] | tuple[str, ...]) -> str:
-    """``nvlink`` when every member is on one node, else ``network``."""
-    nodes = {m.rpartition("/")[0] for m in members}
-    return "nvlink" if len(nodes) == 1 else "network"
+def scope_class(nodes: list[str] | tuple[str, ...]) -> str:
+    """``nvlink`` for a group on one node (its distinct ``nodes``, as
+    ``Measurement.nodes`` gives them), else ``network``."""
+    return "nvlink" if len(set(nodes)) == 1 else "network"
 
 
 def rated_busbw(profile: Profile, op: str, members: list[str] | tuple[str, ...],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Any, Literal, Protocol
 
 Scope = Literal["intra_node", "gpu_pair", "inter_node", "world"]
@@ -167,6 +168,13 @@ class Measurement:
     # bandwidth-bound sizes: below a fraction of it the link is degraded whatever its
     # peers do.
     rated_gbs: float | None = None
+
+    @cached_property
+    def nodes(self) -> list[str]:
+        """The distinct nodes of ``members`` (``nodes_of``), worked out once: the judgement
+        asks it of every measurement after every round of a check, and a world group's
+        members run to thousands."""
+        return nodes_of(self.members)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -24,10 +24,15 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from agents.sim import SimBackend, node_name
-from bench.detection import GPUS, fault_of, faulty_nodes, matches
+from agents.spec import Measurement
+from bench.detection import GPUS, fault_of, faulty_nodes, matches, node_count
+from services.analyzer.assess import Assessment
+from services.analyzer.drift import drift_observations, step_drift
+from services.analyzer.evidence import CusumPolicy
 from services.scheduler.preflight import run_preflight
 
 LOSS_KINDS = ("nvlink", "nic", "net_path")
@@ -84,10 +89,6 @@ def score(sc: dict[str, Any], findings: list[dict[str, Any]], exclude: list[str]
         t.found[band] += any(matches(fault, f) for f in findings)
     if false:
         t.worst.append((len(false), sc["nodes"], ",".join(false[:4])))
-
-
-def node_count(rng: random.Random) -> int:
-    return int(round(2 ** rng.uniform(4, 10)))
 
 
 def regime(rng: random.Random, n: int) -> list[dict[str, Any]]:
@@ -159,11 +160,66 @@ def curve(rng: random.Random, losses: Sequence[float], noises: Sequence[float],
         print(f"  {loss:4.0%}  " + "".join(row))
 
 
+def _intra_cycle(nodes: int, losses: Sequence[float], sigma: float,
+                 rng: random.Random) -> list[Assessment]:
+    """One cycle's judged intra-node assessments (two ops per node), each ratio drawn about
+    1 - the node's loss with ``sigma``: what the drift detector is fed per place."""
+    out = []
+    for n in range(nodes):
+        members = [f"node-{n:05d}/{g}" for g in range(GPUS)]
+        for op in ("allreduce", "alltoall"):
+            ratio = (1 - losses[n]) + rng.gauss(0, sigma)
+            m = Measurement(op=op, scope="intra_node", members=members, size_bytes=1 << 28,
+                            dtype="float32", warmup=5, iters=20, time_us=1.0,
+                            algbw_gbs=100 * ratio, busbw_gbs=100 * ratio, wrong=0)
+            out.append(Assessment(measurement=m, expected_gbs=100.0, ratio=ratio, bad=False,
+                                  source="history", spread=sigma))
+    return out
+
+
+def _alarms(losses: Sequence[float], cycles: int, policy: CusumPolicy,
+            rng: random.Random) -> list[int | None]:
+    """Each place's first cycle in alarm (None: never), its loss lasting from cycle 0."""
+    states: dict[str, dict[str, Any]] = {}
+    first: list[int | None] = [None] * len(losses)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    for c in range(cycles):
+        obs = drift_observations(_intra_cycle(len(losses), losses, 0.05, rng))
+        states, findings = step_drift(states, obs, t0 + timedelta(minutes=5 * c), policy)
+        for f in findings:
+            i = int((f.node or "node-0")[5:])
+            if first[i] is None:
+                first[i] = c
+    return first
+
+
+def drift(rng: random.Random, quick: bool) -> None:
+    """The drift detector (services.analyzer.drift) as monitoring feeds it, per place: mean
+    cycles from the onset of a lasting loss to the alarm, and alarms of healthy places."""
+    places = 100 if quick else 400
+    healthy_cycles = 100 if quick else 250
+    print(f"\nslow drift: cycles from the onset of a lasting loss to the alarm "
+          f"({places} places each, noise 5 %, two ops per place)")
+    sigmas = (0.75, 1.0, 1.5, 2.0, 3.0)
+    print("  threshold " + "".join(f"{f'{x:g} sigma':>10}" for x in sigmas)
+          + f"{'false alarms':>26}")
+    for h in (8.0, 12.0):
+        policy = CusumPolicy(threshold=h)
+        row = []
+        for x in sigmas:
+            found = [c for c in _alarms([x * 0.05] * places, 200, policy, rng) if c is not None]
+            row.append(f"{statistics.mean(found) + 1:10.1f}" if found else "         -")
+        healthy = _alarms([0.0] * places, healthy_cycles, policy, rng)
+        alarmed = sum(c is not None for c in healthy)
+        print(f"  h = {h:<5g} " + "".join(row)
+              + f"{alarmed:>6} in {places * healthy_cycles} place-cycles")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.weak_faults", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=13)
-    p.add_argument("--only", choices=("preflight", "scale", "curve"))
+    p.add_argument("--only", choices=("preflight", "scale", "curve", "drift"))
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     started = time.perf_counter()
@@ -172,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report("preflight (one check per scenario)", preflight(scenarios))
     if args.only in (None, "scale"):
         at_scale(rng)
+    if args.only in (None, "drift"):
+        drift(rng, args.quick)
     if args.only in (None, "curve"):
         losses = (0.1, 0.2, 0.3, 0.5) if args.quick else (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
         noises = (0.02, 0.06, 0.1) if args.quick else (0.02, 0.04, 0.06, 0.08, 0.1)

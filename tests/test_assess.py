@@ -11,10 +11,11 @@ from services.analyzer.assess import (
     Thresholds,
     assess,
     history_baseline,
-    history_expected,
     leave_one_out_quantile,
     link_key,
+    own_normal,
 )
+from services.analyzer.localize import group_verdicts
 
 
 def meas(members, busbw, *, op="allreduce", scope="inter_node", size=1 << 22) -> Measurement:
@@ -80,7 +81,7 @@ def test_history_expectation_from_median_and_mad():
     past = [100.0, 101.0, 99.0, 100.5, 99.5, 100.0]
     b = history_baseline(past)
     assert b is not None and b.median == 100.0 and b.count == 6
-    assert history_expected(past[:3]) is None  # too little history
+    assert own_normal(past[:3]) is None  # too little history
     lone = meas(pair(0, 1), 60.0)
     out = assess([lone], history={link_key(lone): past})
     assert out[0].source == "history" and out[0].bad
@@ -91,19 +92,23 @@ def test_history_expectation_from_median_and_mad():
 def test_noisy_history_widens_the_expectation():
     noisy = [100.0, 92.0, 108.0, 95.0, 105.0, 100.0]
     quiet = [100.0] * 6
-    e_noisy = history_expected(noisy)
-    e_quiet = history_expected(quiet)
-    assert e_noisy is not None and e_quiet is not None and e_noisy < e_quiet
+    lone = meas(pair(0, 1), 97.0, scope="world")
+    [a_noisy] = assess([lone], history={link_key(lone): noisy})
+    [a_quiet] = assess([lone], history={link_key(lone): quiet})
+    assert a_noisy.source == a_quiet.source == "history"
+    assert a_noisy.spread > a_quiet.spread and a_noisy.centre_se > a_quiet.centre_se
 
 
 @given(st.lists(st.floats(1e-3, 1e3), min_size=5, max_size=50))
 def test_a_history_never_yields_an_expectation_no_loss_could_miss(values):
-    """However noisy the history, an expectation is either None ("no baseline") or high
-    enough that losing half the median bandwidth reads as degraded."""
-    t = Thresholds()
-    e = history_expected(values, t)
-    median = float(np.median(values))
-    assert e is None or median * t.critical_ratio < e * t.degraded_ratio + 1e-9
+    """However noisy the history, the link's own normal is either None ("no baseline") or
+    narrow enough that losing half its median bandwidth is decided degraded at once."""
+    normal = own_normal(values)
+    if normal is None:
+        return
+    lone = meas(pair(0, 1), normal.median * 0.5, scope="world")
+    [v] = group_verdicts(assess([lone], history={link_key(lone): values})).values()
+    assert v.bad
 
 
 def test_a_link_too_noisy_for_a_baseline_says_so():

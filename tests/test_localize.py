@@ -65,8 +65,6 @@ def test_gpu_slow_with_every_partner_is_named_as_the_gpu():
     # Eight GPUs: GPU 2 is slow with each of its seven partners, the other 21 pairs fine.
     pairs = [gpu_pair(3, a, b, 40.0 if 2 in (a, b) else 100.0)
              for a in range(8) for b in range(a + 1, 8)]
-    for m in pairs:
-        m.members = [f"node-003/{x.split('/')[1]}" for x in m.members]
     found = run(ms + pairs)
     assert len(found) == 1 and found[0].gpu == 2 and found[0].severity == "critical"
 

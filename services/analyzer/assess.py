@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agents.spec import Measurement, split_member
-from services.analyzer.evidence import Weighing
+from agents.spec import Measurement
+from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]
@@ -88,9 +88,12 @@ class Assessment:
     judged: bool = True
     # How far healthy links of this kind sit from the expectation: the relative spread of
     # the source (peers: noise and between-link variation together; history: the link's
-    # own scatter), and the relative standard error of the expectation itself.
+    # own scatter), the relative standard error of the expectation itself, and how far a
+    # healthy link may sit from it for good (none from its own normal; the between-link
+    # variation from its peers' or a hardware figure).
     spread: float = 0.0
     centre_se: float = 0.0
+    variation: float = 0.0
     # Explained by a fleet-wide shortfall (analyzer.shortfall): not weighed against its link.
     explained: bool = False
 
@@ -122,24 +125,17 @@ def history_baseline(values: Sequence[float], window: int = 50) -> Baseline | No
     return Baseline(median, float(np.median(np.abs(recent - median))), int(recent.size))
 
 
-def history_expected(values: Sequence[float], t: Thresholds = Thresholds()) -> float | None:
-    """What the link's own history says it should do, or None with too little history.
-
-    The median is the expectation; the MAD only widens it where the link is naturally
-    noisy, so a jittery link is not called degraded for its usual jitter.
-    """
+def own_normal(values: Sequence[float], t: Thresholds = Thresholds()) -> Baseline | None:
+    """The link's own history as its normal (median and MAD of the last values), or None:
+    too little of it, or so noisy that even a critical loss would pass as its usual jitter
+    (``history_mad_k`` sigmas below the median reach the critical ratio). Saying so beats
+    an expectation that no measurement could ever miss."""
     b = history_baseline(values, t.history_window)
     if b is None or b.count < t.min_history:
         return None
-    # 1.4826 * MAD estimates a normal sigma; the floor keeps a too-quiet history usable.
-    sigma = 1.4826 * b.mad
-    floor = b.median - t.history_mad_k * sigma
-    if floor < t.critical_ratio * b.median:
-        # So noisy that even a critical loss would pass as its usual jitter: no baseline.
-        # Saying so beats an expectation near zero that no measurement can ever miss.
+    if b.median - t.history_mad_k * MAD_TO_SIGMA * b.mad < t.critical_ratio * b.median:
         return None
-    # Expressed as the expectation whose degraded threshold lands on ``floor``.
-    return min(b.median, floor / t.degraded_ratio)
+    return b
 
 
 def leave_one_out_quantile(values: np.ndarray, q: float) -> np.ndarray:
@@ -177,8 +173,6 @@ class PeerCentre:
     value: float
     spread: float
     count: int
-    # True when the centre is a high quantile (few peers), not the median.
-    quantile: bool
 
 
 def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds
@@ -200,7 +194,7 @@ def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds
         spread = _relative_spread(values)
         for ix, e in zip(idx, leave_one_out_quantile(values, q), strict=True):
             if np.isfinite(e) and e > 0:
-                centre = PeerCentre(float(e), spread, len(idx) - 1, few)
+                centre = PeerCentre(float(e), spread, len(idx) - 1)
                 for i in ix:
                     out[i] = centre
     return out
@@ -218,7 +212,7 @@ def _relative_spread(values: np.ndarray) -> float:
     logs = np.log(values[values > 0])
     if logs.size < 2:
         return 0.0
-    return float(1.4826 * np.median(np.abs(logs - np.median(logs))))
+    return float(MAD_TO_SIGMA * np.median(np.abs(logs - np.median(logs))))
 
 
 # A hardware figure is reached by healthy links to within about this (relative, one sigma):
@@ -228,50 +222,46 @@ PRESET_VARIATION = 0.03
 
 @dataclass(frozen=True)
 class Chosen:
+    """An expectation and how uncertain it is (``Assessment``'s fields of the same names)."""
+
     value: float | None
     source: str
     spread: float = 0.0
     centre_se: float = 0.0
-    # Explained by a fleet-wide shortfall (analyzer.shortfall): not weighed against its link.
-    explained: bool = False
-
-
-def _own_normal(past: Sequence[float] | None, t: Thresholds) -> Baseline | None:
-    """The link's own history as a baseline, or None: too little of it, or so noisy that
-    even a critical loss would pass as its usual jitter (an expectation no measurement could
-    miss says nothing)."""
-    if not past or history_expected(past, t) is None:
-        return None
-    return history_baseline(past, t.history_window)
+    variation: float = 0.0
 
 
 def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
-            t: Thresholds) -> Chosen:
+            t: Thresholds, paths: float | None = None) -> Chosen:
     """The link's own normal first, where it has one and it lies within its peers' healthy
     band (a link always a little slower than its peers is normal for itself; one always far
     slower has been faulty from the start). Then its peers, measured under the same
-    conditions. Then the hardware preset; and a preset floors whatever was chosen."""
+    conditions. Then the hardware model, which also floors whatever was chosen; for a group
+    of many nodes, ``paths``: the model at the share this run's node pairs reach of it."""
+    w = t.weighing
     floor = preset * t.preset_floor if preset is not None and preset > 0 else None
     chosen: Chosen | None = None
     if own is not None and own.median > 0:
-        spread = 1.4826 * own.mad / own.median
-        centre_se = 1.2533 * max(spread, t.weighing.min_noise) / math.sqrt(own.count)
-        if peer is None or own.median >= peer.value * (1 - _peer_band(t)):
+        spread = MAD_TO_SIGMA * own.mad / own.median
+        centre_se = MEDIAN_SE * max(spread, w.min_noise) / math.sqrt(own.count)
+        if peer is None or own.median >= peer.value * (1 - w.band_z * w.variation_prior):
             chosen = Chosen(own.median, "history", spread, centre_se)
     if chosen is None and peer is not None:
-        se = 1.2533 * peer.spread / math.sqrt(max(peer.count, 1))
-        chosen = Chosen(peer.value, "peers", peer.spread, se)
-    if chosen is not None and chosen.value is not None:
-        if floor is not None and chosen.value < floor:
-            return Chosen(floor, "preset", PRESET_VARIATION, 0.0)
+        se = MEDIAN_SE * peer.spread / math.sqrt(max(peer.count, 1))
+        chosen = Chosen(peer.value, "peers", peer.spread, se, w.variation_prior)
+    if chosen is not None and chosen.value is not None and (floor is None or chosen.value >= floor):
         return chosen
+    if paths is not None:
+        return Chosen(paths, "paths", w.variation_prior, 0.0, w.variation_prior)
+    if chosen is not None and floor is not None:
+        return Chosen(floor, "preset", PRESET_VARIATION, 0.0, PRESET_VARIATION)
     if preset is not None and preset > 0:
-        return Chosen(preset, "preset", PRESET_VARIATION, 0.0)
+        return Chosen(preset, "preset", PRESET_VARIATION, 0.0, PRESET_VARIATION)
     return Chosen(None, "none")
 
 
 def _is_union(m: Measurement) -> bool:
-    return m.scope in ("inter_node", "world") and len({split_member(x)[0] for x in m.members}) > 2
+    return m.scope in ("inter_node", "world") and len(m.nodes) > 2
 
 
 def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None],
@@ -283,18 +273,10 @@ def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None],
     shares: dict[tuple[str, int, str], list[float]] = defaultdict(list)
     for m, preset in zip(ms, presets, strict=True):
         if (m.scope == "inter_node" and preset and m.busbw_gbs > 0
-                and len({split_member(x)[0] for x in m.members}) == 2):
+                and len(m.nodes) == 2):
             shares[(m.op, m.size_bytes, m.dtype)].append(m.busbw_gbs / preset)
     return {key: float(np.median(v)) * (1 - 2 * t.weighing.variation_prior)
             for key, v in shares.items() if len(v) >= 3}
-
-
-def _peer_band(t: Thresholds) -> float:
-    """How far below its peers a healthy link may sit for good: ``band_z`` between-link
-    standard deviations (a link further down has been slow from the start, and its own
-    history is no normal to hold it to)."""
-    w = t.weighing
-    return w.band_z * w.variation_prior
 
 
 def assess(
@@ -316,12 +298,10 @@ def assess(
     paths = _path_efficiency(ms, presets, t)
     out: list[Assessment] = []
     for m, peer, is_judged, preset in zip(ms, peers, judged, presets, strict=True):
-        own = _own_normal(history.get(link_key(m)) if history else None, t)
-        c = _choose(peer, own, preset, t)
-        if c.source == "preset" and preset and _is_union(m):
-            efficiency = paths.get((m.op, m.size_bytes, m.dtype))
-            if efficiency is not None:
-                c = Chosen(preset * efficiency, "paths", t.weighing.variation_prior, 0.0)
+        past = history.get(link_key(m)) if history else None
+        share = paths.get((m.op, m.size_bytes, m.dtype)) if preset and _is_union(m) else None
+        c = _choose(peer, own_normal(past, t) if past else None, preset, t,
+                    preset * share if preset and share is not None else None)
         value, source = c.value, c.source
         ratio = m.busbw_gbs / value if value else None
         bad = is_judged and ratio is not None and ratio < t.degraded_ratio
@@ -333,6 +313,6 @@ def assess(
             measurement=m, expected_gbs=value, ratio=ratio, bad=bad,
             source=source if is_judged else "latency",
             severity=t.severity(ratio) if bad and ratio is not None else None,
-            judged=is_judged, spread=c.spread, centre_se=c.centre_se,
+            judged=is_judged, spread=c.spread, centre_se=c.centre_se, variation=c.variation,
         ))
     return out

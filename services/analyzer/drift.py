@@ -21,7 +21,7 @@ from datetime import datetime
 from statistics import NormalDist
 from typing import Any
 
-from agents.spec import Finding, split_member
+from agents.spec import Finding, nodes_of, split_member
 from services.analyzer.assess import Assessment
 from services.analyzer.evidence import Cusum, CusumPolicy
 from services.analyzer.faults import fault_key
@@ -132,7 +132,7 @@ def drift_observations(assessments: Iterable[Assessment]) -> dict[str, Observati
     pairs: dict[str, list[_Reading]] = defaultdict(list)
     out: dict[str, Observation] = {}
     for (scope, members), by_op in sorted(groups.items()):
-        nodes = sorted({split_member(x)[0] for x in members})
+        nodes = sorted(nodes_of(members))
         readings = [_reading(items) for _, items in sorted(by_op.items())]
         if scope == "intra_node" and len(nodes) == 1:
             intra[nodes[0]] += [(members, r) for r in readings]
@@ -169,7 +169,7 @@ def confidence(score: float, policy: CusumPolicy) -> float:
     this logistic: even odds (0.5) exactly at the threshold, rising with score/threshold
     (with the defaults 0.88 at S = h + 2, 0.98 at h + 4, the most a score is kept at). So
     it lies in (0.5, 1) for every place in alarm, and grows with the evidence as
-    ``Sprt.confidence`` does."""
+    ``evidence.weigh``'s confidence does."""
     k, h = policy.slack, policy.threshold
     x = score / h if h > 0 else math.inf
     c = 1.0 / (1.0 + math.exp(-max(min(2 * k * h * (x - 1.0), 50.0), -50.0)))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
-from services.analyzer.assess import PRESET_VARIATION, Assessment
+from services.analyzer.assess import Assessment
 from services.analyzer.evidence import (
     Decision,
     Weighing,
@@ -25,7 +25,9 @@ from services.analyzer.evidence import (
 
 # Best PCIe Gen5 x16 P2P copy rates sit near 55 GB/s; NVLink pairs do several times that.
 PCIE_CEILING_GBS = 64.0
-# A NIC is blamed when at least this share of its node-pair groups are slow.
+# A NIC is blamed when at least this share of its decided node-pair groups are slow;
+# then again, at the lower share, among the pairs no NIC blamed so far explains (a weak
+# NIC one partner cleared, its other two pairs slow).
 NIC_BAD_SHARE = 0.75
 NIC_BAD_SHARE_SECOND = 0.6
 
@@ -43,10 +45,8 @@ class GroupVerdict:
     nodes: tuple[str, ...]
     by_op: dict[str, list[Assessment]] = field(default_factory=dict)
     weighing: Weighing = field(default_factory=Weighing)
-    # Per-measurement noise by op, and the between-link variation of each kind of group
-    # (``variation_key``), measured over the whole run (``group_verdicts``).
+    # Per-measurement noise by op, measured over the whole run (``group_verdicts``).
     noise: Mapping[str, float] = field(default_factory=dict)
-    variation: Mapping[tuple[str, str, int], float] = field(default_factory=dict)
     _decisions: dict[str, Decision] | None = field(default=None, repr=False)
 
     @property
@@ -65,21 +65,13 @@ class GroupVerdict:
         spread = max(statistics.median(a.spread for a in live), self.weighing.min_noise)
         centre_se = statistics.median(a.centre_se for a in live)
         noise = self.noise.get(op)
-        source = live[0].source
         if noise is None:
             # Nothing repeated yet to tell noise from lasting offsets. One measurement's
             # ratio scatters by the peers' spread, whatever its parts; the mean of several
             # is given no credit for averaging until the noise is measured.
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
-        elif source == "peers":
-            variation = self.variation.get(variation_key(self.scope, op, self.members),
-                                           self.weighing.variation_prior)
-        elif source == "preset":
-            variation = PRESET_VARIATION
-        elif source == "paths":
-            variation = self.weighing.variation_prior
         else:
-            variation = 0.0
+            variation = statistics.median(a.variation for a in live)
         return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
                      centre_se=centre_se, w=self.weighing)
 
@@ -136,7 +128,6 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     w = weighing or Weighing()
     out: dict[GroupKey, GroupVerdict] = {}
     noise: dict[str, float] = {}
-    variation: dict[tuple[str, str, int], float] = {}
     for a in assessments:
         m = a.measurement
         if not a.judged or a.ratio is None:
@@ -144,15 +135,10 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         members = tuple(sorted(m.members))
         key = (m.scope, members)
         if key not in out:
-            out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w, noise=noise,
-                                    variation=variation)
+            out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w, noise=noise)
         out[key].by_op.setdefault(m.op, []).append(a)
     noise.update(measured_noise(out.values()))
     return out
-
-
-def variation_key(scope: str, op: str, members: tuple[str, ...]) -> tuple[str, str, int]:
-    return (scope, op, len(members))
 
 
 def measured_noise(verdicts: Iterable[GroupVerdict]) -> dict[str, float]:
@@ -306,41 +292,55 @@ def _two_node(verdicts: dict[GroupKey, GroupVerdict], blamed: set[str]) -> list[
             if scope == "inter_node" and len(v.nodes) == 2 and not blamed.intersection(v.nodes)]
 
 
-def nic_needs_more_partners(groups: list[GroupVerdict]) -> bool:
-    """True while a node's node-pair results can't yet decide its NIC either way: no
-    partner cleared it, and fewer than two found it slow (one slow pair may be its path,
-    an undecided one is no evidence)."""
+def nic_needs_more_partners(node: str, groups: list[GroupVerdict], proven: set[str]) -> bool:
+    """True while ``node``'s node-pair results can't yet decide its NIC either way: no
+    partner cleared it, and fewer than two ``proven`` partners (each cleared with someone
+    else) found it slow. A pair with a partner that is itself slow with everyone says
+    nothing of this node's NIC, and an undecided one is no evidence."""
     if any(v.cleared for v in groups):
         return False
-    return sum(v.bad for v in groups) < 2
+    return len(_slow_with_proven(node, groups, proven)) < 2
 
 
-def _nic_findings(pairs: list[GroupVerdict], share: float = NIC_BAD_SHARE) -> list[Finding]:
-    """A node slow with (nearly) every partner, while a partner is fine elsewhere: its NIC."""
+def _slow_with_proven(node: str, groups: list[GroupVerdict], proven: set[str]
+                      ) -> list[GroupVerdict]:
+    return [v for v in groups if v.bad and set(v.nodes) - {node} <= proven]
+
+
+def by_node(pairs: Iterable[GroupVerdict]) -> dict[str, list[GroupVerdict]]:
+    """Each node's node-pair groups."""
     of_node: dict[str, list[GroupVerdict]] = defaultdict(list)
     for v in pairs:
         for n in v.nodes:
             of_node[n].append(v)
-    fine = {n for n, vs in of_node.items() if any(v.cleared for v in vs)}
+    return of_node
+
+
+def _nic_findings(pairs: list[GroupVerdict], share: float = NIC_BAD_SHARE) -> list[Finding]:
+    """A node slow with (nearly) every partner, while a partner is fine elsewhere: its NIC."""
+    of_node = by_node(pairs)
+    proven = proven_nodes(of_node)
     out = []
     for node, vs in sorted(of_node.items()):
         bad = [v for v in vs if v.bad]
         decided = [v for v in vs if v.bad or v.cleared]
-        partners = {n for v in bad for n in v.nodes} - {node}
-        if len(bad) >= 2 and len(bad) >= share * len(decided) and partners & fine:
+        if (len(_slow_with_proven(node, vs, proven)) >= 2
+                and len(bad) >= share * len(decided)):
             out.append(_finding("nic_degraded", bad, node=node))
     return out
+
+
+def proven_nodes(of_node: Mapping[str, list[GroupVerdict]]) -> set[str]:
+    """Nodes with a node-pair group decided healthy: their NIC is fine."""
+    return {n for n, vs in of_node.items() if any(v.cleared for v in vs)}
 
 
 def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
     """Slow node pairs whose two ends are each proven elsewhere (a pair of theirs cleared)
     and slow with no other partner: only then is the path, not an end's NIC, to blame. A
     node slow with two partners but not enough for its NIC stays a suspect, unnamed."""
-    of_node: dict[str, list[GroupVerdict]] = defaultdict(list)
-    for v in pairs:
-        for n in v.nodes:
-            of_node[n].append(v)
-    proven = {n for n, vs in of_node.items() if any(v.cleared for v in vs)}
+    of_node = by_node(pairs)
+    proven = proven_nodes(of_node)
     doubtful = {n for n, vs in of_node.items() if sum(v.bad for v in vs) >= 2}
     return [v for v in pairs
             if v.bad and set(v.nodes) <= proven and not doubtful.intersection(v.nodes)]

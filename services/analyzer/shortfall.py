@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from agents.profiles import scope_class
-from agents.spec import Finding, split_member
+from agents.spec import Finding
 from services.analyzer.assess import Assessment
 
 KIND = "fabric_below_rated"
@@ -39,8 +39,8 @@ def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], li
         m = a.measurement
         if not a.judged or a.ratio is None or not (m.rated_gbs or m.preset_gbs):
             continue
-        cls = scope_class(m.members)
-        for node in {split_member(x)[0] for x in m.members}:
+        cls = scope_class(m.nodes)
+        for node in m.nodes:
             judged[cls][node].append(i)
     out = list(assessments)
     findings = []
@@ -50,7 +50,7 @@ def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], li
         if cls == "network" and short_nvlink:
             for idx in by_node.values():
                 for i in idx:
-                    nodes = {split_member(x)[0] for x in out[i].measurement.members}
+                    nodes = set(out[i].measurement.nodes)
                     if nodes <= short_nvlink and _below(out[i]):
                         out[i] = replace(out[i], bad=False, explained=True)
         below = sorted(n for n, idx in by_node.items() if all(_below(out[i]) for i in idx))

@@ -14,7 +14,12 @@ from typing import TypeVar
 
 from agents.matchings import circle_matching, circle_matchings
 from agents.spec import GroupSpec, RankInfo, member
-from services.analyzer.localize import GroupVerdict, nic_needs_more_partners
+from services.analyzer.localize import (
+    GroupVerdict,
+    by_node,
+    nic_needs_more_partners,
+    proven_nodes,
+)
 
 T = TypeVar("T")
 Nodes = dict[str, list[int]]
@@ -72,6 +77,9 @@ def world_group(nodes: Nodes, names: Sequence[str], shape: ProbeShape) -> GroupS
 # ("within"), or every pair with one node in ``a`` and one in ``b`` ("across").
 Region = tuple[str, tuple[str, ...], tuple[str, ...]]
 MAX_REPAIR_ROUNDS = 4
+# A check's hard stop: with every group decided in at most ``Weighing.max_repeats``
+# measurements a plan ends well before it; reaching it means a plan that would not end.
+MAX_ROUNDS = 512
 
 
 def split(items: Sequence[T], parts: int) -> list[list[T]]:
@@ -202,7 +210,7 @@ class AdaptivePlanner:
     round count: O(g) + O(1) + O(log N) per slow path.
     """
 
-    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = 512,
+    def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = MAX_ROUNDS,
                  rotation: int = 0) -> None:
         self.nodes = nodes
         # Which node-pair matching of the round-robin tournament a large fleet gets: a
@@ -219,7 +227,6 @@ class AdaptivePlanner:
         self.rounds = 0
         self.phase = "intra"
         self.pair_rounds: list[list[GroupSpec]] = []
-        self.awaiting_pairs: set[str] = set()
         self.matching_rounds: list[list[GroupSpec]] = []
         self.repairs = 0
         # Nodes paired by the fallback for fleets with no proven node (once each), and
@@ -244,8 +251,14 @@ class AdaptivePlanner:
         # decided is measured again (only the undecided ops, at the judged size), so no
         # step prunes, pairs or blames on one unlucky measurement.
         repeats = self._repeats(v, blamed)
+        if self.phase == "repair" and (self.pair_rounds or self.matching_rounds):
+            # Rounds planned ahead (GPU-pair and node-pair matchings) wait on no decision
+            # of the rounds before them: they go on, and repeats fill the ranks left free.
+            planned = ((self.pair_rounds.pop(0) if self.pair_rounds else [])
+                       + (self.matching_rounds.pop(0) if self.matching_rounds else []))
+            return pack(planned + repeats)[0]
         if repeats:
-            return repeats
+            return pack(repeats)[0]
         if self.phase == "intra":
             self.phase = "pairs"
             groups = intra_round(self.nodes, self.shape)
@@ -257,7 +270,7 @@ class AdaptivePlanner:
             if groups:
                 return groups
         if self.phase == "repair":
-            groups = self._gpu_pairs_and_repairs(v, blamed)
+            groups = self._repairs(v, blamed)
             if groups:
                 return groups
             self.phase = "world"
@@ -281,6 +294,7 @@ class AdaptivePlanner:
         return []
 
     def _repeats(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        """Every group not yet decided, for its undecided ops at the judged size."""
         pending = []
         for (scope, members), x in sorted(v.items()):
             ops = x.pending_ops
@@ -290,7 +304,7 @@ class AdaptivePlanner:
                                          warmup=self.shape.warmup, iters=self.shape.iters,
                                          deadline_s=self.shape.deadline_s,
                                          redop=self.shape.redop))
-        return pack(pending)[0]
+        return pending
 
     def _first_pairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """GPU-pair round 1 on suspect nodes, beside one node-pair matching of the rest."""
@@ -299,7 +313,6 @@ class AdaptivePlanner:
         suspects = [n for n in sorted(self.nodes)
                     if _suspect(v, "intra_node", node_members(self.nodes, [n]))]
         self.pair_rounds = gpu_pair_rounds(self.nodes, suspects, self.pair_shape)
-        self.awaiting_pairs = {n for n in suspects if len(self.nodes[n]) >= 3}
         others = [n for n in sorted(self.nodes) if n not in blamed and n not in suspects]
         # A small fleet meets every pair (at most 7 rounds): one matching alone would leave
         # a lone node-pair group with no peers to be judged against. A large one gets the
@@ -314,16 +327,15 @@ class AdaptivePlanner:
         first = self.matching_rounds.pop(0) if self.matching_rounds else []
         return (self.pair_rounds.pop(0) if self.pair_rounds else []) + first
 
-    def _gpu_pairs_and_repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        groups = self.pair_rounds.pop(0) if self.pair_rounds else []
-        if not groups:
-            self.awaiting_pairs = set()
-        if self.matching_rounds:
-            return groups + self.matching_rounds.pop(0)
-        repairs = self._repair(v, blamed | self.awaiting_pairs) if self.repairs < MAX_REPAIR_ROUNDS else []
+    def _repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+        """A re-pair round, once the planned GPU-pair and node-pair rounds have run and
+        every group of theirs is decided."""
+        if self.repairs >= MAX_REPAIR_ROUNDS:
+            return []
+        repairs = self._repair(v, blamed)
         if repairs:
             self.repairs += 1
-        return groups + repairs
+        return repairs
 
     def _repair(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """Re-pair nodes that have no good node-pair result with nodes proven good, and
@@ -333,16 +345,15 @@ class AdaptivePlanner:
         two = {frozenset(x.nodes): x for (scope, _), x in v.items()
                if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
         results: dict[str, list[GroupVerdict]] = {n: [] for n in live}
-        for pair, x in two.items():
-            for n in pair:
-                results[n].append(x)
-        good = sorted(n for n, xs in results.items() if any(x.cleared for x in xs))
+        results.update(by_node(two.values()))
+        proven = proven_nodes(results)
+        good = sorted(proven)
         used: set[str] = set()
         groups = []
         free = [p for p in good if p not in used]
         lonely = []
         for n in sorted(live):
-            if n in good or n in used or not nic_needs_more_partners(results[n]):
+            if n in good or n in used or not nic_needs_more_partners(n, results[n], proven):
                 continue
             partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
             if partner is not None:
@@ -383,13 +394,15 @@ class AdaptivePlanner:
         return self._issue()
 
     def _waits(self, item: _Issued) -> bool:
-        """An across region waits for pending within regions on its nodes: a slow pair
-        inside one side makes every union with that side slow until it is known."""
+        """An across region waits for pending smaller regions on its nodes (within ones,
+        and across ones closer to a pair): a slow pair among its nodes makes every union
+        holding both ends slow until it is known, and then its split keeps them apart."""
         kind, a, b = item.region
         if kind != "across":
             return False
         mine = set(a) | set(b)
-        return any(o.region[0] == "within" and not mine.isdisjoint(o.region[1])
+        return any(not mine.isdisjoint(_region_nodes(o.region))
+                   and (o.region[0] == "within" or len(_region_nodes(o.region)) < len(mine))
                    for o in self.active if o is not item)
 
     def _advance(self, item: _Issued, v: Verdicts) -> list[_Issued]:
@@ -421,6 +434,10 @@ class AdaptivePlanner:
     def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
         return _suspect(v, "inter_node", node_members(self.nodes, union))
+
+
+def _region_nodes(region: Region) -> set[str]:
+    return set(region[1]) | set(region[2])
 
 
 def nodes_of_members(members: Sequence[str]) -> set[str]:

@@ -21,7 +21,13 @@ from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
 from services.config import get_settings
 from services.scheduler.deadlines import group_deadline_s
-from services.scheduler.planner import DEFAULT_OPS, AdaptivePlanner, ProbeShape, layout_of
+from services.scheduler.planner import (
+    DEFAULT_OPS,
+    MAX_ROUNDS,
+    AdaptivePlanner,
+    ProbeShape,
+    layout_of,
+)
 
 Progress = Callable[[str], None]
 
@@ -66,7 +72,7 @@ def run_adaptive(
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     rotation: int = 0,
-    max_rounds: int = 512,
+    max_rounds: int = MAX_ROUNDS,
     progress: Progress | None = None,
     label: str = "round",
 ) -> AdaptiveRun:
@@ -112,7 +118,7 @@ def run_preflight(
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     deadline_s: float | None = None,
-    max_rounds: int = 512,
+    max_rounds: int = MAX_ROUNDS,
 ) -> dict[str, Any]:
     """Probe ``nodes`` (all the backend's nodes when None) and return DESIGN.md's verdict.
 
