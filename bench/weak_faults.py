@@ -129,15 +129,18 @@ def report(name: str, t: Tally) -> None:
 
 def at_scale(rng: random.Random) -> None:
     print("\npreflight at 1024 x 8 (noise 8 %, variation 5 %)")
-    print(f"  {'faults':>6} {'rounds':>6} {'fabric_s':>9} {'wall_s':>7} {'found':>7}")
+    print(f"  {'faults':>6} {'rounds':>6} {'fabric_s':>9} {'wall_s':>7} {'found':>7} "
+          f"{'false':>6} {'healthy excluded':>17}")
     for faults in (0, 8):
         sc = scenario(rng, 1024, faults, noise=0.08, variation=0.05, loss=(0.12, 0.25))
         started = time.perf_counter()
         v = run_preflight(SimBackend(sc), None)
         wall = time.perf_counter() - started
         found = sum(any(matches(x, f) for f in v["findings"]) for x in sc["faults"])
+        false = sum(not any(matches(x, f) for x in sc["faults"]) for f in v["findings"])
+        excluded = len(set(v["exclude"]) - faulty_nodes(sc))
         print(f"  {faults:>6} {v['rounds']:>6} {v['duration_s']:>9.2f} {wall:>7.1f} "
-              f"{found:>3}/{faults:<3}")
+              f"{found:>3}/{faults:<3} {false:>6} {excluded:>17}")
 
 
 def curve(rng: random.Random, losses: Sequence[float], noises: Sequence[float],
