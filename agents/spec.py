@@ -176,6 +176,12 @@ class Measurement:
         members run to thousands."""
         return nodes_of(self.members)
 
+    @cached_property
+    def group(self) -> tuple[str, ...]:
+        """``members`` sorted: the group's identity whatever the ring order, worked out
+        once (as ``nodes``)."""
+        return tuple(sorted(self.members))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()

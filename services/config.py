@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -53,6 +53,17 @@ class Settings(BaseSettings):
     # services.analyzer.evidence.CusumPolicy (docs/analysis.md, "Slow drift").
     drift_threshold: float = Field(default=CusumPolicy.threshold, gt=0)
     drift_slack: float = Field(default=CusumPolicy.slack, gt=0)
+    # Weighing a group's repeated measurements (a sequential test per group; on gloo the
+    # plain two-of-two rule instead): the chance one decision calls a healthy link slow, and
+    # misses a loss of ``min_loss``; the least loss worth finding; the most measurements
+    # one decision may take; how far healthy links of one kind differ for good (one sigma,
+    # relative; a run that measures it smaller uses its own figure). Unset: the analyzer's
+    # defaults (services.analyzer.evidence.Weighing; docs/analysis.md, "Weighing evidence").
+    false_alarm: float | None = Field(default=None, gt=0, lt=0.5)
+    miss: float | None = Field(default=None, gt=0, lt=0.5)
+    min_loss: float | None = Field(default=None, gt=0, lt=1)
+    max_repeats: int | None = Field(default=None, ge=1, le=100)
+    link_variation: float | None = Field(default=None, ge=0, lt=0.5)
     # The largest request body the API reads (a 1024 x 8 cycle's batch is a few MB).
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
     # Backpressure: batches stored at once, how long another waits for a turn before a 503
@@ -125,6 +136,12 @@ class Settings(BaseSettings):
         from services.analyzer.assess import thresholds_for
 
         t = replace(thresholds_for(backend), rated_floor=self.rated_floor)
+        weighing: dict[str, Any] = {name: value for name, value in (
+            ("false_alarm", self.false_alarm), ("miss", self.miss), ("min_loss", self.min_loss),
+            ("max_repeats", self.max_repeats), ("variation_prior", self.link_variation))
+            if value is not None}
+        if weighing:
+            t = replace(t, weighing=replace(t.weighing, **weighing))
         return t if self.degraded_ratio is None else replace(t, degraded_ratio=self.degraded_ratio)
 
     @property

@@ -123,9 +123,10 @@ def test_scheduler_measures_its_duty_cycle(backend, api, tmp_path) -> None:
             stop.set()
 
     shipper = Shipper(api, TOKEN, tmp_path / "spool")
-    # A 50 % budget: the scheduler stretches the 0.05 s interval to keep to it.
+    # A 50 % budget: the scheduler stretches the 1 ms interval to keep to it (a cycle holds
+    # a rank far longer than that; at 50 ms a short cycle did not always).
     cycles = run_scheduler(backend, shipper, ProbeOptions(sizes=(1 << 16,), warmup=1, iters=2),
-                           interval_s=0.05, once=False, stop=stop, progress=progress,
+                           interval_s=0.001, once=False, stop=stop, progress=progress,
                            max_duty=0.5)
     assert cycles == 3
     assert any(line.startswith("waiting") and "under 50.00%" in line for line in lines)

@@ -136,3 +136,61 @@ def test_expectation_falls_back_from_history_to_peers_to_profile() -> None:
     [history] = assess([link], history={link_key(link): [10.0] * 50})
     assert profile.variation > history.variation == 0.0
     assert assess([_world(1.0)])[0].source == "none"
+
+
+def test_a_group_its_lasting_offset_keeps_undecided_stops_before_its_repeats_run_out() -> None:
+    # 5 % under its expectation with little noise: with links spreading 3 % for good, no
+    # number of repeats would decide it, and the test says so long before the cap.
+    stuck = weigh([0.95] * 4, noise=0.005, variation=0.03, centre_se=0.0, w=W)
+    assert stuck.decision == HEALTHY and stuck.exhausted and stuck.repeats < W.max_repeats
+    # One at 11 % under is as stuck, but leaning slow: measured on (a loss that is there
+    # shows itself), and a suspect, never an exclusion, if its repeats run out.
+    slow_side = weigh([0.89] * 4, noise=0.005, variation=0.03, centre_se=0.0, w=W)
+    assert slow_side.decision == UNDECIDED and slow_side.pending
+    assert weigh([0.89] * W.max_repeats, noise=0.005, variation=0.03, centre_se=0.0,
+                 w=W).decision == UNDECIDED
+    # Under 8 % noise the mean of two may yet move either way: measured again.
+    early = weigh([0.93, 0.95], noise=0.08, variation=0.03, centre_se=0.0, w=W)
+    assert early.decision == UNDECIDED and early.pending
+    # The log-likelihood ratio says which way the evidence leans.
+    assert slow_side.llr > 0 > stuck.llr
+
+
+def test_a_run_measures_how_alike_its_links_are_where_noise_allows() -> None:
+    from services.analyzer.localize import group_verdicts
+
+    def fleet(variation: float, noise: float, seed: int) -> dict:
+        rng = np.random.default_rng(seed)
+        offsets = 1 + rng.normal(0, variation, 200)
+        ms = [intra_group(n, 100 * o * (1 + rng.normal(0, noise))) for n, o in enumerate(offsets)]
+        # Every fourth group measured again: the run's own noise figure.
+        ms += [intra_group(n, 100 * offsets[n] * (1 + rng.normal(0, noise)))
+               for n in range(0, 200, 4)]
+        verdicts = group_verdicts(assess(ms), W)
+        return next(iter(verdicts.values())).variation
+
+    alike = fleet(0.003, 0.02, 1)
+    [(kind, figure)] = alike.items()
+    assert kind[:2] == ("allreduce", "intra_node") and W.min_variation <= figure < 0.02
+    uneven = fleet(0.08, 0.02, 2)
+    assert list(uneven.values())[0] > W.variation_prior
+    # Under 8 % noise one run cannot tell 0.3 % from 3 %: the prior stands.
+    assert fleet(0.003, 0.08, 3) == {}
+
+
+def intra_group(node: int, busbw: float) -> Measurement:
+    return Measurement(op="allreduce", scope="intra_node",
+                       members=[f"node-{node:04d}/{g}" for g in range(8)], size_bytes=1 << 28,
+                       dtype="float32", warmup=5, iters=20, time_us=1.0, algbw_gbs=busbw,
+                       busbw_gbs=busbw, wrong=0)
+
+
+def test_a_union_is_expected_at_its_slowest_path() -> None:
+    from services.analyzer.assess import slowest_path_share
+
+    assert slowest_path_share(2, 0.03) == pytest.approx(1.0)
+    shares = [slowest_path_share(k, 0.03) for k in (2, 4, 16, 64, 1024)]
+    assert shares == sorted(shares, reverse=True)
+    # 1024 nodes: half a million paths, the least of them about 4.8 sigmas down.
+    assert shares[-1] == pytest.approx(np.exp(-0.03 * 4.8), rel=0.01)
+    assert slowest_path_share(64, 0.0) == 1.0

@@ -114,6 +114,7 @@ import math  # noqa: E402
 
 from agents.spec import Measurement  # noqa: E402
 from services.analyzer.assess import Assessment  # noqa: E402
+from services.analyzer.evidence import Weighing  # noqa: E402
 from services.analyzer.localize import GroupVerdict  # noqa: E402
 from services.scheduler.planner import (  # noqa: E402
     gpu_pair_rounds,
@@ -282,3 +283,34 @@ def _judged(groups, slow):
                       else 10.0, wrong=0)
           for g in groups for op in g.ops]
     return group_verdicts(assess(ms, Thresholds(), expected=lambda m: 10.0))
+
+
+def _leaning(scope, members, ratio):
+    """A group measured once at ``ratio`` of a path model, under 3 % noise the run has
+    measured: slow enough to lean slow, not enough to decide."""
+    m = Measurement(op="alltoall", scope=scope, members=list(members), size_bytes=1,
+                    dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=ratio,
+                    busbw_gbs=ratio, wrong=0)
+    v = GroupVerdict(scope, tuple(sorted(members)), tuple(sorted(nodes_of(members))),
+                     noise={"alltoall": 0.03})
+    v.by_op["alltoall"] = [Assessment(m, 1.0, ratio, False, "paths", spread=0.03,
+                                      variation=0.03)]
+    return v
+
+
+def test_a_group_that_only_steers_the_plan_is_followed_up_not_remeasured_once_it_leans_slow():
+    nodes = layout(8, 1)
+    planner = AdaptivePlanner(nodes, ProbeShape(sizes=(1,)))
+    union = [f"node-00{i}/0" for i in range(4)]
+    pair = ["node-004/0", "node-005/0"]
+    verdicts = {("inter_node", tuple(union)): _leaning("inter_node", union, 0.88),
+                ("inter_node", tuple(pair)): _leaning("inter_node", pair, 0.88)}
+    d = verdicts[("inter_node", tuple(union))].decisions["alltoall"]
+    assert d.pending and d.llr >= Weighing().follow_up_llr
+    # The node pair names a path, so it is weighed until decided; the union only says
+    # where to search, and the search keeps it anyway (not cleared).
+    again = {g.members for g in planner._repeats(verdicts, set())}
+    assert again == {tuple(pair)}
+    # One that barely leans slow is measured again all the same.
+    verdicts[("inter_node", tuple(union))] = _leaning("inter_node", union, 0.95)
+    assert len(planner._repeats(verdicts, set())) == 2

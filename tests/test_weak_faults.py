@@ -104,3 +104,59 @@ def test_a_noisy_measurement_in_the_slow_path_search_excludes_no_healthy_node():
     assert v["exclude"] == []
     assert [(f["kind"], f.get("nodes")) for f in v["findings"]] == [
         ("net_path_degraded", ["node-004", "node-027"])]
+
+
+def test_a_check_the_round_cap_stops_says_it_is_incomplete():
+    scenario = sim(32, [{"kind": "net_path", "nodes": ["node-003", "node-017"], "factor": 0.8}],
+                   noise=0.08, seed=5)
+    cut = run_preflight(SimBackend(scenario), None, max_rounds=3)
+    assert cut["rounds"] == 3 and cut["complete"] is False and cut["undecided"] > 0
+    full = run_preflight(SimBackend({**scenario, "faults": []}), None)
+    assert full["complete"] is True
+
+
+def test_the_error_rates_are_settings(monkeypatch):
+    from services.config import Settings
+
+    monkeypatch.setenv("RINGWATCH_FALSE_ALARM", "0.001")
+    monkeypatch.setenv("RINGWATCH_MAX_REPEATS", "8")
+    monkeypatch.setenv("RINGWATCH_LINK_VARIATION", "0.05")
+    w = Settings().thresholds("sim").weighing
+    assert (w.false_alarm, w.max_repeats, w.variation_prior, w.miss) == (
+        0.001, 8, 0.05, Weighing().miss)
+    monkeypatch.setenv("RINGWATCH_MISS", "0.7")
+    with pytest.raises(ValueError):
+        Settings()
+
+
+def test_a_gross_nic_fault_among_four_nodes_is_found_though_half_the_pairs_are_slow():
+    # Three of the six node pairs run through the bad NIC: their peers spread so widely
+    # that, alone, they would leave the centre too uncertain to decide anything; the
+    # hardware model agreeing with the healthy half bounds that uncertainty.
+    scenario = {"nodes": 4, "gpus_per_node": 2, "seed": 1,
+                "faults": [{"kind": "nic", "node": "node-002", "factor": 0.4}]}
+    v = run_preflight(SimBackend(scenario), None)
+    assert v["exclude"] == ["node-002"]
+    assert [f["kind"] for f in v["findings"]] == ["nic_degraded"]
+
+
+def test_a_union_is_judged_by_its_path_model_not_by_its_few_peers():
+    from services.analyzer.assess import assess, slowest_path_share
+
+    def group(nodes: list[int], busbw: float) -> Measurement:
+        members = [f"node-{n:03d}/{g}" for n in nodes for g in range(2)]
+        return Measurement(op="alltoall", scope="inter_node", members=members,
+                           size_bytes=1 << 28, dtype="float32", warmup=5, iters=20,
+                           time_us=1.0, algbw_gbs=busbw, busbw_gbs=busbw, wrong=0)
+
+    pairs = [group([2 * i, 2 * i + 1], 90.0 + i) for i in range(5)]
+    # Four unions of four nodes: two hold a slow path and pull the peers' centre apart.
+    unions = [group([0, 1, 2, 3], 88.0), group([4, 5, 6, 7], 87.0),
+              group([0, 1, 4, 5], 60.0), group([2, 3, 6, 7], 61.0)]
+    out = assess(pairs + unions, SIM, expected=lambda m: 100.0)
+    judged = out[len(pairs):]
+    assert {a.source for a in judged} == {"paths"}
+    expected = 92.0 * slowest_path_share(4, SIM.weighing.variation_prior)
+    assert judged[0].expected_gbs == pytest.approx(expected)
+    assert judged[0].ratio is not None and judged[0].ratio > 0.95
+    assert judged[2].ratio is not None and judged[2].ratio < 0.7

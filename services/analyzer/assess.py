@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -112,7 +113,7 @@ def peer_key(m: Measurement) -> PeerKey:
 
 
 def link_key(m: Measurement) -> LinkKey:
-    return (m.op, m.scope, m.size_bytes, m.dtype, tuple(sorted(m.members)))
+    return (m.op, m.scope, m.size_bytes, m.dtype, m.group)
 
 
 def history_baseline(values: Sequence[float], window: int = 50) -> Baseline | None:
@@ -161,9 +162,9 @@ def judged_flags(measurements: Sequence[Measurement]) -> list[bool]:
     """True for the largest size each group ran an op at: smaller sizes are latency-bound."""
     largest: dict[tuple[str, str, tuple[str, ...]], int] = {}
     for m in measurements:
-        key = (m.op, m.scope, tuple(sorted(m.members)))
+        key = (m.op, m.scope, m.group)
         largest[key] = max(largest.get(key, 0), m.size_bytes)
-    return [m.size_bytes == largest[(m.op, m.scope, tuple(sorted(m.members)))] for m in measurements]
+    return [m.size_bytes == largest[(m.op, m.scope, m.group)] for m in measurements]
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds
     work. A group's value is the geometric mean of its measurements."""
     by_key: dict[PeerKey, dict[tuple[str, ...], list[int]]] = defaultdict(dict)
     for i, m in enumerate(measurements):
-        by_key[peer_key(m)].setdefault(tuple(sorted(m.members)), []).append(i)
+        by_key[peer_key(m)].setdefault(m.group, []).append(i)
     out: list[PeerCentre | None] = [None] * len(measurements)
     for groups in by_key.values():
         if len(groups) - 1 < max(t.min_peers, 1):
@@ -248,6 +249,12 @@ def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
             chosen = Chosen(own.median, "history", spread, centre_se)
     if chosen is None and peer is not None:
         se = MEDIAN_SE * peer.spread / math.sqrt(max(peer.count, 1))
+        if preset is not None and preset > 0 and abs(math.log(peer.value / preset)) <= (
+                w.band_z * PRESET_VARIATION):
+            # The hardware model agrees with the peers: the centre is known at least as well
+            # as the model is. Few peers, half of them slow (one bad NIC among four nodes),
+            # spread widely, and would otherwise leave no loss decidable.
+            se = min(se, PRESET_VARIATION)
         chosen = Chosen(peer.value, "peers", peer.spread, se, w.variation_prior)
     if chosen is not None and chosen.value is not None and (floor is None or chosen.value >= floor):
         return chosen
@@ -264,19 +271,25 @@ def _is_union(m: Measurement) -> bool:
     return m.scope in ("inter_node", "world") and len(m.nodes) > 2
 
 
-def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None],
-                     t: Thresholds) -> dict[tuple[str, int, str], float]:
-    """What a group of many nodes should reach, as a share of its hardware model: it loads
-    every path between its nodes and runs at the slowest, so not at the node pairs' median
-    but below it by the spread healthy paths have (two between-link standard deviations).
-    Learned from this run's node pairs, per (op, size, dtype); none where no pair ran."""
+def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None]
+                     ) -> dict[tuple[str, int, str], float]:
+    """The share of its hardware model a healthy node pair reaches in this run: the node
+    pairs' median, per (op, size, dtype); none where fewer than three pairs ran."""
     shares: dict[tuple[str, int, str], list[float]] = defaultdict(list)
     for m, preset in zip(ms, presets, strict=True):
         if (m.scope == "inter_node" and preset and m.busbw_gbs > 0
                 and len(m.nodes) == 2):
             shares[(m.op, m.size_bytes, m.dtype)].append(m.busbw_gbs / preset)
-    return {key: float(np.median(v)) * (1 - 2 * t.weighing.variation_prior)
-            for key, v in shares.items() if len(v) >= 3}
+    return {key: float(np.median(v)) for key, v in shares.items() if len(v) >= 3}
+
+
+def slowest_path_share(nodes: int, variation: float) -> float:
+    """Where a healthy group of ``nodes`` nodes runs, as a share of its median node pair: it
+    loads every path between its nodes and runs at the slowest, the expected least of
+    nodes * (nodes - 1) / 2 paths whose lasting offsets spread by ``variation`` (normal: a
+    bounded spread ends sooner, so this errs low, towards fewer false leads)."""
+    paths = max(nodes * (nodes - 1) // 2, 1)
+    return math.exp(-variation * NormalDist().inv_cdf(1.0 - 1.0 / (paths + 1)))
 
 
 def assess(
@@ -295,13 +308,18 @@ def assess(
     peers = _peer_expectations(ms, t)
     judged = judged_flags(ms)
     presets = [expected(m) if expected is not None else None for m in ms]
-    paths = _path_efficiency(ms, presets, t)
+    paths = _path_efficiency(ms, presets)
     out: list[Assessment] = []
     for m, peer, is_judged, preset in zip(ms, peers, judged, presets, strict=True):
         past = history.get(link_key(m)) if history else None
         share = paths.get((m.op, m.size_bytes, m.dtype)) if preset and _is_union(m) else None
-        c = _choose(peer, own_normal(past, t) if past else None, preset, t,
-                    preset * share if preset and share is not None else None)
+        if share is not None:
+            share *= slowest_path_share(len(m.nodes), t.weighing.variation_prior)
+        # A union with a path model is judged by it, not by its peers: the search's unions
+        # of one size are picked because they may hold a slow path, and healthy ones would
+        # sit below a high quantile of so few peers.
+        c = _choose(peer if share is None else None, own_normal(past, t) if past else None,
+                    preset, t, preset * share if preset and share is not None else None)
         value, source = c.value, c.source
         ratio = m.busbw_gbs / value if value else None
         bad = is_judged and ratio is not None and ratio < t.degraded_ratio

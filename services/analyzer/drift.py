@@ -127,7 +127,7 @@ def drift_observations(assessments: Iterable[Assessment]) -> dict[str, Observati
         m = a.measurement
         if a.ratio is None or not a.judged or a.explained or a.bad:
             continue
-        groups[(m.scope, tuple(sorted(m.members)))][m.op].append(a)
+        groups[(m.scope, m.group)][m.op].append(a)
     intra: dict[str, list[tuple[tuple[str, ...], _Reading]]] = defaultdict(list)
     pairs: dict[str, list[_Reading]] = defaultdict(list)
     out: dict[str, Observation] = {}

@@ -98,13 +98,17 @@ class Weighing:
     """
 
     false_alarm: float = 1e-4
-    miss: float = 0.1
+    miss: float = 0.2
     min_loss: float = 0.10
     max_repeats: int = 20
     # How far healthy links of one kind differ from each other for good (one standard
-    # deviation, relative): under noise of several percent a run cannot measure it well
-    # enough to lean on, so it is a setting of the fleet, not an estimate.
+    # deviation, relative): a setting of the fleet, which a run replaces with its own
+    # figure only where it measures it beyond doubt (localize.measured_variation; under
+    # noise of several percent it cannot).
     variation_prior: float = 0.03
+    # What a run that measures its between-link variation may take it down to: links of
+    # one kind are never assumed more alike than this.
+    min_variation: float = 0.005
     # The noise of one measurement is taken as at least this.
     min_noise: float = 0.01
     # False: no test, a group is slow when every measurement of it was (below the
@@ -114,6 +118,14 @@ class Weighing:
     # How far below its peers a link's own normal may sit and still be its normal, in
     # between-link standard deviations (assess._choose).
     band_z: float = 2.5
+    # Futility: a group stops being re-measured once no plausible mean (its own within
+    # this many standard errors of the noise) could pass either bound by ``max_repeats``:
+    # its lasting offset, not the noise, is what keeps it undecided.
+    futility_z: float = 2.0
+    # A group whose verdict only steers the plan (the world group, the path search's
+    # unions, an intra-node group) is followed up instead of re-measured once its
+    # log-likelihood ratio leans slow by this much (odds of about 7 to 1).
+    follow_up_llr: float = 2.0
 
     @property
     def upper(self) -> float:
@@ -152,11 +164,15 @@ class Decision:
     mean_ratio: float
     # The standard deviation of the mean's log ratio the decision was weighed with.
     sigma: float
+    # No repeat worth taking: ``max_repeats`` reached, or none could pass either bound.
     exhausted: bool
     # Decided, but on less evidence than a check should act on when it can measure again
     # (the plain rule's single slow result): the check re-measures it; a batch judged
     # after the fact (monitoring, with hysteresis across cycles) takes it as it stands.
     provisional: bool = False
+    # The log-likelihood ratio of slow against healthy: above 0, the evidence so far leans
+    # slow.
+    llr: float = 0.0
 
     @property
     def pending(self) -> bool:
@@ -178,11 +194,12 @@ def by_majority(bad: Sequence[bool], w: Weighing) -> Decision:
     n = len(bad)
     decision = DEGRADED if n and all(bad) else HEALTHY
     return Decision(decision, 0.9, n, 0.0, 0.0, n >= w.max_repeats,
-                    provisional=decision == DEGRADED and n < 2)
+                    provisional=decision == DEGRADED and n < 2,
+                    llr=1.0 if decision == DEGRADED else -1.0)
 
 
 def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se: float,
-          w: Weighing) -> Decision:
+          w: Weighing, futility: bool = True) -> Decision:
     """Decide on a group's ratios to its expectation: healthy, degraded, or not yet.
 
     The mean ``m`` of the n log ratios is normal about ``log(1 - loss)`` with variance
@@ -192,24 +209,44 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     loss ``m`` suggests: a generalized likelihood ratio) against none;
     ``Decision.confidence`` is the posterior of the decided side at even prior odds. A link
     whose lasting offset alone could explain its mean is never decided degraded, however
-    often it is measured: it stays undecided (a suspect) when its repeats run out.
+    often it is measured: it stays undecided (a suspect) when its repeats run out, or as
+    soon as no plausible mean could pass either bound by then (``futility``; off while the
+    variance itself is a stand-in that repeats will sharpen).
     """
     n = len(ratios)
     if n == 0:
         return Decision(UNDECIDED, 0.5, 0, 1.0, 0.0, False)
+    noise = max(noise, 1e-6)
     m = sum(math.log(max(r, 1e-9)) for r in ratios) / n
-    s2 = variation ** 2 + centre_se ** 2 + max(noise, 1e-6) ** 2 / n
-    # Degraded is composite (any loss of at least min_loss): against the loss the mean
-    # itself suggests where that is larger, so a gross fault decides at once.
-    ell = min(math.log(1.0 - w.min_loss), m)
-    llr = (2.0 * m * ell - ell * ell) / (2.0 * s2)
+    floor = variation ** 2 + centre_se ** 2
+    s2 = floor + noise ** 2 / n
+    llr = _llr(m, s2, w)
+    exhausted = n >= w.max_repeats
+    if futility and not exhausted and w.lower < llr <= 0:
+        # Leaning healthy: would more repeats decide it? Only the noise term shrinks; the
+        # mean may yet move by a few of its standard errors (llr falls as m rises). One
+        # leaning slow is measured on: a loss that is there shows itself with repeats.
+        s2_end = floor + noise ** 2 / w.max_repeats
+        reach = w.futility_z * noise / math.sqrt(n)
+        exhausted = (_llr(m - reach, s2_end, w) < w.upper
+                     and _llr(m + reach, s2_end, w) > w.lower)
     if llr >= w.upper:
         decision = DEGRADED
-    elif llr <= w.lower or (n >= w.max_repeats and llr <= 0):
-        # Out of repeats and more likely healthy than not: nothing to follow up.
+    elif llr <= w.lower or (exhausted and llr <= 0):
+        # No repeat would decide it and it is more likely healthy than not: nothing to
+        # follow up.
         decision = HEALTHY
     else:
         decision = UNDECIDED
     p_bad = 1.0 / (1.0 + math.exp(-max(min(llr, 50.0), -50.0)))
     confidence = p_bad if decision == DEGRADED or (decision == UNDECIDED and llr > 0) else 1 - p_bad
-    return Decision(decision, confidence, n, math.exp(m), math.sqrt(s2), n >= w.max_repeats)
+    return Decision(decision, confidence, n, math.exp(m), math.sqrt(s2), exhausted, llr=llr)
+
+
+def _llr(m: float, s2: float, w: Weighing) -> float:
+    """Log-likelihood ratio of "a loss of at least ``min_loss``" against "none" for a mean
+    log ratio ``m`` of variance ``s2``. Degraded is composite: against the loss the mean
+    itself suggests where that is larger (a generalized likelihood ratio), so a gross fault
+    decides at once."""
+    ell = min(math.log(1.0 - w.min_loss), m)
+    return (2.0 * m * ell - ell * ell) / (2.0 * s2)

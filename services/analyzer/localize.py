@@ -7,6 +7,7 @@ blamed again. The reasoning is laid out in docs/analysis.md.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -16,6 +17,7 @@ from functools import lru_cache
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
 from services.analyzer.assess import Assessment
 from services.analyzer.evidence import (
+    MAD_TO_SIGMA,
     Decision,
     Weighing,
     by_majority,
@@ -32,6 +34,13 @@ NIC_BAD_SHARE = 0.75
 NIC_BAD_SHARE_SECOND = 0.6
 
 GroupKey = tuple[str, tuple[str, ...]]
+# (op, scope, size, ranks): groups that did the same work, whose lasting offsets from
+# each other one run can measure.
+KindKey = tuple[str, str, int, int]
+# A kind's between-group variation is measured from at least this many groups' first
+# measurements; the variance of a MAD-based estimate is 1 / 0.37 of a plain one's.
+MIN_VARIATION_GROUPS = 30
+MAD_VARIANCE_EFFICIENCY = 0.37
 
 
 @dataclass
@@ -45,8 +54,10 @@ class GroupVerdict:
     nodes: tuple[str, ...]
     by_op: dict[str, list[Assessment]] = field(default_factory=dict)
     weighing: Weighing = field(default_factory=Weighing)
-    # Per-measurement noise by op, measured over the whole run (``group_verdicts``).
+    # Per-measurement noise by op, and the between-group variation by kind of group where
+    # the run measured it, over the whole run (``group_verdicts``).
     noise: Mapping[str, float] = field(default_factory=dict)
+    variation: Mapping[KindKey, float] = field(default_factory=dict)
     _decisions: dict[str, Decision] | None = field(default=None, repr=False)
 
     @property
@@ -65,6 +76,7 @@ class GroupVerdict:
         spread = max(statistics.median(a.spread for a in live), self.weighing.min_noise)
         centre_se = statistics.median(a.centre_se for a in live)
         noise = self.noise.get(op)
+        measured = noise is not None
         if noise is None:
             # Nothing repeated yet to tell noise from lasting offsets. One measurement's
             # ratio scatters by the peers' spread, whatever its parts; the mean of several
@@ -72,8 +84,10 @@ class GroupVerdict:
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
             variation = statistics.median(a.variation for a in live)
+            if all(a.source == "peers" for a in live):
+                variation = self.variation.get(_kind(op, self.scope, live[0]), variation)
         return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
-                     centre_se=centre_se, w=self.weighing)
+                     centre_se=centre_se, w=self.weighing, futility=measured)
 
     @property
     def bad(self) -> bool:
@@ -128,16 +142,62 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     w = weighing or Weighing()
     out: dict[GroupKey, GroupVerdict] = {}
     noise: dict[str, float] = {}
+    variation: dict[KindKey, float] = {}
     for a in assessments:
         m = a.measurement
         if not a.judged or a.ratio is None:
             continue
-        members = tuple(sorted(m.members))
+        members = m.group
         key = (m.scope, members)
         if key not in out:
-            out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w, noise=noise)
+            out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w,
+                                    noise=noise, variation=variation)
         out[key].by_op.setdefault(m.op, []).append(a)
     noise.update(measured_noise(out.values()))
+    variation.update(measured_variation(out.values(), noise, w))
+    return out
+
+
+def _kind(op: str, scope: str, a: Assessment) -> KindKey:
+    return (op, scope, a.measurement.size_bytes, len(a.measurement.members))
+
+
+def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, float],
+                       w: Weighing) -> dict[KindKey, float]:
+    """Per kind of group judged against its peers, how far healthy groups sit from each
+    other for good, where this run shows it differs from ``Weighing.variation_prior``.
+
+    Each group's first measurement (every group has one, whatever came of it, so no
+    selection bends the figure) scatters about the peers' centre by variation, noise and
+    the centre's error together; the noise is measured from repeats, so the variation is
+    what is left. The scatter is taken robustly (MAD: faults are outliers). Where the run
+    shows the variation smaller than the prior beyond doubt (two standard errors), the
+    upper end of its estimate is used; where larger beyond doubt, the estimate; else the
+    prior stands (under noise of several percent, one run cannot tell)."""
+    firsts: dict[KindKey, list[float]] = defaultdict(list)
+    centre_se: dict[KindKey, list[float]] = defaultdict(list)
+    for v in verdicts:
+        for op, items in v.by_op.items():
+            live = [a for a in items if not a.explained]
+            if not live or live[0].source != "peers" or not live[0].ratio:
+                continue
+            key = _kind(op, v.scope, live[0])
+            firsts[key].append(math.log(live[0].ratio))
+            centre_se[key].append(live[0].centre_se)
+    prior = w.variation_prior ** 2
+    out: dict[KindKey, float] = {}
+    for key, logs in firsts.items():
+        sigma = noise.get(key[0])
+        if sigma is None or len(logs) < MIN_VARIATION_GROUPS:
+            continue
+        centre = statistics.median(logs)
+        total = (MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in logs)) ** 2
+        var = total - sigma ** 2 - statistics.median(centre_se[key]) ** 2
+        se = total * math.sqrt(2.0 / (MAD_VARIANCE_EFFICIENCY * len(logs)))
+        if var + 2 * se < prior:
+            out[key] = math.sqrt(max(var + 2 * se, w.min_variation ** 2))
+        elif var - 2 * se > prior:
+            out[key] = math.sqrt(var)
     return out
 
 
@@ -185,7 +245,7 @@ def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
     out = []
     for a in sorted(assessments, key=lambda a: a.ratio or 0.0)[:MAX_EVIDENCE]:
         m = a.measurement
-        nodes = _nodes_of(tuple(sorted(m.members)))
+        nodes = _nodes_of(m.group)
         item: dict[str, object] = {"scope": m.scope, "op": m.op, "size_bytes": m.size_bytes,
                                    "ranks": len(m.members), "measured_gbs": round(m.busbw_gbs, 3)}
         if a.expected_gbs is not None:

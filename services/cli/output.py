@@ -31,6 +31,9 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
     if verdict.get("suspects"):
         print(f"suspects (slow in the latest cycle only; --confirm re-probes them): "
               f"{', '.join(verdict['suspects'])}")
+    if verdict.get("complete") is False:
+        print(f"incomplete: the plan reached its round cap with {verdict.get('undecided', 0)} "
+              f"group(s) undecided (never exclusions); the verdict rests on what was decided")
     if verdict.get("unprobed"):
         print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
 

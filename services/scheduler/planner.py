@@ -233,6 +233,8 @@ class AdaptivePlanner:
         # every node pair issued so far (the fallback never repeats one).
         self.lonely_paired: set[str] = set()
         self.issued_pairs: set[frozenset[str]] = set()
+        # How many new partners each node has been given by re-pairing.
+        self.repaired: dict[str, int] = {}
         self.world: GroupSpec | None = None
         self.active: list[_Issued] = []
         self.search_started = False
@@ -257,6 +259,12 @@ class AdaptivePlanner:
             planned = ((self.pair_rounds.pop(0) if self.pair_rounds else [])
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
+        if self.phase == "repair":
+            # A node is re-paired as soon as its own node pairs are decided, beside the
+            # repeats of everyone else's: it waits on no other node's evidence.
+            groups = self._repairs(v, blamed)
+            if groups or repeats:
+                return pack(groups + repeats)[0]
         if repeats:
             return pack(repeats)[0]
         if self.phase == "intra":
@@ -270,9 +278,6 @@ class AdaptivePlanner:
             if groups:
                 return groups
         if self.phase == "repair":
-            groups = self._repairs(v, blamed)
-            if groups:
-                return groups
             self.phase = "world"
         if self.phase == "world":
             self.phase = "search"
@@ -298,6 +303,13 @@ class AdaptivePlanner:
         pending = []
         for (scope, members), x in sorted(v.items()):
             ops = x.pending_ops
+            if ops and _only_steers(scope, x) and all(
+                    x.decisions[op].llr >= x.weighing.follow_up_llr for op in ops):
+                # Nothing is concluded from this group but where to look next, and what is
+                # not cleared is looked into anyway: once it clearly leans slow, its
+                # narrower tests (GPU pairs, the search's smaller unions) run instead of its
+                # repeats.
+                continue
             if ops and blamed.isdisjoint(x.nodes):
                 pending.append(GroupSpec(scope=scope, members=members, ops=ops,
                                          sizes=self.repeat_sizes, dtype=self.shape.dtype,
@@ -328,19 +340,17 @@ class AdaptivePlanner:
         return (self.pair_rounds.pop(0) if self.pair_rounds else []) + first
 
     def _repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        """A re-pair round, once the planned GPU-pair and node-pair rounds have run and
-        every group of theirs is decided."""
-        if self.repairs >= MAX_REPAIR_ROUNDS:
-            return []
-        repairs = self._repair(v, blamed)
-        if repairs:
-            self.repairs += 1
-        return repairs
+        """Re-pairs once the planned GPU-pair and node-pair rounds have run, for nodes
+        whose own node pairs are decided; at most ``MAX_REPAIR_ROUNDS`` new partners per
+        node."""
+        return self._repair(v, blamed, decided_only=True)
 
-    def _repair(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
+    def _repair(self, v: Verdicts, blamed: set[str], decided_only: bool = False
+                ) -> list[GroupSpec]:
         """Re-pair nodes that have no good node-pair result with nodes proven good, and
         re-test slow pairs of two good nodes: a NIC is slow with every partner, a path
-        only between its two ends."""
+        only between its two ends. ``decided_only``: skip a node while a pair of its own
+        is still being measured."""
         live = set(self.nodes) - blamed
         two = {frozenset(x.nodes): x for (scope, _), x in v.items()
                if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
@@ -355,10 +365,14 @@ class AdaptivePlanner:
         for n in sorted(live):
             if n in good or n in used or not nic_needs_more_partners(n, results[n], proven):
                 continue
+            if decided_only and (self.repaired.get(n, 0) >= MAX_REPAIR_ROUNDS
+                                 or any(x.pending_ops for x in results[n])):
+                continue
             partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
             if partner is not None:
                 free.remove(partner)
                 used |= {n, partner}
+                self.repaired[n] = self.repaired.get(n, 0) + 1
                 groups.append(pair_group(self.nodes, n, partner, self.shape))
             elif not results[n] and n not in self.lonely_paired:
                 lonely.append(n)
@@ -434,6 +448,14 @@ class AdaptivePlanner:
     def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
         return _suspect(v, "inter_node", node_members(self.nodes, union))
+
+
+def _only_steers(scope: str, x: GroupVerdict) -> bool:
+    """A group whose verdict only steers what is probed next: the world group and the
+    search's unions (a path is named from node pairs), an intra-node group of three or more
+    ranks (an NVLink from its GPU pairs)."""
+    return (scope == "world" or (scope == "inter_node" and len(x.nodes) > 2)
+            or (scope == "intra_node" and len(x.members) > 2))
 
 
 def _region_nodes(region: Region) -> set[str]:

@@ -61,6 +61,13 @@ class AdaptiveRun:
     wall_s: float = 0.0
     # Seconds each rank spent inside probe groups.
     busy_s: dict[str, float] = field(default_factory=dict)
+    # False when the round cap stopped the plan before it had nothing left to ask.
+    complete: bool = True
+
+    @property
+    def undecided(self) -> int:
+        """Groups the check measured but could not decide either way (never exclusions)."""
+        return sum(1 for v in self.judgement.verdicts.values() if not v.bad and not v.cleared)
 
 
 def run_adaptive(
@@ -104,6 +111,7 @@ def run_adaptive(
         run.measurements += result.measurements
         run.probe_findings += result.findings
         run.judgement = judged(run)
+    run.complete = planner.phase == "done"
     run.wall_s = time.perf_counter() - started
     return run
 
@@ -134,7 +142,9 @@ def run_preflight(
                        max_rounds=max_rounds, progress=progress, label="preflight round")
     return build_verdict(
         backend=backend.name, nodes=list(layout), findings=run.judgement.findings,
-        rounds=run.rounds, duration_s=run.fabric_s, extra={"wall_s": round(run.wall_s, 3)},
+        rounds=run.rounds, duration_s=run.fabric_s,
+        extra={"wall_s": round(run.wall_s, 3), "complete": run.complete,
+               "undecided": run.undecided},
     )
 
 
