@@ -112,7 +112,9 @@ def separated_split(items: Sequence[str], parts: int,
     holding both ends of a known pair would be slow for a reason already known."""
     out = split(list(items), parts)
     ends = {n for pair in known for n in pair}
-    for pair in known:
+    # In a fixed order: the same results must give the same plan in every process (a set's
+    # order follows string hashing, which differs between processes).
+    for pair in sorted(known, key=sorted):
         x, y = sorted(pair)
         home = next((p for p in out if x in p and y in p), None)
         if home is None:
@@ -233,8 +235,6 @@ class AdaptivePlanner:
         # every node pair issued so far (the fallback never repeats one).
         self.lonely_paired: set[str] = set()
         self.issued_pairs: set[frozenset[str]] = set()
-        # How many new partners each node has been given by re-pairing.
-        self.repaired: dict[str, int] = {}
         self.world: GroupSpec | None = None
         self.active: list[_Issued] = []
         self.search_started = False
@@ -259,12 +259,6 @@ class AdaptivePlanner:
             planned = ((self.pair_rounds.pop(0) if self.pair_rounds else [])
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
-        if self.phase == "repair":
-            # A node is re-paired as soon as its own node pairs are decided, beside the
-            # repeats of everyone else's: it waits on no other node's evidence.
-            groups = self._repairs(v, blamed)
-            if groups or repeats:
-                return pack(groups + repeats)[0]
         if repeats:
             return pack(repeats)[0]
         if self.phase == "intra":
@@ -278,6 +272,9 @@ class AdaptivePlanner:
             if groups:
                 return groups
         if self.phase == "repair":
+            groups = self._repairs(v, blamed)
+            if groups:
+                return groups
             self.phase = "world"
         if self.phase == "world":
             self.phase = "search"
@@ -340,17 +337,19 @@ class AdaptivePlanner:
         return (self.pair_rounds.pop(0) if self.pair_rounds else []) + first
 
     def _repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        """Re-pairs once the planned GPU-pair and node-pair rounds have run, for nodes
-        whose own node pairs are decided; at most ``MAX_REPAIR_ROUNDS`` new partners per
-        node."""
-        return self._repair(v, blamed, decided_only=True)
+        """A re-pair round, once the planned GPU-pair and node-pair rounds have run and
+        every group of theirs is decided."""
+        if self.repairs >= MAX_REPAIR_ROUNDS:
+            return []
+        repairs = self._repair(v, blamed)
+        if repairs:
+            self.repairs += 1
+        return repairs
 
-    def _repair(self, v: Verdicts, blamed: set[str], decided_only: bool = False
-                ) -> list[GroupSpec]:
+    def _repair(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """Re-pair nodes that have no good node-pair result with nodes proven good, and
         re-test slow pairs of two good nodes: a NIC is slow with every partner, a path
-        only between its two ends. ``decided_only``: skip a node while a pair of its own
-        is still being measured."""
+        only between its two ends."""
         live = set(self.nodes) - blamed
         two = {frozenset(x.nodes): x for (scope, _), x in v.items()
                if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
@@ -365,14 +364,10 @@ class AdaptivePlanner:
         for n in sorted(live):
             if n in good or n in used or not nic_needs_more_partners(n, results[n], proven):
                 continue
-            if decided_only and (self.repaired.get(n, 0) >= MAX_REPAIR_ROUNDS
-                                 or any(x.pending_ops for x in results[n])):
-                continue
             partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
             if partner is not None:
                 free.remove(partner)
                 used |= {n, partner}
-                self.repaired[n] = self.repaired.get(n, 0) + 1
                 groups.append(pair_group(self.nodes, n, partner, self.shape))
             elif not results[n] and n not in self.lonely_paired:
                 lonely.append(n)
