@@ -63,6 +63,8 @@ def test_preflight_of_a_dead_scheduler_completes_after_restart(server, tmp_path)
     assert body["status"] == "done" and body["attempts"] == 2
     assert body["healthy"] is False and body["exclude"] == ["node-002"]
     assert body["backend"] == "sim"
+    # The scheduler completes it with the verdict `ringwatch preflight` prints, cap and all.
+    assert body["complete"] is True and body["undecided"] >= 0
 
 
 def _scheduler_once(env: dict[str, str], fabric) -> str:

@@ -240,6 +240,11 @@ def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
     conditions. Then the hardware model, which also floors whatever was chosen; for a group
     of many nodes, ``paths``: the model at the share this run's node pairs reach of it."""
     w = t.weighing
+    if paths is not None:
+        # A union with a path model is judged by it, not by its peers: the search's unions
+        # of one size are picked because they may hold a slow path, and healthy ones would
+        # sit below a high quantile of so few peers.
+        peer = None
     floor = preset * t.preset_floor if preset is not None and preset > 0 else None
     chosen: Chosen | None = None
     if own is not None and own.median > 0:
@@ -313,13 +318,9 @@ def assess(
     for m, peer, is_judged, preset in zip(ms, peers, judged, presets, strict=True):
         past = history.get(link_key(m)) if history else None
         share = paths.get((m.op, m.size_bytes, m.dtype)) if preset and _is_union(m) else None
-        if share is not None:
-            share *= slowest_path_share(len(m.nodes), t.weighing.variation_prior)
-        # A union with a path model is judged by it, not by its peers: the search's unions
-        # of one size are picked because they may hold a slow path, and healthy ones would
-        # sit below a high quantile of so few peers.
-        c = _choose(peer if share is None else None, own_normal(past, t) if past else None,
-                    preset, t, preset * share if preset and share is not None else None)
+        union = (preset * share * slowest_path_share(len(m.nodes), t.weighing.variation_prior)
+                 if preset and share is not None else None)
+        c = _choose(peer, own_normal(past, t) if past else None, preset, t, union)
         value, source = c.value, c.source
         ratio = m.busbw_gbs / value if value else None
         bad = is_judged and ratio is not None and ratio < t.degraded_ratio

@@ -193,6 +193,8 @@ def by_majority(bad: Sequence[bool], w: Weighing) -> Decision:
     single slow one is slow provisionally, and a check measures it again."""
     n = len(bad)
     decision = DEGRADED if n and all(bad) else HEALTHY
+    # The plain rule has no likelihood: ``llr`` carries only which way it leaned (below
+    # ``follow_up_llr``, so a provisional slow result is measured again, never skipped).
     return Decision(decision, 0.9, n, 0.0, 0.0, n >= w.max_repeats,
                     provisional=decision == DEGRADED and n < 2,
                     llr=1.0 if decision == DEGRADED else -1.0)

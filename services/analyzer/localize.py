@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
-from services.analyzer.assess import Assessment
+from services.analyzer.assess import Assessment, PeerKey, peer_key
 from services.analyzer.evidence import (
     MAD_TO_SIGMA,
     Decision,
@@ -34,9 +34,6 @@ NIC_BAD_SHARE = 0.75
 NIC_BAD_SHARE_SECOND = 0.6
 
 GroupKey = tuple[str, tuple[str, ...]]
-# (op, scope, size, ranks): groups that did the same work, whose lasting offsets from
-# each other one run can measure.
-KindKey = tuple[str, str, int, int]
 # A kind's between-group variation is measured from at least this many groups' first
 # measurements; the variance of a MAD-based estimate is 1 / 0.37 of a plain one's.
 MIN_VARIATION_GROUPS = 30
@@ -57,7 +54,7 @@ class GroupVerdict:
     # Per-measurement noise by op, and the between-group variation by kind of group where
     # the run measured it, over the whole run (``group_verdicts``).
     noise: Mapping[str, float] = field(default_factory=dict)
-    variation: Mapping[KindKey, float] = field(default_factory=dict)
+    variation: Mapping[PeerKey, float] = field(default_factory=dict)
     _decisions: dict[str, Decision] | None = field(default=None, repr=False)
 
     @property
@@ -85,7 +82,7 @@ class GroupVerdict:
         else:
             variation = statistics.median(a.variation for a in live)
             if all(a.source == "peers" for a in live):
-                variation = self.variation.get(_kind(op, self.scope, live[0]), variation)
+                variation = self.variation.get(peer_key(live[0].measurement), variation)
         return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
                      centre_se=centre_se, w=self.weighing, futility=measured)
 
@@ -142,7 +139,7 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     w = weighing or Weighing()
     out: dict[GroupKey, GroupVerdict] = {}
     noise: dict[str, float] = {}
-    variation: dict[KindKey, float] = {}
+    variation: dict[PeerKey, float] = {}
     for a in assessments:
         m = a.measurement
         if not a.judged or a.ratio is None:
@@ -158,13 +155,10 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     return out
 
 
-def _kind(op: str, scope: str, a: Assessment) -> KindKey:
-    return (op, scope, a.measurement.size_bytes, len(a.measurement.members))
-
-
 def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, float],
-                       w: Weighing) -> dict[KindKey, float]:
-    """Per kind of group judged against its peers, how far healthy groups sit from each
+                       w: Weighing) -> dict[PeerKey, float]:
+    """Per kind of group judged against its peers (``peer_key``: the groups that did the
+    same work), how far healthy groups sit from each
     other for good, where this run shows it differs from ``Weighing.variation_prior``.
 
     Each group's first measurement (every group has one, whatever came of it, so no
@@ -174,18 +168,18 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
     shows the variation smaller than the prior beyond doubt (two standard errors), the
     upper end of its estimate is used; where larger beyond doubt, the estimate; else the
     prior stands (under noise of several percent, one run cannot tell)."""
-    firsts: dict[KindKey, list[float]] = defaultdict(list)
-    centre_se: dict[KindKey, list[float]] = defaultdict(list)
+    firsts: dict[PeerKey, list[float]] = defaultdict(list)
+    centre_se: dict[PeerKey, list[float]] = defaultdict(list)
     for v in verdicts:
-        for op, items in v.by_op.items():
+        for items in v.by_op.values():
             live = [a for a in items if not a.explained]
             if not live or live[0].source != "peers" or not live[0].ratio:
                 continue
-            key = _kind(op, v.scope, live[0])
+            key = peer_key(live[0].measurement)
             firsts[key].append(math.log(live[0].ratio))
             centre_se[key].append(live[0].centre_se)
     prior = w.variation_prior ** 2
-    out: dict[KindKey, float] = {}
+    out: dict[PeerKey, float] = {}
     for key, logs in firsts.items():
         sigma = noise.get(key[0])
         if sigma is None or len(logs) < MIN_VARIATION_GROUPS:

@@ -29,7 +29,7 @@ from agents.spec import (
 from agents.telemetry import counter_findings
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.planner import DEFAULT_OPS, layout_of
-from services.scheduler.preflight import probe_shape, run_adaptive
+from services.scheduler.preflight import probe_shape, run_adaptive, verdict_of
 from services.scheduler.shipper import Shipper
 
 Progress = Callable[[str], None]
@@ -235,8 +235,6 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     are re-tested and localized before anyone is blamed), ship what it measured, complete
     the request with its verdict; False if nothing waits. The GPU time it took is charged
     to ``duty``: the next monitoring cycle waits the longer for it."""
-    from services.analyzer.verdict import build_verdict
-
     req = api.claim_preflight(lease_s)
     if req is None:
         return False
@@ -254,9 +252,7 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                        label=f"preflight {req['id'][:8]} round")
     if duty is not None:
         duty.charge_preflight(run.busy_s)
-    verdict = build_verdict(backend=backend.name, nodes=list(layout),
-                            findings=run.judgement.findings, rounds=run.rounds,
-                            duration_s=run.fabric_s, extra={"wall_s": round(run.wall_s, 3)})
+    verdict = verdict_of(run, backend.name, list(layout))
     batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in layout],
                         measurements=run.measurements, findings=run.probe_findings,
                         injected=[f.to_dict() for f in getattr(backend, "injected", [])])

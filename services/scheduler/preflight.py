@@ -140,9 +140,16 @@ def run_preflight(
     shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
                        max_rounds=max_rounds, progress=progress, label="preflight round")
+    return verdict_of(run, backend.name, list(layout))
+
+
+def verdict_of(run: AdaptiveRun, backend: str, nodes: list[str]) -> dict[str, Any]:
+    """DESIGN.md's verdict of an adaptive check, as the CLI prints it and a scheduler
+    completes an API preflight with: fabric and wall time, and whether the round cap cut
+    the plan short (``complete``, with the groups it left ``undecided``)."""
     return build_verdict(
-        backend=backend.name, nodes=list(layout), findings=run.judgement.findings,
-        rounds=run.rounds, duration_s=run.fabric_s,
+        backend=backend, nodes=nodes, findings=run.judgement.findings, rounds=run.rounds,
+        duration_s=run.fabric_s,
         extra={"wall_s": round(run.wall_s, 3), "complete": run.complete,
                "undecided": run.undecided},
     )
