@@ -3,6 +3,7 @@ search that one unlucky measurement cannot mislead (docs/analysis.md, "Weighing 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -160,3 +161,44 @@ def test_a_union_is_judged_by_its_path_model_not_by_its_few_peers():
     assert judged[0].expected_gbs == pytest.approx(expected)
     assert judged[0].ratio is not None and judged[0].ratio > 0.95
     assert judged[2].ratio is not None and judged[2].ratio < 0.7
+
+
+def node_pair(a: int, b: int, busbw: float) -> Measurement:
+    members = [f"node-{n:03d}/{g}" for n in (a, b) for g in range(8)]
+    return Measurement(op="allreduce", scope="inter_node", members=members, size_bytes=1 << 28,
+                       dtype="float32", warmup=5, iters=20, time_us=1.0, algbw_gbs=busbw,
+                       busbw_gbs=busbw, wrong=0)
+
+
+def measured_pairs(pairs: dict[tuple[int, int], float], rng: random.Random,
+                   repeats: int = 20) -> list[Measurement]:
+    """Each node pair measured ``repeats`` times about its rate, under 6 % noise."""
+    return [node_pair(a, b, rate * math.exp(rng.gauss(0, 0.06)))
+            for (a, b), rate in pairs.items() for _ in range(repeats)]
+
+
+def test_a_nic_no_single_partner_can_convict_is_found_by_its_partners_together():
+    rng = random.Random(7)
+    # Twenty healthy node pairs, each a little off the others for good.
+    pairs = {(2 * i, 2 * i + 1): 100.0 * (1 + rng.uniform(-0.03, 0.03)) for i in range(20)}
+    # node-040's NIC has lost 11-12 %: each of its four partners sees it.
+    pairs.update({(40, 41): 88.5, (40, 42): 89.0, (40, 43): 88.0, (40, 44): 88.5})
+    j = judge(measured_pairs(pairs, rng), [], thresholds=SIM)
+    mine = [v for (scope, _), v in j.verdicts.items() if "node-040" in v.nodes]
+    # Alone, none of the four is sure enough (its lasting offset could be most of it) ...
+    assert len(mine) == 4 and not any(v.bad for v in mine)
+    # ... together they are: a NIC loss slows every pair through it alike.
+    nic = [f for f in j.findings if f.kind == "nic_degraded"]
+    assert [f.node for f in nic] == ["node-040"]
+    assert nic[0].detail["partners"] == 4 and nic[0].detail["confidence"] > 0.99
+    assert {f.kind for f in j.findings} == {"nic_degraded"}
+
+
+def test_one_slow_path_among_a_nodes_partners_is_not_taken_for_its_nic():
+    rng = random.Random(7)
+    pairs = {(2 * i, 2 * i + 1): 100.0 * (1 + rng.uniform(-0.03, 0.03)) for i in range(20)}
+    # As slow on average over its partners as the NIC above, but all on one path: with
+    # its other partners node-040 runs as its peers do, or a little under (its own offset).
+    pairs.update({(40, 41): 60.0, (40, 42): 94.0, (40, 43): 93.0, (40, 44): 94.0})
+    j = judge(measured_pairs(pairs, rng), [], thresholds=SIM)
+    assert "nic_degraded" not in {f.kind for f in j.findings}

@@ -245,6 +245,22 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     return Decision(decision, confidence, n, math.exp(m), math.sqrt(s2), exhausted, llr=llr)
 
 
+def weigh_mean(m: float, s2: float, repeats: int, w: Weighing) -> Decision:
+    """Decide on a mean log ratio ``m`` of variance ``s2`` already pooled by the caller
+    (a NIC's evidence over its partners): Wald's bounds on the same likelihood ratio as
+    ``weigh``, with no repeats of its own to ask for."""
+    llr = _llr(m, s2, w)
+    if llr >= w.upper:
+        decision = DEGRADED
+    elif llr <= w.lower:
+        decision = HEALTHY
+    else:
+        decision = UNDECIDED
+    p_bad = 1.0 / (1.0 + math.exp(-max(min(llr, 50.0), -50.0)))
+    confidence = p_bad if decision == DEGRADED or (decision == UNDECIDED and llr > 0) else 1 - p_bad
+    return Decision(decision, confidence, repeats, math.exp(m), math.sqrt(s2), False, llr=llr)
+
+
 def _llr(m: float, s2: float, w: Weighing) -> float:
     """Log-likelihood ratio of "a loss of at least ``min_loss``" against "none" for a mean
     log ratio ``m`` of variance ``s2``. Degraded is composite: against the loss the mean

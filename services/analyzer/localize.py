@@ -11,18 +11,20 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
 from services.analyzer.assess import Assessment, PeerKey, peer_key
 from services.analyzer.evidence import (
     MAD_TO_SIGMA,
+    UNDECIDED,
     Decision,
     Weighing,
     by_majority,
     pooled_noise,
     weigh,
+    weigh_mean,
 )
 
 # Best PCIe Gen5 x16 P2P copy rates sit near 55 GB/s; NVLink pairs do several times that.
@@ -346,12 +348,103 @@ def _two_node(verdicts: dict[GroupKey, GroupVerdict], blamed: set[str]) -> list[
             if scope == "inter_node" and len(v.nodes) == 2 and not blamed.intersection(v.nodes)]
 
 
-def nic_needs_more_partners(node: str, groups: list[GroupVerdict], proven: set[str]) -> bool:
+# A node pair's lasting offset from its peers is partly each end's own (its NIC) and partly
+# the rest (the partner's NIC, the path): the share of its variance taken as the rest.
+OWN_SHARE_OTHER = 0.5
+
+
+@dataclass(frozen=True)
+class NicCase:
+    """A node's NIC weighed over all its node-pair groups at once (``weigh_nics``): the
+    pooled decision, and the groups it rests on."""
+
+    decision: Decision
+    groups: tuple[GroupVerdict, ...]
+
+
+def _pair_mean(v: GroupVerdict, op: str) -> tuple[float, float, float, float] | None:
+    """One node pair's evidence for its ends' NICs on ``op``: the mean log ratio, the
+    variance of it that is the pair's alone (the part of its lasting offset that is not
+    this node's own, and the noise left in the mean), the shared centre's error, and the between-pair variation; None before the
+    run has measured its noise (the mean of repeats can't be credited before then)."""
+    live = [a for a in v.by_op.get(op, []) if not a.explained and a.ratio]
+    noise = v.noise.get(op)
+    if not live or noise is None:
+        return None
+    n = len(live)
+    m = sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / n
+    variation = statistics.median(a.variation for a in live)
+    if all(a.source == "peers" for a in live):
+        variation = v.variation.get(peer_key(live[0].measurement), variation)
+    noise = max(noise, v.weighing.min_noise)
+    centre_se = statistics.median(a.centre_se for a in live)
+    return m, OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / n, centre_se, variation
+
+
+def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
+    """The NIC's decision from these groups together, per op: a NIC loss slows every pair
+    through it alike, while each pair's lasting offset (its partner's NIC, its path) and
+    noise are its own and average down over partners. What does not average down: the
+    centre all pairs are judged against, and this node's own lasting offset, shared by
+    every pair through it. Degraded needs the pairs without the slowest one to say so too
+    (one slow path must not pass for a NIC); one op degraded is enough, healthy needs all."""
+    decisions = []
+    for op in sorted({op for v in groups for op in v.by_op}):
+        means = sorted((x for v in groups if (x := _pair_mean(v, op)) is not None),
+                       key=lambda x: x[0])
+        if not means:
+            continue
+        repeats = sum(len(v.by_op.get(op, ())) for v in groups)
+        d = _pool(means, repeats, w)
+        if d.degraded and (len(means) < 2 or not _pool(means[1:], repeats, w).degraded):
+            d = replace(d, decision=UNDECIDED)
+        decisions.append(d)
+    if not decisions:
+        return None
+    slow = [d for d in decisions if d.degraded]
+    if slow:
+        return max(slow, key=lambda d: d.llr)
+    if all(d.cleared for d in decisions):
+        return min(decisions, key=lambda d: d.confidence)
+    return max(decisions, key=lambda d: d.llr)
+
+
+def _pool(means: list[tuple[float, float, float, float]], repeats: int, w: Weighing
+          ) -> Decision:
+    """``_pair_mean``s weighed together: their inverse-variance mean, with the shared
+    centre's error and the node's own lasting offset added to its variance."""
+    weight = sum(1.0 / x[1] for x in means)
+    m = sum(x[0] / x[1] for x in means) / weight
+    centre_se = statistics.median(x[2] for x in means)
+    own = (1.0 - OWN_SHARE_OTHER) * statistics.median(x[3] for x in means) ** 2
+    return weigh_mean(m, 1.0 / weight + centre_se ** 2 + own, repeats, w)
+
+
+def weigh_nics(of_node: Mapping[str, list[GroupVerdict]]) -> dict[str, NicCase]:
+    """Each node's NIC, weighed over its node-pair groups together (``_pooled``): twice,
+    the second time leaving out partners the first found slow themselves (a pair of two
+    slow NICs says little of either one)."""
+    first = {n: d for n, vs in of_node.items() if vs and (d := _pooled(vs, vs[0].weighing))}
+    slow = {n for n, d in first.items() if d.degraded}
+    out: dict[str, NicCase] = {}
+    for node, vs in of_node.items():
+        kept = [v for v in vs if not (set(v.nodes) - {node}) & slow]
+        d = _pooled(kept, kept[0].weighing) if kept else None
+        if d is not None:
+            out[node] = NicCase(d, tuple(kept))
+    return out
+
+
+def nic_needs_more_partners(node: str, groups: list[GroupVerdict], proven: set[str],
+                            nic: NicCase | None = None) -> bool:
     """True while ``node``'s node-pair results can't yet decide its NIC either way: no
-    partner cleared it, and fewer than two ``proven`` partners (each cleared with someone
-    else) found it slow. A pair with a partner that is itself slow with everyone says
-    nothing of this node's NIC, and an undecided one is no evidence."""
+    partner cleared it, its pooled evidence (``nic``) has not decided, and fewer than two
+    ``proven`` partners (each cleared with someone else) found it slow. A pair with a
+    partner that is itself slow with everyone says nothing of this node's NIC, and an
+    undecided one is no evidence."""
     if any(v.cleared for v in groups):
+        return False
+    if nic is not None and (nic.decision.degraded or nic.decision.cleared):
         return False
     return len(_slow_with_proven(node, groups, proven)) < 2
 
@@ -371,33 +464,59 @@ def by_node(pairs: Iterable[GroupVerdict]) -> dict[str, list[GroupVerdict]]:
 
 
 def _nic_findings(pairs: list[GroupVerdict], share: float = NIC_BAD_SHARE) -> list[Finding]:
-    """A node slow with (nearly) every partner, while a partner is fine elsewhere: its NIC."""
+    """A node slow with (nearly) every partner, while a partner is fine elsewhere; or whose
+    partners together show it slow (``weigh_nics``): its NIC."""
     of_node = by_node(pairs)
-    proven = proven_nodes(of_node)
+    nics = weigh_nics(of_node)
+    proven = proven_nodes(of_node, nics)
     out = []
     for node, vs in sorted(of_node.items()):
         bad = [v for v in vs if v.bad]
         decided = [v for v in vs if v.bad or v.cleared]
+        nic = nics.get(node)
         if (len(_slow_with_proven(node, vs, proven)) >= 2
                 and len(bad) >= share * len(decided)):
             out.append(_finding("nic_degraded", bad, node=node))
+        elif nic is not None and nic.decision.degraded:
+            f = _finding("nic_degraded", list(nic.groups), node=node)
+            f.detail["confidence"] = round(nic.decision.confidence, 4)
+            f.detail["repeats"] = nic.decision.repeats
+            f.detail["partners"] = len(nic.groups)
+            out.append(f)
     return out
 
 
-def proven_nodes(of_node: Mapping[str, list[GroupVerdict]]) -> set[str]:
-    """Nodes with a node-pair group decided healthy: their NIC is fine."""
-    return {n for n, vs in of_node.items() if any(v.cleared for v in vs)}
+def proven_nodes(of_node: Mapping[str, list[GroupVerdict]],
+                 nics: Mapping[str, NicCase] | None = None) -> set[str]:
+    """Nodes whose NIC is fine: a node-pair group of theirs decided healthy, or their
+    partners together clear it (``weigh_nics``)."""
+    nics = weigh_nics(of_node) if nics is None else nics
+    return {n for n, vs in of_node.items()
+            if any(v.cleared for v in vs) or (n in nics and nics[n].decision.cleared)}
 
 
 def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
-    """Slow node pairs whose two ends are each proven elsewhere (a pair of theirs cleared)
-    and slow with no other partner: only then is the path, not an end's NIC, to blame. A
-    node slow with two partners but not enough for its NIC stays a suspect, unnamed."""
+    """Slow node pairs whose two ends are each proven elsewhere (a pair of theirs cleared,
+    or their other pairs together clear their NIC) and slow with no other partner: only
+    then is the path, not an end's NIC, to blame. A node slow with two partners but not
+    enough for its NIC stays a suspect, unnamed."""
     of_node = by_node(pairs)
-    proven = proven_nodes(of_node)
     doubtful = {n for n, vs in of_node.items() if sum(v.bad for v in vs) >= 2}
-    return [v for v in pairs
-            if v.bad and set(v.nodes) <= proven and not doubtful.intersection(v.nodes)]
+    out = []
+    for v in pairs:
+        if not v.bad or doubtful.intersection(v.nodes):
+            continue
+        if all(_proven_without(n, v, of_node[n]) for n in v.nodes):
+            out.append(v)
+    return out
+
+
+def _proven_without(node: str, slow: GroupVerdict, groups: list[GroupVerdict]) -> bool:
+    others = [v for v in groups if v is not slow]
+    if any(v.cleared for v in others):
+        return True
+    d = _pooled(others, slow.weighing) if others else None
+    return d is not None and d.cleared
 
 
 def dedupe(findings: Iterable[Finding]) -> list[Finding]:

@@ -19,6 +19,7 @@ from services.analyzer.localize import (
     by_node,
     nic_needs_more_partners,
     proven_nodes,
+    weigh_nics,
 )
 
 T = TypeVar("T")
@@ -355,14 +356,16 @@ class AdaptivePlanner:
                if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
         results: dict[str, list[GroupVerdict]] = {n: [] for n in live}
         results.update(by_node(two.values()))
-        proven = proven_nodes(results)
+        nics = weigh_nics(results)
+        proven = proven_nodes(results, nics)
         good = sorted(proven)
         used: set[str] = set()
         groups = []
         free = [p for p in good if p not in used]
         lonely = []
         for n in sorted(live):
-            if n in good or n in used or not nic_needs_more_partners(n, results[n], proven):
+            if n in good or n in used or not nic_needs_more_partners(n, results[n], proven,
+                                                                     nics.get(n)):
                 continue
             partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
             if partner is not None:
