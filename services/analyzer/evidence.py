@@ -240,9 +240,8 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
         decision = HEALTHY
     else:
         decision = UNDECIDED
-    p_bad = 1.0 / (1.0 + math.exp(-max(min(llr, 50.0), -50.0)))
-    confidence = p_bad if decision == DEGRADED or (decision == UNDECIDED and llr > 0) else 1 - p_bad
-    return Decision(decision, confidence, n, math.exp(m), math.sqrt(s2), exhausted, llr=llr)
+    return Decision(decision, _confidence(decision, llr), n, math.exp(m), math.sqrt(s2),
+                    exhausted, llr=llr)
 
 
 def weigh_mean(m: float, s2: float, repeats: int, w: Weighing) -> Decision:
@@ -256,9 +255,14 @@ def weigh_mean(m: float, s2: float, repeats: int, w: Weighing) -> Decision:
         decision = HEALTHY
     else:
         decision = UNDECIDED
+    return Decision(decision, _confidence(decision, llr), repeats, math.exp(m), math.sqrt(s2),
+                    False, llr=llr)
+
+
+def _confidence(decision: str, llr: float) -> float:
+    """The posterior of the side decided (or leaned to) at even prior odds."""
     p_bad = 1.0 / (1.0 + math.exp(-max(min(llr, 50.0), -50.0)))
-    confidence = p_bad if decision == DEGRADED or (decision == UNDECIDED and llr > 0) else 1 - p_bad
-    return Decision(decision, confidence, repeats, math.exp(m), math.sqrt(s2), False, llr=llr)
+    return p_bad if decision == DEGRADED or (decision == UNDECIDED and llr > 0) else 1 - p_bad
 
 
 def _llr(m: float, s2: float, w: Weighing) -> float:
