@@ -232,14 +232,9 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
         reach = w.futility_z * noise / math.sqrt(n)
         exhausted = (_llr(m - reach, s2_end, w) < w.upper
                      and _llr(m + reach, s2_end, w) > w.lower)
-    if llr >= w.upper:
-        decision = DEGRADED
-    elif llr <= w.lower or (exhausted and llr <= 0):
-        # No repeat would decide it and it is more likely healthy than not: nothing to
-        # follow up.
-        decision = HEALTHY
-    else:
-        decision = UNDECIDED
+    # No repeat would decide an exhausted group that is more likely healthy than not:
+    # nothing to follow up.
+    decision = _decide(llr, w, healthy_lean=exhausted)
     return Decision(decision, _confidence(decision, llr), n, math.exp(m), math.sqrt(s2),
                     exhausted, llr=llr)
 
@@ -249,14 +244,19 @@ def weigh_mean(m: float, s2: float, repeats: int, w: Weighing) -> Decision:
     (a NIC's evidence over its partners): Wald's bounds on the same likelihood ratio as
     ``weigh``, with no repeats of its own to ask for."""
     llr = _llr(m, s2, w)
-    if llr >= w.upper:
-        decision = DEGRADED
-    elif llr <= w.lower:
-        decision = HEALTHY
-    else:
-        decision = UNDECIDED
+    decision = _decide(llr, w)
     return Decision(decision, _confidence(decision, llr), repeats, math.exp(m), math.sqrt(s2),
                     False, llr=llr)
+
+
+def _decide(llr: float, w: Weighing, healthy_lean: bool = False) -> str:
+    """Wald's bounds; with ``healthy_lean``, a log-likelihood ratio at or below 0 is
+    healthy too."""
+    if llr >= w.upper:
+        return DEGRADED
+    if llr <= w.lower or (healthy_lean and llr <= 0):
+        return HEALTHY
+    return UNDECIDED
 
 
 def _confidence(decision: str, llr: float) -> float:

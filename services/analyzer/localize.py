@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
 from services.analyzer.assess import Assessment, PeerKey, peer_key
@@ -82,11 +83,18 @@ class GroupVerdict:
             # is given no credit for averaging until the noise is measured.
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
-            variation = statistics.median(a.variation for a in live)
-            if all(a.source == "peers" for a in live):
-                variation = self.variation.get(peer_key(live[0].measurement), variation)
+            variation = self.lasting_variation(live)
         return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
                      centre_se=centre_se, w=self.weighing, futility=measured)
+
+    def lasting_variation(self, live: list[Assessment]) -> float:
+        """How far a healthy group like this one sits from its expectation for good: the
+        run's measured figure for its kind where it is judged by its peers and the run
+        measured one, else what its assessments carry."""
+        variation = statistics.median(a.variation for a in live)
+        if all(a.source == "peers" for a in live):
+            variation = self.variation.get(peer_key(live[0].measurement), variation)
+        return variation
 
     @property
     def bad(self) -> bool:
@@ -253,9 +261,11 @@ def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
     return out
 
 
-def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], **where: object) -> Finding:
+def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], decision: Decision | None = None,
+             **where: object) -> Finding:
     """A degradation finding with measured/expected figures from the worst evidence and
-    the slow results it rests on."""
+    the slow results it rests on; its confidence that of ``decision`` where the groups were
+    weighed together (a NIC over its partners), else of the surest slow group."""
     verdicts = v if isinstance(v, list) else [v]
     worst = [w for w in (x.worst for x in verdicts) if w is not None]
     measured = statistics.median(a.measurement.busbw_gbs for a in worst) if worst else None
@@ -264,6 +274,9 @@ def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], **where: object) -
     slow = [a for x in verdicts for items in x.by_op.values() for a in items if a.bad]
     detail: dict[str, object] = {"evidence": evidence_of(slow or worst)}
     decided = [d for x in verdicts for d in x.decisions.values() if d.degraded]
+    if decision is not None:
+        decided = [decision]
+        detail["partners"] = len(verdicts)
     if decided:
         best = max(decided, key=lambda d: d.confidence)
         detail["confidence"] = round(best.confidence, 4)
@@ -362,23 +375,34 @@ class NicCase:
     groups: tuple[GroupVerdict, ...]
 
 
-def _pair_mean(v: GroupVerdict, op: str) -> tuple[float, float, float, float] | None:
-    """One node pair's evidence for its ends' NICs on ``op``: the mean log ratio, the
-    variance of it that is the pair's alone (the part of its lasting offset that is not
-    this node's own, and the noise left in the mean), the shared centre's error, and the between-pair variation; None before the
-    run has measured its noise (the mean of repeats can't be credited before then)."""
+class PairEvidence(NamedTuple):
+    """What one node pair says of its ends' NICs on one op (``_pair_mean``)."""
+
+    # The mean log ratio of its measurements.
+    mean: float
+    # The variance of ``mean`` that is the pair's alone: the part of its lasting offset that
+    # is not this node's own, and the noise left in the mean.
+    own_variance: float
+    # The error of the centre every pair of its kind is judged against.
+    centre_se: float
+    # The between-pair variation (one standard deviation).
+    variation: float
+
+
+def _pair_mean(v: GroupVerdict, op: str) -> PairEvidence | None:
+    """One node pair's evidence on ``op``; None before the run has measured its noise (the
+    mean of repeats can't be credited before then)."""
     live = [a for a in v.by_op.get(op, []) if not a.explained and a.ratio]
     noise = v.noise.get(op)
     if not live or noise is None:
         return None
     n = len(live)
-    m = sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / n
-    variation = statistics.median(a.variation for a in live)
-    if all(a.source == "peers" for a in live):
-        variation = v.variation.get(peer_key(live[0].measurement), variation)
+    variation = v.lasting_variation(live)
     noise = max(noise, v.weighing.min_noise)
-    centre_se = statistics.median(a.centre_se for a in live)
-    return m, OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / n, centre_se, variation
+    return PairEvidence(
+        mean=sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / n,
+        own_variance=OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / n,
+        centre_se=statistics.median(a.centre_se for a in live), variation=variation)
 
 
 def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
@@ -391,7 +415,7 @@ def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
     decisions = []
     for op in sorted({op for v in groups for op in v.by_op}):
         means = sorted((x for v in groups if (x := _pair_mean(v, op)) is not None),
-                       key=lambda x: x[0])
+                       key=lambda x: x.mean)
         if not means:
             continue
         repeats = sum(len(v.by_op.get(op, ())) for v in groups)
@@ -409,14 +433,13 @@ def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
     return max(decisions, key=lambda d: d.llr)
 
 
-def _pool(means: list[tuple[float, float, float, float]], repeats: int, w: Weighing
-          ) -> Decision:
-    """``_pair_mean``s weighed together: their inverse-variance mean, with the shared
+def _pool(means: list[PairEvidence], repeats: int, w: Weighing) -> Decision:
+    """Pairs' evidence weighed together: their inverse-variance mean, with the shared
     centre's error and the node's own lasting offset added to its variance."""
-    weight = sum(1.0 / x[1] for x in means)
-    m = sum(x[0] / x[1] for x in means) / weight
-    centre_se = statistics.median(x[2] for x in means)
-    own = (1.0 - OWN_SHARE_OTHER) * statistics.median(x[3] for x in means) ** 2
+    weight = sum(1.0 / x.own_variance for x in means)
+    m = sum(x.mean / x.own_variance for x in means) / weight
+    centre_se = statistics.median(x.centre_se for x in means)
+    own = (1.0 - OWN_SHARE_OTHER) * statistics.median(x.variation for x in means) ** 2
     return weigh_mean(m, 1.0 / weight + centre_se ** 2 + own, repeats, w)
 
 
@@ -478,21 +501,22 @@ def _nic_findings(pairs: list[GroupVerdict], share: float = NIC_BAD_SHARE) -> li
                 and len(bad) >= share * len(decided)):
             out.append(_finding("nic_degraded", bad, node=node))
         elif nic is not None and nic.decision.degraded:
-            f = _finding("nic_degraded", list(nic.groups), node=node)
-            f.detail["confidence"] = round(nic.decision.confidence, 4)
-            f.detail["repeats"] = nic.decision.repeats
-            f.detail["partners"] = len(nic.groups)
-            out.append(f)
+            out.append(_finding("nic_degraded", list(nic.groups), nic.decision, node=node))
     return out
 
 
 def proven_nodes(of_node: Mapping[str, list[GroupVerdict]],
-                 nics: Mapping[str, NicCase] | None = None) -> set[str]:
+                 nics: Mapping[str, NicCase]) -> set[str]:
     """Nodes whose NIC is fine: a node-pair group of theirs decided healthy, or their
-    partners together clear it (``weigh_nics``)."""
-    nics = weigh_nics(of_node) if nics is None else nics
+    partners together clear it (``nics``: ``weigh_nics(of_node)``)."""
     return {n for n, vs in of_node.items()
-            if any(v.cleared for v in vs) or (n in nics and nics[n].decision.cleared)}
+            if _nic_fine(vs, nics[n].decision if n in nics else None)}
+
+
+def _nic_fine(groups: list[GroupVerdict], pooled: Decision | None) -> bool:
+    """A NIC is fine when one of its node-pair groups was decided healthy, or all of them
+    together (``pooled``) clear it."""
+    return any(v.cleared for v in groups) or (pooled is not None and pooled.cleared)
 
 
 def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
@@ -514,9 +538,8 @@ def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
 def _proven_without(node: str, slow: GroupVerdict, groups: list[GroupVerdict]) -> bool:
     others = [v for v in groups if v is not slow]
     if any(v.cleared for v in others):
-        return True
-    d = _pooled(others, slow.weighing) if others else None
-    return d is not None and d.cleared
+        return True  # before weighing them all together
+    return _nic_fine(others, _pooled(others, slow.weighing) if others else None)
 
 
 def dedupe(findings: Iterable[Finding]) -> list[Finding]:
