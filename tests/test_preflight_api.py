@@ -193,3 +193,24 @@ def test_newer_degraded_results_at_a_smaller_size_are_not_hidden(clean_db) -> No
         v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
     assert health["status"] == "degraded"
     assert v["healthy"] is False and v["exclude"] == ["node-001"]
+
+
+def test_only_the_holder_of_a_live_claim_renews_it(api) -> None:
+    stale(api)
+    req = api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60}, headers=api.h["reader"]).json()
+    api.post("/v1/preflight/claim", json={"worker": "slow", "lease_s": 0.5}, headers=api.h["agent"])
+    renew = f"/v1/preflight/{req['id']}/renew"
+    r = api.post(renew, json={"worker": "other", "lease_s": 60}, headers=api.h["agent"])
+    assert r.status_code == 422 and "not claimed by this worker" in r.json()["message"]
+    assert api.post(renew, json={"worker": "slow", "lease_s": 60}, headers=api.h["agent"]).status_code == 200
+    time.sleep(0.7)  # past the first lease: the renewed one holds
+    assert api.post("/v1/preflight/claim", json={"worker": "other"}, headers=api.h["agent"]).status_code == 204
+    done = api.post(f"/v1/preflight/{req['id']}/complete", json={"worker": "slow"}, headers=api.h["agent"])
+    assert done.status_code == 200
+    # A lease that ran out is not renewed: another scheduler may hold the request by then.
+    req2 = api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60}, headers=api.h["reader"]).json()
+    api.post("/v1/preflight/claim", json={"worker": "late", "lease_s": 0.3}, headers=api.h["agent"])
+    time.sleep(0.5)
+    r = api.post(f"/v1/preflight/{req2['id']}/renew", json={"worker": "late", "lease_s": 60},
+                 headers=api.h["agent"])
+    assert r.status_code == 422 and "expired" in r.json()["message"]

@@ -13,6 +13,10 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
+from agents.sim import SimBackend
+from services.scheduler.api_client import SchedulerApi
+from services.scheduler.cycle import ProbeOptions, serve_preflight
+from services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
 from tests.procs import free_port, start_server, stop_server
 
@@ -125,3 +129,36 @@ def test_monitoring_finds_what_preflight_finds(server, tmp_path) -> None:
     stored = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes}, headers=h).json()
     assert stored["healthy"] is False and stored["exclude"] == ["node-003", "node-011"]
     assert sorted(place(f) for f in stored["findings"]) == want
+
+
+class SlowRounds(SimBackend):
+    """The sim, each round taking ``pause_s`` of real time: a check that outlasts its lease."""
+
+    pause_s = 0.3
+
+    def run_round(self, groups):
+        time.sleep(self.pause_s)
+        return super().run_round(groups)
+
+
+def test_a_check_that_outlasts_its_lease_still_completes(server, tmp_path) -> None:
+    api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    old = fleet_batch()
+    for m in old["measurements"]:
+        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
+    httpx.post(f"{api}/v1/measurements", json=old, headers=h).raise_for_status()
+    nodes = ["node-000", "node-001", "node-002", "node-003"]
+    req = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes, "max_age_s": 60}, headers=h).json()
+    backend = SlowRounds({"nodes": 4, "gpus_per_node": 2, "seed": 1, "faults": [
+        {"kind": "nic", "node": "node-002", "factor": 0.4}]})
+    client = SchedulerApi(api, ADMIN, "slow")
+    try:
+        # A 1 s lease; the check takes several rounds of 0.3 s each.
+        assert serve_preflight(backend, Shipper(api, ADMIN, tmp_path / "spool"), client,
+                               ProbeOptions(), lease_s=1.0)
+        body = httpx.get(f"{api}/v1/preflight/{req['id']}", headers=h).json()
+    finally:
+        client.close()
+    assert body["rounds"] * SlowRounds.pause_s > 1.0
+    assert body["status"] == "done" and body["attempts"] == 1
+    assert body["exclude"] == ["node-002"]

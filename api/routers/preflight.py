@@ -57,6 +57,13 @@ def claim_preflight(body: ClaimIn, session: SessionDep, who: AgentDep) -> Respon
     return claimed if claimed is not None else Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
+@router.post("/{request_id}/renew")
+def renew_preflight(request_id: str, body: ClaimIn, session: SessionDep, who: AgentDep) -> dict:
+    """The claiming scheduler is still probing: its lease runs ``lease_s`` from now. Only the
+    token and worker holding a live claim may."""
+    return service.renew(session, request_id, body.worker, body.lease_s, token_id=who.token_id)
+
+
 @router.post("/{request_id}/complete")
 def complete_preflight(request_id: str, body: CompleteIn, session: SessionDep,
                        settings: SettingsDep, who: AgentDep) -> dict:

@@ -9,6 +9,7 @@ results, the same way as for an immediate answer.
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -92,6 +93,31 @@ def claim(session: Session, worker: str, lease_s: float, *, token_id: int | None
     return _out(req) if req else None
 
 
+def _held(req: PreflightRequest, request_id: str, worker: str, token_id: int | None, now: datetime) -> None:
+    """Only the holder of a live claim completes or renews a request: an unclaimed one, or
+    one whose lease ran out (another scheduler may hold it now), cannot be answered by
+    anyone who asks; and the error does not name the holder."""
+    holder = req.claim_token_id is None or req.claim_token_id == token_id
+    if req.status != "running" or req.claimed_by != worker or not holder:
+        raise BadInput(f"preflight request {request_id} is not claimed by this worker "
+                       "(claim it first with POST /v1/preflight/claim)")
+    if req.lease_until is not None and req.lease_until < now:
+        raise BadInput(f"the claim on preflight request {request_id} expired; claim it again")
+
+
+def renew(session: Session, request_id: str, worker: str, lease_s: float, *,
+          token_id: int | None = None) -> dict[str, Any]:
+    """Extend a live claim by ``lease_s`` from now: a scheduler whose check outlasts its
+    lease (a large, noisy fleet) keeps the request while it is still probing."""
+    req = store.get_request(session, request_id)
+    if req is None:
+        raise NotFound(f"no preflight request {request_id}")
+    now = utcnow()
+    _held(req, request_id, worker, token_id, now)
+    store.renew(session, req, now, lease_s)
+    return _out(req)
+
+
 def complete(session: Session, request_id: str, worker: str, error: str | None = None,
              api_url: str = "", verdict: dict[str, Any] | None = None, *,
              token_id: int | None = None) -> dict[str, Any]:
@@ -103,15 +129,7 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
     if req.status not in ("running", "pending"):
         raise BadInput(f"preflight request {request_id} is already {req.status}")
     now = utcnow()
-    # Only the holder of a live claim completes a request: an unclaimed one, or one whose
-    # lease ran out (another scheduler may hold it now), cannot be answered by anyone who
-    # asks; and the error does not name the holder.
-    holder = req.claim_token_id is None or req.claim_token_id == token_id
-    if req.status != "running" or req.claimed_by != worker or not holder:
-        raise BadInput(f"preflight request {request_id} is not claimed by this worker "
-                       "(claim it first with POST /v1/preflight/claim)")
-    if req.lease_until is not None and req.lease_until < now:
-        raise BadInput(f"the claim on preflight request {request_id} expired; claim it again")
+    _held(req, request_id, worker, token_id, now)
     if verdict is not None:
         _check_verdict(verdict, list(req.nodes))
         verdict = {**verdict, "source": "probed"}

@@ -21,6 +21,16 @@ class SchedulerApi:
             return None
         return resp.json() if resp.status_code == 200 else None
 
+    def renew_preflight(self, request_id: str, lease_s: float) -> bool:
+        """Extend this worker's claim by ``lease_s`` from now; False if it is no longer held
+        or the API did not answer (the check goes on; completing will say which)."""
+        try:
+            resp = self.client.post(f"/v1/preflight/{request_id}/renew",
+                                    json={"worker": self.worker, "lease_s": lease_s})
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
     def complete_preflight(self, request_id: str, error: str | None = None,
                            verdict: dict[str, Any] | None = None) -> dict[str, Any]:
         resp = self.client.post(f"/v1/preflight/{request_id}/complete",

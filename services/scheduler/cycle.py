@@ -228,6 +228,21 @@ class DutyCycle:
         return {n: round(v, 6) for n, v in sorted(per_node.items())}
 
 
+class Lease:
+    """A claim on a preflight request, renewed once half of it has passed (checked every
+    round): a check of a large, noisy fleet may outlast any lease fixed in advance, and an
+    expired claim could not complete."""
+
+    def __init__(self, api: SchedulerApi, request_id: str, lease_s: float) -> None:
+        self.api, self.request_id, self.lease_s = api, request_id, lease_s
+        self.renewed = time.monotonic()
+
+    def keep(self) -> None:
+        due = time.monotonic() - self.renewed >= self.lease_s / 2
+        if due and self.api.renew_preflight(self.request_id, self.lease_s):
+            self.renewed = time.monotonic()
+
+
 def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                     options: ProbeOptions, *, lease_s: float = 300.0,
                     progress: Progress | None = None, duty: DutyCycle | None = None) -> bool:
@@ -248,7 +263,14 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     layout = layout_of(ranks, req["nodes"])
     shape = probe_shape(backend, options.ops, options.sizes, dtype=options.dtype,
                         warmup=options.warmup, iters=options.iters, redop=options.redop)
-    run = run_adaptive(backend, layout, ranks, shape, progress=progress,
+    lease = Lease(api, req["id"], lease_s)
+
+    def each_round(line: str) -> None:
+        lease.keep()
+        if progress:
+            progress(line)
+
+    run = run_adaptive(backend, layout, ranks, shape, progress=each_round,
                        label=f"preflight {req['id'][:8]} round")
     if duty is not None:
         duty.charge_preflight(run.busy_s)

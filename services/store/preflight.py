@@ -62,6 +62,11 @@ def claim_next(session: Session, worker: str, lease_s: float, now: datetime,
     return req
 
 
+def renew(session: Session, req: PreflightRequest, now: datetime, lease_s: float) -> None:
+    req.lease_until = now + timedelta(seconds=lease_s)
+    session.flush()
+
+
 def complete(session: Session, req: PreflightRequest, verdict: dict[str, Any] | None,
              now: datetime, error: str | None = None) -> None:
     req.status = "done" if error is None else "failed"
