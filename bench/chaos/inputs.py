@@ -25,6 +25,7 @@ from tests.api_fixtures import fleet_batch, measurement, pair
 PUBLIC = frozenset({"/healthz", "/metrics"})
 ADMIN_PREFIXES = ("/v1/tokens", "/v1/webhooks")
 AGENT_ROUTES = frozenset({("POST", "/v1/measurements"), ("POST", "/v1/preflight/claim"),
+                          ("POST", "/v1/preflight/{request_id}/renew"),
                           ("POST", "/v1/preflight/{request_id}/complete")})
 MAY = {"reader": {"reader", "agent", "admin"}, "agent": {"agent", "admin"}, "admin": {"admin"}}
 BAD_TOKEN = "rw_" + "0" * 43
