@@ -156,25 +156,39 @@ def test_a_malformed_scheduler_verdict_is_refused(api) -> None:
     assert r.status_code == 422
 
 
-def test_one_noisy_cycle_makes_a_suspect_not_an_exclusion(clean_db) -> None:
-    """With the default hysteresis (2 bad of 3 open an incident), one slow cycle makes a
-    suspect; a second confirms it: the stored preflight answers from the incidents."""
+def test_the_stored_answer_excludes_what_the_latest_look_found(clean_db) -> None:
+    """With the default hysteresis (2 bad of 3 open an incident) one slow cycle opens no
+    incident, but the stored preflight excludes what that cycle's judgement found, as a
+    fresh preflight would; a clean look after it leaves a suspect; a second slow cycle
+    opens the incident."""
     with api_client(clean_db, settings={}) as api:
-        _noisy_then_confirmed(api)
+        _slow_clean_slow(api)
 
 
-def _noisy_then_confirmed(api) -> None:
+def _slow_clean_slow(api) -> None:
+    def preflight() -> dict:
+        return api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
+
+    def incidents() -> list:
+        return api.get("/v1/findings", params={"status": "open"}, headers=api.h["reader"]).json()
+
     api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"])
     api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
-    v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
-    assert v["healthy"] is True and v["exclude"] == [] and v["suspects"] == ["node-001"]
-    # With confirm, the suspect is sent to a scheduler to re-probe.
+    v = preflight()
+    assert v["healthy"] is False and v["exclude"] == ["node-001"] and v["suspects"] == []
+    assert all(f["pending"] for f in v["findings"]) and incidents() == []
+    # With confirm, an unhealthy stored answer is sent to a scheduler to re-probe.
     r = api.post("/v1/preflight", json={"nodes": NODES, "confirm": True}, headers=api.h["reader"])
     assert r.status_code == 202
-    # A fault that lasts a second cycle is confirmed.
+    # Looked at again and fine: no longer excluded, still a suspect in the window.
+    api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"])
+    v = preflight()
+    assert v["healthy"] is True and v["exclude"] == [] and v["suspects"] == ["node-001"]
+    # Slow again: two bad of the last three open the incident.
     api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
-    v = api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"]).json()
+    v = preflight()
     assert v["healthy"] is False and v["exclude"] == ["node-001"] and v["suspects"] == []
+    assert not any(f.get("pending") for f in v["findings"]) and incidents() != []
 
 
 def test_newer_degraded_results_at_a_smaller_size_are_not_hidden(clean_db) -> None:

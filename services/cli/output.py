@@ -29,7 +29,7 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
               if f.get("expected_gbs") is not None and f.get("measured_gbs") is not None else "")
         print(f"  {f['kind']:<18} {where}{gpus}{bw} [{f.get('severity', '')}]")
     if verdict.get("suspects"):
-        print(f"suspects (slow in the latest cycle only; --confirm re-probes them): "
+        print(f"suspects (slow in an earlier cycle, not in the latest; --confirm re-probes them): "
               f"{', '.join(verdict['suspects'])}")
     if verdict.get("complete") is False:
         print(f"incomplete: the plan reached its round cap with {verdict.get('undecided', 0)} "

@@ -1,12 +1,15 @@
-"""A preflight verdict from what monitoring already knows: its open incidents on the nodes,
-and whether the nodes were probed recently at all.
+"""A preflight verdict from what monitoring already knows: the faults its latest looks found
+on the nodes, and whether the nodes were probed recently at all.
 
-The incidents are the judgement of every ingested batch (``services.analyzer.judge``)
-through the hysteresis, so this answer agrees with ``GET /v1/health`` and the webhooks by
-construction: a fault that has lasted long enough to open an incident excludes its node; a
-fault seen only in the latest cycle is a ``suspect`` (a preflight with ``confirm`` has a
-scheduler re-probe it before answering); nodes with no result younger than ``max_age_s``
-are ``unprobed`` and make the verdict unhealthy.
+Every ingested batch is judged by ``services.analyzer.judge``, the judgement a fresh
+preflight makes, sequential evidence included: a fault is found only once its evidence
+decides it. So this answer excludes what that judgement found in its latest look at each
+place, whether or not the hysteresis has opened an incident yet (incidents and webhooks wait
+for a second bad cycle so that alerts do not flap; a job gate must not answer healthy about
+a fault a fresh check would exclude). A fault found earlier in the hysteresis window but not
+in its latest look is a ``suspect``: listed, not excluded (a preflight with ``confirm`` has a
+scheduler re-probe it). Nodes with no result younger than ``max_age_s`` are ``unprobed`` and
+make the verdict unhealthy.
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
     since = utcnow() - timedelta(seconds=max_age_s)
     findings = [_finding(f.detail, f.kind) for f in health_store.open_findings_on(session, wanted)]
     findings = [f for f in findings if _inside(f, set(wanted))]
-    pending = [_finding(s.detail, s.kind) for s in health_store.pending_faults_on(session, wanted)]
-    suspects = sorted(set(exclude_of([f for f in pending if _inside(f, set(wanted))]))
-                      - set(exclude_of(findings)))
+    latest, earlier = [], []
+    for state in health_store.pending_faults_on(session, wanted):
+        f = _finding(state.detail, state.kind, pending=True)
+        if _inside(f, set(wanted)):
+            (latest if state.recent.endswith("1") else earlier).append(f)
+    findings += latest
+    suspects = sorted(set(exclude_of(earlier)) - set(exclude_of(findings)))
     unprobed = sorted(set(wanted) - store.probed_nodes(session, wanted, since))
     backend = store.latest_backend(session, wanted)
     verdict = build_verdict(
@@ -45,9 +52,13 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
     return verdict
 
 
-def _finding(detail: dict[str, Any], kind: str) -> Finding:
+def _finding(detail: dict[str, Any], kind: str, *, pending: bool = False) -> Finding:
+    """A stored fault as a verdict's finding; ``pending``: found by the latest look, no
+    incident open (yet)."""
     d = {k: v for k, v in detail.items() if k != "fault"}
     d.setdefault("kind", kind)
+    if pending:
+        d["pending"] = True
     return Finding.from_dict(d)
 
 
