@@ -33,7 +33,8 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
     since = utcnow() - timedelta(seconds=max_age_s)
     findings = [_finding(f.detail, f.kind) for f in health_store.open_findings_on(session, wanted)]
     findings = [f for f in findings if _inside(f, set(wanted))]
-    latest, earlier = [], []
+    latest: list[Finding] = []
+    earlier: list[Finding] = []
     for state in health_store.pending_faults_on(session, wanted):
         f = _finding(state.detail, state.kind, pending=True)
         if _inside(f, set(wanted)):
