@@ -178,6 +178,10 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
             raise ValueError(f"{where}: {kind} needs two different gpus")
     if kind in ("hang", "corrupt", "error"):
         _gpu_index(where, f.get("gpu", 0), gpus)
+    start = f.get("start", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"{where}: start must be a non-negative integer (the monitoring "
+                         f"cycle the fault begins at), got {start!r}")
     if kind in RATE_KINDS:
         factor = f.get("factor", 0.5)
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
@@ -234,6 +238,8 @@ class Fabric:
         self.node_min_pair = self.pair.min(axis=(1, 2)) if self.g > 1 else np.full(self.n, np.inf)
 
     def _apply(self, f: dict[str, Any]) -> None:
+        if self.cycle < f.get("start", 0):
+            return  # not begun yet: the fleet is healthy there
         kind = f["kind"]
         if kind == "net_path":
             a, b = sorted(int(x[5:]) for x in f["nodes"])
@@ -374,7 +380,8 @@ class SimBackend:
         # this is the noise stream begin_cycle(0) draws too.
         self._cycle = 0
         self._noise_rng = np.random.default_rng([self.scenario.seed, 1])
-        self._drifts = any(f.get("drift", 0) for f in self.scenario.faults)
+        # Faults whose effect changes from cycle to cycle: drifting, or beginning later.
+        self._drifts = any(f.get("drift", 0) or f.get("start", 0) for f in self.scenario.faults)
         self._index = {node_name(i): i for i in range(self.scenario.nodes)}
         self._expected_cache: dict[tuple[Any, ...], float] = {}
         self._ranks: list[RankInfo] | None = None
@@ -401,12 +408,13 @@ class SimBackend:
         pass
 
     def begin_cycle(self, index: int) -> None:
-        """Model monitoring cycle ``index``: drifting faults at that cycle's factor, and that
-        cycle's own measurement noise (the same index always draws the same noise)."""
+        """Model monitoring cycle ``index``: drifting faults at that cycle's factor, faults
+        that have not begun yet absent, and that cycle's own measurement noise (the same
+        index always draws the same noise)."""
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"cycle index must be a non-negative integer, got {index!r}")
         if self._drifts and index != self._cycle:
-            # Variation is seeded apart from the faults: only the drifting rates move.
+            # Variation is seeded apart from the faults: only the faults' rates move.
             self.fabric = Fabric(self.scenario, cycle=index)
             self.model = CostModel(self.fabric)
         self._cycle = index

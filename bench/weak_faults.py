@@ -8,7 +8,11 @@ scheduler process, API and Postgres, is ``bench.monitoring``.)
 
 Printed: recall by loss band, healthy nodes excluded, fault-free scenarios called healthy,
 the modeled preflight time at 1024 x 8, and a recall curve by loss (10-50 %) and noise
-(2-10 %). Nothing is asserted (docs/analysis.md, "Weak faults").
+(2-10 %). Then monitoring in the same regime, as it runs (``--only monitoring``): the real
+``ringwatch scheduler --once`` per cycle on the sim, feeding the real API and Postgres,
+faults beginning after the links have learned their own normal; per fault band, how many
+opened an incident and after how many cycles, false incidents, and the stored preflight's
+answer at the end. Nothing is asserted (docs/analysis.md, "Weak faults").
 
     python -m bench.run weak_faults            # 30 scenarios, full curve
     python -m bench.run weak_faults --quick    # 12 scenarios, a coarse curve
@@ -17,6 +21,8 @@ the modeled preflight time at 1024 x 8, and a recall curve by loss (10-50 %) and
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import sys
@@ -25,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from agents.sim import SimBackend, node_name
@@ -218,11 +225,65 @@ def drift(rng: random.Random, quick: bool) -> None:
               + f"{alarmed:>6} in {places * healthy_cycles} place-cycles")
 
 
+def monitoring(rng: random.Random, quick: bool) -> None:
+    """The weak regime through monitoring: ``BASELINE`` fault-free cycles (each link's own
+    normal), then the faults, and ``AFTER`` more cycles."""
+    from bench.monitoring import Fleet
+
+    baseline, after = 6, 6
+    sizes = (64,) if quick else (64, 256)
+    state = Path(".ringwatch") / f"bench-weak-monitoring-{os.getpid()}"
+    state.mkdir(parents=True, exist_ok=True)
+    print(f"\nmonitoring (real scheduler --once per cycle, API, Postgres; noise 6.5 %, variation "
+          f"5 %, 8 faults of 12-25 % loss from cycle {baseline + 1} of {baseline + after})")
+    print(f"  {'nodes':>5} {'band':>7} {'opened':>7} {'cycles to open':>24} {'s/cycle':>8}")
+    for nodes in sizes:
+        sc = scenario(rng, nodes, 8, noise=0.065, variation=0.05, loss=(0.12, 0.25))
+        for f in sc["faults"]:
+            f["start"] = baseline
+        path = state / f"weak-{nodes}.json"
+        path.write_text(json.dumps(sc))
+        fleet = Fleet(path, state / f"weak-{nodes}")
+        opened: dict[int, int] = {}
+        walls, early = [], 0
+        try:
+            for c in range(baseline + after):
+                walls.append(fleet.cycle())
+                incidents = fleet.incidents()
+                if c < baseline:
+                    early = len(incidents)
+                    continue
+                for i, fault in enumerate(sc["faults"]):
+                    if i not in opened and any(matches(fault, x["detail"]) for x in incidents
+                                               if x["status"] == "open"):
+                        opened[i] = c - baseline + 1
+            incidents = fleet.incidents()
+            verdict = fleet.api.post("/v1/preflight", json={
+                "nodes": [node_name(i) for i in range(nodes)]}).json()
+        finally:
+            fleet.close()
+        for band in (">=15%", "12-15%"):
+            idx = [i for i, f in enumerate(sc["faults"]) if band_of(1 - f["factor"]) == band]
+            got = [opened[i] for i in idx if i in opened]
+            cyc = ", ".join(str(opened.get(i, "-")) for i in idx)
+            print(f"  {nodes:>5} {band:>7} {f'{len(got)}/{len(idx)}':>7} {cyc:>24} "
+                  f"{statistics.mean(walls):>8.1f}")
+        false = sum(not any(matches(f, x["detail"]) for f in sc["faults"]) for x in incidents)
+        bad = faulty_nodes(sc)
+        found = sum(any(matches(f, x) for x in verdict["findings"]) for f in sc["faults"])
+        wrong = sorted(set(verdict["exclude"]) - bad)
+        print(f"        incidents before the faults began: {early}; after: {len(incidents)}, "
+              f"{false} matching no fault")
+        print(f"        stored preflight at the end: healthy {verdict['healthy']}, "
+              f"{found}/{len(sc['faults'])} faults named, {len(wrong)} healthy node(s) "
+              f"excluded, suspects {len(verdict.get('suspects', []))}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.weak_faults", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=13)
-    p.add_argument("--only", choices=("preflight", "scale", "curve", "drift"))
+    p.add_argument("--only", choices=("preflight", "scale", "curve", "drift", "monitoring"))
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     started = time.perf_counter()
@@ -233,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         at_scale(rng)
     if args.only in (None, "drift"):
         drift(rng, args.quick)
+    if args.only in (None, "monitoring"):
+        monitoring(rng, args.quick)
     if args.only in (None, "curve"):
         losses = (0.1, 0.2, 0.3, 0.5) if args.quick else (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
         noises = (0.02, 0.06, 0.1) if args.quick else (0.02, 0.04, 0.06, 0.08, 0.1)

@@ -156,6 +156,20 @@ def test_a_group_its_lasting_offset_keeps_undecided_stops_before_its_repeats_run
     assert slow_side.llr > 0 > stuck.llr
 
 
+def test_one_measurement_in_the_far_tail_is_measured_again_before_it_is_a_fault() -> None:
+    # A healthy path 5 % under its peers for good, caught by a 4-sigma draw of 7 % noise:
+    # one measurement at 0.72 of its expectation. Its weighing alone passes the slow bound,
+    # but a slow decision on one measurement is provisional: the check measures it again.
+    one = weigh([0.72], noise=0.07, variation=0.0, centre_se=0.0, w=W)
+    assert one.degraded and one.provisional and one.pending
+    # Measured again at its usual rate, it is no longer slow.
+    again = weigh([0.72, 0.95], noise=0.07, variation=0.03, centre_se=0.0, w=W)
+    assert not again.degraded
+    # A real fault keeps its verdict on the second measurement, which is then final.
+    fault = weigh([0.5, 0.52], noise=0.07, variation=0.03, centre_se=0.0, w=W)
+    assert fault.degraded and not fault.provisional and not fault.pending
+
+
 def test_a_run_measures_how_alike_its_links_are_where_noise_allows() -> None:
     from services.analyzer.localize import group_verdicts
 

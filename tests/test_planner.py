@@ -178,6 +178,7 @@ def _verdict(scope, members, bad, old=None):
     v = old or GroupVerdict(scope, tuple(sorted(members)), tuple(sorted(nodes_of(members))))
     v.by_op.setdefault("alltoall", []).append(
         Assessment(m, 1.0, 0.5 if bad else 1.0, bad, "peers"))
+    v._decisions = None  # weighed again with the new measurement, as a fresh judgement does
     return v
 
 

@@ -226,6 +226,21 @@ def test_begin_cycle_rebuilds_the_fabric_only_when_a_fault_drifts():
         moving.begin_cycle(-1)
 
 
+def test_a_fault_with_a_start_is_absent_before_its_cycle():
+    b = exact([{**nvlink(0.8), "start": 3}, {"kind": "hang", "node": "node-002", "start": 3}])
+    healthy = busbw(b, pair(1, 2, 3))
+    for cycle in (0, 2):
+        b.begin_cycle(cycle)
+        assert busbw(b, pair(1, 2, 5)) == healthy
+        assert not b.run_round([intra(2)]).findings
+    b.begin_cycle(3)
+    assert busbw(b, pair(1, 2, 5)) == pytest.approx(0.8 * healthy, rel=0.01)
+    assert [f.kind for f in b.run_round([intra(2)]).findings] == ["hang"]
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"faults\[0\]: start must be"):
+            exact([{**nvlink(0.8), "start": bad}])
+
+
 @pytest.mark.parametrize(("fault", "message"), [
     ({"kind": "nvlink", "node": "node-001", "gpus": [0, 1], "drift": -0.1}, "drift must be"),
     ({"kind": "nic", "node": "node-001", "drift": 1}, "drift must be"),

@@ -126,6 +126,12 @@ class Weighing:
     # unions, an intra-node group) is followed up instead of re-measured once its
     # log-likelihood ratio leans slow by this much (odds of about 7 to 1).
     follow_up_llr: float = 2.0
+    # A slow decision rests on at least this many measurements of the group: one is
+    # provisional, and a check measures it again (a batch judged after the fact takes it as
+    # it stands). One measurement's tail, a hiccup of the machine, or a 4-sigma draw of the
+    # noise among the tens of thousands a large check takes, then never excludes a node by
+    # itself; a real fault costs one repeat of its group.
+    confirm_repeats: int = 2
 
     @property
     def upper(self) -> float:
@@ -196,7 +202,7 @@ def by_majority(bad: Sequence[bool], w: Weighing) -> Decision:
     # The plain rule has no likelihood: ``llr`` carries only which way it leaned (below
     # ``follow_up_llr``, so a provisional slow result is measured again, never skipped).
     return Decision(decision, 0.9, n, 0.0, 0.0, n >= w.max_repeats,
-                    provisional=decision == DEGRADED and n < 2,
+                    provisional=decision == DEGRADED and n < w.confirm_repeats,
                     llr=1.0 if decision == DEGRADED else -1.0)
 
 
@@ -236,7 +242,8 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     # nothing to follow up.
     decision = _decide(llr, w, healthy_lean=exhausted)
     return Decision(decision, _confidence(decision, llr), n, math.exp(m), math.sqrt(s2),
-                    exhausted, llr=llr)
+                    exhausted, provisional=decision == DEGRADED and n < w.confirm_repeats,
+                    llr=llr)
 
 
 def weigh_mean(m: float, s2: float, repeats: int, w: Weighing) -> Decision:
