@@ -315,3 +315,22 @@ def test_a_group_that_only_steers_the_plan_is_followed_up_not_remeasured_once_it
     # One that barely leans slow is measured again all the same.
     verdicts[("inter_node", tuple(union))] = _leaning("inter_node", union, 0.95)
     assert len(planner._repeats(verdicts, set())) == 2
+
+
+def test_a_provisional_slow_pair_is_measured_again_though_its_node_is_blamed():
+    # One slow measurement of a GPU pair blames its node at once, but the decision is
+    # provisional: that pair is measured again, the node's other groups are not.
+    nodes = layout(2, 4)
+    planner = AdaptivePlanner(nodes, ProbeShape(sizes=(1,)))
+    slow = _verdict("gpu_pair", ["node-000/0", "node-000/1"], bad=True)
+    other = _verdict("gpu_pair", ["node-000/2", "node-000/3"], bad=False)
+    other.by_op["alltoall"][0] = Assessment(other.by_op["alltoall"][0].measurement, 1.0, 0.945,
+                                            False, "peers")
+    other._decisions = None
+    verdicts = {(v.scope, v.members): v for v in (slow, other)}
+    assert slow.provisional and other.decisions["alltoall"].decision == "undecided"
+    again = planner._repeats(verdicts, {"node-000"})
+    assert [g.members for g in again] == [slow.members]
+    # Measured again and slow again: final, and no longer measured.
+    _verdict("gpu_pair", ["node-000/0", "node-000/1"], bad=True, old=slow)
+    assert not slow.provisional and planner._repeats(verdicts, {"node-000"}) == []

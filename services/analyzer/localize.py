@@ -113,6 +113,12 @@ class GroupVerdict:
         return not self.cleared
 
     @property
+    def provisional(self) -> bool:
+        """Slow on one measurement only: decided, but to be measured again."""
+        ds = self.decisions.values()
+        return any(d.degraded for d in ds) and all(d.provisional for d in ds if d.degraded)
+
+    @property
     def pending_ops(self) -> tuple[str, ...]:
         """Ops still undecided with repeats left: what a repeat of this group measures."""
         ds = self.decisions

@@ -308,7 +308,9 @@ class AdaptivePlanner:
                 # narrower tests (GPU pairs, the search's smaller unions) run instead of its
                 # repeats.
                 continue
-            if ops and blamed.isdisjoint(x.nodes):
+            # A blamed node's groups are not measured on, except one whose slow decision
+            # is the provisional one the blame rests on: it is measured again first.
+            if ops and (blamed.isdisjoint(x.nodes) or x.provisional):
                 pending.append(GroupSpec(scope=scope, members=members, ops=ops,
                                          sizes=self.repeat_sizes, dtype=self.shape.dtype,
                                          warmup=self.shape.warmup, iters=self.shape.iters,
