@@ -381,7 +381,8 @@ class SimBackend:
         self._cycle = 0
         self._noise_rng = np.random.default_rng([self.scenario.seed, 1])
         # Faults whose effect changes from cycle to cycle: drifting, or beginning later.
-        self._drifts = any(f.get("drift", 0) or f.get("start", 0) for f in self.scenario.faults)
+        self._cycle_dependent = any(f.get("drift", 0) or f.get("start", 0)
+                                    for f in self.scenario.faults)
         self._index = {node_name(i): i for i in range(self.scenario.nodes)}
         self._expected_cache: dict[tuple[Any, ...], float] = {}
         self._ranks: list[RankInfo] | None = None
@@ -413,7 +414,7 @@ class SimBackend:
         index always draws the same noise)."""
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"cycle index must be a non-negative integer, got {index!r}")
-        if self._drifts and index != self._cycle:
+        if self._cycle_dependent and index != self._cycle:
             # Variation is seeded apart from the faults: only the faults' rates move.
             self.fabric = Fabric(self.scenario, cycle=index)
             self.model = CostModel(self.fabric)

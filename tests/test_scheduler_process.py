@@ -33,18 +33,27 @@ def server(database_url, clean_db, tmp_path):
     stop_server(proc)
 
 
+NODES = ["node-000", "node-001", "node-002", "node-003"]
+
+
+def _waiting_preflight(api: str, h: dict[str, str]) -> dict:
+    """A preflight request on four nodes known only from results two days old: it waits
+    for a scheduler."""
+    old = fleet_batch()
+    for m in old["measurements"]:
+        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
+    httpx.post(f"{api}/v1/measurements", json=old, headers=h).raise_for_status()
+    return httpx.post(f"{api}/v1/preflight", json={"nodes": NODES, "max_age_s": 60},
+                      headers=h).json()
+
+
 def test_preflight_of_a_dead_scheduler_completes_after_restart(server, tmp_path) -> None:
     api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
     fabric = tmp_path / "fabric.json"
     fabric.write_text(json.dumps({"nodes": 4, "gpus_per_node": 2, "seed": 1, "faults": [
         {"kind": "nic", "node": "node-002", "factor": 0.4}]}))
     # The nodes are known, but only from results too old for this preflight.
-    old = fleet_batch()
-    for m in old["measurements"]:
-        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
-    httpx.post(f"{api}/v1/measurements", json=old, headers=h).raise_for_status()
-    nodes = ["node-000", "node-001", "node-002", "node-003"]
-    req = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes, "max_age_s": 60}, headers=h).json()
+    req = _waiting_preflight(api, h)
     assert req["status"] == "pending"
 
     # A scheduler claims it and dies before completing (its lease runs out in 1 s).
@@ -143,12 +152,7 @@ class SlowRounds(SimBackend):
 
 def test_a_check_that_outlasts_its_lease_still_completes(server, tmp_path) -> None:
     api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
-    old = fleet_batch()
-    for m in old["measurements"]:
-        m["time"] = (datetime.now(UTC) - timedelta(days=2)).isoformat()
-    httpx.post(f"{api}/v1/measurements", json=old, headers=h).raise_for_status()
-    nodes = ["node-000", "node-001", "node-002", "node-003"]
-    req = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes, "max_age_s": 60}, headers=h).json()
+    req = _waiting_preflight(api, h)
     backend = SlowRounds({"nodes": 4, "gpus_per_node": 2, "seed": 1, "faults": [
         {"kind": "nic", "node": "node-002", "factor": 0.4}]})
     client = SchedulerApi(api, ADMIN, "slow")
