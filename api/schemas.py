@@ -171,6 +171,18 @@ class LinkOut(BaseModel):
     changed_at: datetime
 
 
+class BaselineOut(BaseModel):
+    """A link's running baseline: its last busbw values (GB/s, oldest first) at its judged
+    size, from which an adaptive check learns the link's own normal."""
+
+    group_key: str
+    scope: str
+    op: str
+    members: list[str]
+    size_bytes: int
+    values: list[float]
+
+
 class SeriesPoint(BaseModel):
     """A raw probe, or (resolution 1h/1d) a bucket: ``time`` its start, busbw/algbw/time
     its medians, ``count`` probes, busbw min/max/mean, ``wrong`` summed."""

@@ -3,6 +3,7 @@ search that one unlucky measurement cannot mislead (docs/analysis.md, "Weighing 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -10,7 +11,7 @@ import pytest
 
 from agents.sim import SimBackend
 from agents.spec import Measurement, RoundResult, nodes_of
-from services.analyzer.assess import Thresholds
+from services.analyzer.assess import Thresholds, link_key
 from services.analyzer.evidence import DEGRADED, HEALTHY, UNDECIDED, Weighing, weigh
 from services.analyzer.judge import judge
 from services.scheduler.preflight import run_preflight
@@ -163,6 +164,47 @@ def test_a_union_is_judged_by_its_path_model_not_by_its_few_peers():
     assert judged[2].ratio is not None and judged[2].ratio < 0.7
 
 
+def test_the_union_model_counts_each_node_pair_once_not_its_repeats():
+    """The union model's centre is the node pairs' median: a pair that looked slow and was
+    measured again twenty times must not drag it down and hide a slow path from the world
+    group."""
+    from services.analyzer.assess import assess, slowest_path_share
+
+    def group(nodes: list[int], busbw: float) -> Measurement:
+        members = [f"node-{n:03d}/{g}" for n in nodes for g in range(2)]
+        return Measurement(op="alltoall", scope="inter_node", members=members,
+                           size_bytes=1 << 28, dtype="float32", warmup=5, iters=20,
+                           time_us=1.0, algbw_gbs=busbw, busbw_gbs=busbw, wrong=0)
+
+    firsts = [group([2 * i, 2 * i + 1], 100.0) for i in range(5)]
+    # Two of the five pairs drew a low first value and were measured twenty times more.
+    repeats = [group([2 * i, 2 * i + 1], 80.0) for i in (0, 1) for _ in range(20)]
+    world = group(list(range(10)), 90.0)
+    out = assess(firsts + repeats + [world], SIM, expected=lambda m: 100.0)
+    assert out[-1].source == "paths"
+    assert out[-1].expected_gbs == pytest.approx(
+        100.0 * slowest_path_share(10, SIM.weighing.variation_prior))
+
+
+def test_a_world_group_below_the_hardware_floor_keeps_its_own_normal():
+    """A world group runs at its slowest path, under the node pairs' hardware model's 90 %
+    floor: its own normal, learnt by monitoring, is still what it is judged against."""
+    from services.analyzer.assess import assess
+
+    members = [f"node-{n:03d}/{g}" for n in range(64) for g in range(2)]
+    world = Measurement(op="alltoall", scope="world", members=members, size_bytes=1 << 28,
+                        dtype="float32", warmup=5, iters=20, time_us=1.0, algbw_gbs=80.0,
+                        busbw_gbs=80.0, wrong=0)
+    pairs = [dataclasses.replace(node_pair(2 * i, 2 * i + 1, 100.0), op="alltoall")
+             for i in range(4)]
+    rng = random.Random(5)
+    history = {link_key(world): [86.0 * (1 + rng.gauss(0, 0.02)) for _ in range(30)]}
+    out = assess(pairs + [world], SIM, expected=lambda m: 100.0, history=history)
+    assert out[-1].source == "history"
+    assert out[-1].expected_gbs == pytest.approx(86.0, rel=0.02)
+    assert out[-1].ratio is not None and out[-1].ratio < 0.95
+
+
 def node_pair(a: int, b: int, busbw: float) -> Measurement:
     members = [f"node-{n:03d}/{g}" for n in (a, b) for g in range(8)]
     return Measurement(op="allreduce", scope="inter_node", members=members, size_bytes=1 << 28,
@@ -202,3 +244,93 @@ def test_one_slow_path_among_a_nodes_partners_is_not_taken_for_its_nic():
     pairs.update({(40, 41): 60.0, (40, 42): 94.0, (40, 43): 93.0, (40, 44): 94.0})
     j = judge(measured_pairs(pairs, rng), [], thresholds=SIM)
     assert "nic_degraded" not in {f.kind for f in j.findings}
+
+
+def test_the_api_serves_each_links_normal_and_never_learns_a_slow_value(api):
+    """``GET /v1/baselines`` gives a scheduler each link's own normal; a value the judgement
+    found slow stays out of it, so a lasting loss never becomes the link's normal."""
+    from services.scheduler.api_client import SchedulerApi
+    from tests.api_fixtures import fleet_batch, pair
+
+    def auth(client, role: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {client.tokens[role]}"}
+
+    agent = auth(api, "agent")
+    for _ in range(6):
+        api.post("/v1/measurements", json=fleet_batch(), headers=agent).raise_for_status()
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"),
+             headers=agent).raise_for_status()
+    rows = api.get("/v1/baselines", headers=auth(api, "reader")).json()
+    assert len(rows) == 6 + 4  # six node pairs, four intra-node groups; one op each
+    for row in rows:
+        slow = any(m.startswith("node-001/") for m in row["members"])
+        assert len(row["values"]) == (6 if slow else 7), row
+        assert set(row["values"]) == {20.0 if row["scope"] == "intra_node" else 10.0}
+    # Pages: a full one names the next.
+    first = api.get("/v1/baselines", params={"limit": 4}, headers=agent)
+    rest = api.get("/v1/baselines", params={"limit": 100,
+                                            "after": first.headers["X-Next-Cursor"]},
+                   headers=agent).json()
+    assert [r["group_key"] for r in first.json() + rest] == [r["group_key"] for r in rows]
+    # The scheduler reads them keyed as the judgement looks history up.
+    sched = SchedulerApi("http://unused", "unused", worker="test")
+    sched.client.close()
+    sched.client = api
+    api.headers.update(agent)
+    history = sched.baselines(page=3)
+    key = link_key(Measurement(op="allreduce", scope="inter_node",
+                               members=pair("node-002", "node-003"), size_bytes=1 << 20,
+                               dtype="float32", warmup=5, iters=20, time_us=1.0,
+                               algbw_gbs=10.0, busbw_gbs=10.0, wrong=0))
+    assert len(history) == 10 and history[key] == [10.0] * 7
+
+
+def test_a_scheduler_that_cannot_read_baselines_judges_without_them():
+    from services.scheduler.api_client import SchedulerApi
+    from tests.procs import free_port
+
+    sched = SchedulerApi(f"http://127.0.0.1:{free_port()}", "token", worker="test",
+                         timeout_s=2.0)
+    try:
+        assert sched.baselines() == {}
+    finally:
+        sched.close()
+
+
+def test_a_check_judges_each_link_against_its_own_normal_where_history_holds_one():
+    """The scheduler's check (a monitoring cycle, a preflight it serves) judges as the API
+    judges the batch it ships: against the link's own normal where the store holds one."""
+    from services.scheduler.planner import layout_of
+    from services.scheduler.preflight import probe_shape, run_adaptive
+
+    backend = SimBackend({"nodes": 8, "gpus_per_node": 2, "seed": 2})
+    ranks = backend.ranks()
+    layout, shape = layout_of(ranks, None), probe_shape(backend)
+    bare = run_adaptive(backend, layout, ranks, shape)
+    intra = next(a for a in bare.judgement.assessments
+                 if a.judged and a.measurement.scope == "intra_node")
+    assert intra.source != "history"
+    history = {link_key(intra.measurement): [intra.measurement.busbw_gbs] * 10}
+    run = run_adaptive(backend, layout, ranks, shape, history=history)
+    mine = [a for a in run.judgement.assessments
+            if link_key(a.measurement) == link_key(intra.measurement)]
+    assert mine and all(a.source == "history" for a in mine)
+    assert mine[0].expected_gbs == pytest.approx(intra.measurement.busbw_gbs)
+
+
+def test_the_path_search_leaves_out_a_node_whose_nic_is_in_doubt():
+    """A NIC 10 % slow, too weak to convict, slows every union it is in: the world group
+    and the search run over the nodes whose NIC is proven, so the search never chases it as
+    a slow path through every region."""
+    from services.scheduler.planner import layout_of
+    from services.scheduler.preflight import probe_shape, run_adaptive
+
+    backend = SimBackend({"nodes": 16, "gpus_per_node": 2, "seed": 4, "variation": 0.0,
+                          "faults": [{"kind": "nic", "node": "node-005", "factor": 0.9}]})
+    ranks = backend.ranks()
+    run = run_adaptive(backend, layout_of(ranks, None), ranks, probe_shape(backend))
+    worlds = [x for (scope, _), x in run.judgement.verdicts.items() if scope == "world"]
+    assert len(worlds) == 1
+    assert "node-005" not in worlds[0].nodes and len(worlds[0].nodes) >= 12
+    assert run.judgement.findings == [] or all(
+        "node-005" in (f.node or "") for f in run.judgement.findings)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from api.deps import ReaderDep, SessionDep, SettingsDep
 from api.pages import decode_cursor, encode_cursor, link_next
-from api.schemas import HealthOut, LinkOut, NodeOut, SeriesOut
+from api.schemas import BaselineOut, HealthOut, LinkOut, NodeOut, SeriesOut
 from services.errors import BadInput
 from services.monitor import fleet
 
@@ -45,6 +45,28 @@ def get_links(
     out = fleet.links(session, status=status, scope=scope, node=node,
                       after=decode_cursor(after, 3) if after else None,
                       limit=limit)
+    last = out[-1] if out else None
+    link_next(request, response, out, limit,
+              encode_cursor([last["scope"], last["group_key"], last["op"]]) if last else None)
+    return out
+
+
+@router.get("/baselines", response_model=list[BaselineOut])
+def get_baselines(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    _: ReaderDep,
+    after: str | None = Query(default=None, max_length=2048,
+                              description="X-Next-Cursor of the previous page"),
+    limit: int = Query(default=10_000, ge=1, le=100_000),
+) -> list[dict]:
+    """Each link's running baseline (its last busbw values at its judged size) where it
+    holds enough values to be the link's own normal: what a scheduler's adaptive check,
+    monitoring cycle or preflight, judges its links against, as the API judges ingested
+    batches. In (scope, group key, op) order; a full page names the next in
+    ``X-Next-Cursor``."""
+    out = fleet.baselines(session, after=decode_cursor(after, 3) if after else None, limit=limit)
     last = out[-1] if out else None
     link_next(request, response, out, limit,
               encode_cursor([last["scope"], last["group_key"], last["op"]]) if last else None)

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from agents.spec import split_member
+from services.analyzer.assess import Thresholds
 from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
 from services.store import measurements as store
@@ -45,6 +46,14 @@ def links(session: Session, *, status: str | None, scope: str | None, node: str 
         for link in health_store.list_links(session, status=status, scope=scope, node=node,
                                             after=after, limit=limit)
     ]
+
+
+def baselines(session: Session, *, min_count: int = Thresholds.min_history, after: tuple[str, ...] | None = None,
+              limit: int | None = None) -> list[dict[str, Any]]:
+    """Links with a running baseline of at least ``min_count`` values."""
+    return [{"group_key": r.group_key, "scope": r.scope, "op": r.op, "members": list(r.members),
+             "size_bytes": r.size_bytes, "values": list(r.recent_busbw)}
+            for r in health_store.list_baselines(session, min_count, after=after, limit=limit)]
 
 
 def series(session: Session, members: list[str] | None, *, op: str | None,

@@ -209,7 +209,7 @@ def _link_health(session: Session, j: Judgement, keys: list[str],
     inserts, updates = [], []
     for key, a in sorted(latest.items()):
         link = links.get(key)
-        values = _folded(link, a, at, policy)
+        values = _folded(link, a, at, policy, learn=not _leans_slow(j, a))
         if link is None:
             m = a.measurement
             inserts.append({"group_key": key[0], "op": key[1], "scope": m.scope,
@@ -220,10 +220,24 @@ def _link_health(session: Session, j: Judgement, keys: list[str],
     store.write_links(session, inserts, updates)
 
 
-def _folded(link: Any, a: Assessment, at: datetime, policy: Policy) -> dict[str, Any]:
+def _leans_slow(j: Judgement, a: Assessment) -> bool:
+    """Whether the judgement found the assessment's group slow for its op, or leaning slow
+    enough to be looked into (``Weighing.follow_up_llr``)."""
+    m = a.measurement
+    x = j.verdicts.get((m.scope, m.group))
+    if x is None or m.op not in x.decisions:
+        return False
+    d = x.decisions[m.op]
+    return d.degraded or d.llr >= x.weighing.follow_up_llr
+
+
+def _folded(link: Any, a: Assessment, at: datetime, policy: Policy, *,
+            learn: bool = True) -> dict[str, Any]:
     """One assessment folded into a link (None: a new one) through the hysteresis policy,
-    and its busbw into the link's running baseline (restarted when the judged size
-    changes): the link's new column values."""
+    and, with ``learn``, its busbw into the link's running baseline (restarted when the
+    judged size changes): the link's new column values. A value the judgement found slow is
+    not learnt: a lasting loss must not become the link's normal (after about half the
+    window it would, and a group with no peers, the world group, would stop showing it)."""
     m = a.measurement
     same_size = link is not None and link.size_bytes == m.size_bytes
     past = list(link.recent_busbw or []) if same_size else []
@@ -237,6 +251,7 @@ def _folded(link: Any, a: Assessment, at: datetime, policy: Policy) -> dict[str,
         "bad_streak": ((link.bad_streak or 0) if link is not None else 0) + 1 if a.bad else 0,
         "good_streak": state.good_streak,
         "recent": "".join("1" if bad else "0" for bad in state.recent),
-        "recent_busbw": [*past, m.busbw_gbs][-HISTORY_WINDOW:], "updated_at": at,
+        "recent_busbw": ([*past, m.busbw_gbs] if learn else past)[-HISTORY_WINDOW:],
+        "updated_at": at,
         "changed_at": at if link is None or state.status != previous else link.changed_at,
     }

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
+
+log = logging.getLogger(__name__)
+# What one check may judge against: (op, scope, size_bytes, dtype, sorted members) to the
+# link's past busbw values (services.analyzer.assess.link_key).
+History = dict[tuple[str, str, int, str, tuple[str, ...]], list[float]]
 
 
 class SchedulerApi:
@@ -37,6 +43,30 @@ class SchedulerApi:
                                 json={"worker": self.worker, "error": error, "verdict": verdict})
         resp.raise_for_status()
         return resp.json()
+
+    def baselines(self, dtype: str = "float32", page: int = 10_000) -> History:
+        """Every link's own normal the API holds (``GET /v1/baselines``), keyed as the
+        judgement reads history, so a check judges its links as the API will judge its
+        batch. Empty, with a warning, when the API cannot be read: the check then judges
+        against peers and the hardware model alone."""
+        out: History = {}
+        params: dict[str, Any] = {"limit": page}
+        try:
+            while True:
+                resp = self.client.get("/v1/baselines", params=params)
+                resp.raise_for_status()
+                for row in resp.json():
+                    key = (row["op"], row["scope"], int(row["size_bytes"]), dtype,
+                           tuple(sorted(row["members"])))
+                    out[key] = [float(v) for v in row["values"]]
+                cursor = resp.headers.get("X-Next-Cursor")
+                if not cursor:
+                    return out
+                params = {"limit": page, "after": cursor}
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("link baselines not read (%s): judging against peers and the "
+                        "hardware model only", exc)
+            return {}
 
     def close(self) -> None:
         self.client.close()

@@ -13,7 +13,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,10 +92,12 @@ class CycleResult:
 
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
               progress: Progress | None = None, skip_busy: bool = False,
-              rotation: int = 0) -> CycleResult:
+              rotation: int = 0,
+              history: Mapping[tuple, Sequence[float]] | None = None) -> CycleResult:
     """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
     node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
-    it is slow, the search for the slow path: the adaptive plan of a preflight."""
+    it is slow, the search for the slow path: the adaptive plan of a preflight, judged
+    against each link's own normal where ``history`` holds one."""
     backend.begin_cycle(rotation)
     refresh = getattr(backend, "refresh_ranks", None)
     if refresh is not None:
@@ -112,7 +114,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
     read = getattr(backend, "counters", None)
     before = read() if read else {}
     run = run_adaptive(backend, layout, ranks, shape, rotation=rotation, progress=progress,
-                       label="round")
+                       label="round", history=history)
     after = read() if read else {}
     nvml, snapshots = _counter_findings(before, after)
     return CycleResult(
@@ -271,7 +273,8 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
             progress(line)
 
     run = run_adaptive(backend, layout, ranks, shape, progress=each_round,
-                       label=f"preflight {req['id'][:8]} round")
+                       label=f"preflight {req['id'][:8]} round",
+                       history=api.baselines(options.dtype))
     if duty is not None:
         duty.charge_preflight(run.busy_s)
     verdict = verdict_of(run, backend.name, list(layout))
@@ -308,8 +311,9 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
         try:
             if time.monotonic() >= next_cycle:
                 so_far = duty.fractions()
+                history = api.baselines(options.dtype) if api is not None else None
                 cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
-                                  rotation=rotation.advance())
+                                  rotation=rotation.advance(), history=history)
                 cycle.duty_cycle = so_far
                 duty.add(cycle)
                 worst = max(so_far.values(), default=0.0)

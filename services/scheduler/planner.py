@@ -16,6 +16,7 @@ from agents.matchings import circle_matching, circle_matchings
 from agents.spec import GroupSpec, RankInfo, member
 from services.analyzer.localize import (
     GroupVerdict,
+    NicCase,
     by_node,
     nic_needs_more_partners,
     proven_nodes,
@@ -279,7 +280,14 @@ class AdaptivePlanner:
             self.phase = "world"
         if self.phase == "world":
             self.phase = "search"
+            # Nodes whose NIC is proven: a weak NIC not yet blamed slows every union it is
+            # in, and the search would chase it as a slow path through every region (a
+            # path is only ever named between two proven ends anyway). Where no node is
+            # proven (a small fleet whose pairs are all in doubt), every live node.
             live = [n for n in sorted(self.nodes) if n not in blamed]
+            proven = self._proven(v, blamed)
+            if len(proven) >= 3:
+                live = [n for n in live if n in proven]
             if len(live) >= 3:
                 self.world = world_group(self.nodes, live, self.shape)
                 return [self.world]
@@ -311,10 +319,12 @@ class AdaptivePlanner:
             # A blamed node's groups are not measured on, except one whose slow decision
             # is the provisional one the blame rests on: it is measured again first.
             if ops and (blamed.isdisjoint(x.nodes) or x.provisional):
+                k = repeat_batch(min(x.decisions[op].repeats for op in ops),
+                                 x.weighing.max_repeats)
                 pending.append(GroupSpec(scope=scope, members=members, ops=ops,
-                                         sizes=self.repeat_sizes, dtype=self.shape.dtype,
+                                         sizes=self.repeat_sizes * k, dtype=self.shape.dtype,
                                          warmup=self.shape.warmup, iters=self.shape.iters,
-                                         deadline_s=self.shape.deadline_s,
+                                         deadline_s=self.shape.deadline_s * k,
                                          redop=self.shape.redop))
         return pending
 
@@ -353,12 +363,7 @@ class AdaptivePlanner:
         """Re-pair nodes that have no good node-pair result with nodes proven good, and
         re-test slow pairs of two good nodes: a NIC is slow with every partner, a path
         only between its two ends."""
-        live = set(self.nodes) - blamed
-        two = {frozenset(x.nodes): x for (scope, _), x in v.items()
-               if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
-        results: dict[str, list[GroupVerdict]] = {n: [] for n in live}
-        results.update(by_node(two.values()))
-        nics = weigh_nics(results)
+        live, two, results, nics = self._node_pairs(v, blamed)
         proven = proven_nodes(results, nics)
         good = sorted(proven)
         used: set[str] = set()
@@ -390,6 +395,22 @@ class AdaptivePlanner:
             groups.append(pair_group(self.nodes, a, b, self.shape))
         self.issued_pairs |= {frozenset(nodes_of_members(g.members)) for g in groups}
         return groups
+
+    def _node_pairs(self, v: Verdicts, blamed: set[str]
+                    ) -> tuple[set[str], dict[frozenset[str], GroupVerdict],
+                               dict[str, list[GroupVerdict]], dict[str, NicCase]]:
+        """The live nodes, their node-pair groups by node set and by node, and each NIC
+        weighed over its partners."""
+        live = set(self.nodes) - blamed
+        two = {frozenset(x.nodes): x for (scope, _), x in v.items()
+               if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
+        results: dict[str, list[GroupVerdict]] = {n: [] for n in live}
+        results.update(by_node(two.values()))
+        return live, two, results, weigh_nics(results)
+
+    def _proven(self, v: Verdicts, blamed: set[str]) -> set[str]:
+        _, _, results, nics = self._node_pairs(v, blamed)
+        return proven_nodes(results, nics)
 
     def _search(self, v: Verdicts) -> list[GroupSpec]:
         if self.world is None:
@@ -448,6 +469,22 @@ class AdaptivePlanner:
     def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
         return _suspect(v, "inter_node", node_members(self.nodes, union))
+
+
+# The most measurements one repeat of a group takes in a single run.
+MAX_REPEAT_BATCH = 3
+
+
+def repeat_batch(done: int, max_repeats: int) -> int:
+    """How many measurements a group that has ``done`` of them takes in its next run: one
+    while it has fewer than three (most groups decide by then), then about half as many
+    again, at most ``MAX_REPEAT_BATCH`` and never past ``max_repeats``. A group still
+    undecided after a few measurements sits near a bound and will take several more; taken
+    in one run they share its setup (forming the communicator, tens of milliseconds on the
+    sim and often far more on a real fabric) and its round, where one per run would hold a
+    round each."""
+    k = 1 if done < 3 else min(MAX_REPEAT_BATCH, (done + 1) // 2)
+    return max(1, min(k, max_repeats - done))
 
 
 def _only_steers(scope: str, x: GroupVerdict) -> bool:

@@ -9,14 +9,14 @@ re-tested and localized before anyone is blamed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agents import profiles
 from agents.collectives import default_sizes
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
-from services.analyzer.assess import Expected, Thresholds
+from services.analyzer.assess import Expected, LinkKey, Thresholds
 from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
 from services.config import get_settings
@@ -82,9 +82,13 @@ def run_adaptive(
     max_rounds: int = MAX_ROUNDS,
     progress: Progress | None = None,
     label: str = "round",
+    history: Mapping[LinkKey, Sequence[float]] | None = None,
 ) -> AdaptiveRun:
     """Plan a round from the judgement so far, run it, judge everything again; until the
-    planner has nothing left to ask. ``rotation`` picks the node-pair matching."""
+    planner has nothing left to ask. ``rotation`` picks the node-pair matching;
+    ``history``, each link's past busbw as the API holds it (``GET /v1/baselines``), gives
+    a link its own normal in the check as on ingest, so the plan follows up what the API
+    will find."""
     started = time.perf_counter()
     nodes = list(layout)
     mine = [r for r in ranks if r.node in layout]
@@ -95,7 +99,7 @@ def run_adaptive(
 
     def judged(run: AdaptiveRun) -> Judgement:
         return judge(run.measurements, run.probe_findings, nodes, mine, thresholds=t,
-                     expected=model)
+                     expected=model, history=history)
 
     run = AdaptiveRun(judgement=judge([], [], nodes, mine, thresholds=t))
     planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds, rotation=rotation)
@@ -127,6 +131,7 @@ def run_preflight(
     expected: Expected | None = None,
     deadline_s: float | None = None,
     max_rounds: int = MAX_ROUNDS,
+    history: Mapping[LinkKey, Sequence[float]] | None = None,
 ) -> dict[str, Any]:
     """Probe ``nodes`` (all the backend's nodes when None) and return DESIGN.md's verdict.
 
@@ -139,7 +144,8 @@ def run_preflight(
     layout = layout_of(ranks, nodes)
     shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
-                       max_rounds=max_rounds, progress=progress, label="preflight round")
+                       max_rounds=max_rounds, progress=progress, label="preflight round",
+                       history=history)
     return verdict_of(run, backend.name, list(layout))
 
 

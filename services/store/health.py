@@ -82,6 +82,21 @@ def list_links(session: Session, status: str | None = None, scope: str | None = 
     return list(session.scalars(q))
 
 
+def list_baselines(session: Session, min_count: int, *, after: tuple[str, ...] | None = None,
+                   limit: int | None = None) -> list[Any]:
+    """Links whose running baseline holds at least ``min_count`` values, in (scope, group
+    key, op) order from just past ``after``: what an adaptive check judges against."""
+    c = LinkHealth
+    q = (select(c.scope, c.group_key, c.op, c.members, c.size_bytes, c.recent_busbw)
+         .where(func.coalesce(func.cardinality(c.recent_busbw), 0) >= min_count)
+         .order_by(c.scope, c.group_key, c.op))
+    if after is not None:
+        q = q.where(tuple_(c.scope, c.group_key, c.op) > tuple_(*after))
+    if limit is not None:
+        q = q.limit(limit)
+    return list(session.execute(q).all())
+
+
 def open_finding(session: Session, *, kind: str, group_key: str | None, op: str | None,
                  nodes: list[str], severity: str, detail: dict[str, Any]) -> Finding:
     finding = Finding(kind=kind, status="open", group_key=group_key, op=op, nodes=nodes,
