@@ -319,12 +319,10 @@ class AdaptivePlanner:
             # A blamed node's groups are not measured on, except one whose slow decision
             # is the provisional one the blame rests on: it is measured again first.
             if ops and (blamed.isdisjoint(x.nodes) or x.provisional):
-                k = repeat_batch(min(x.decisions[op].repeats for op in ops),
-                                 x.weighing.max_repeats)
                 pending.append(GroupSpec(scope=scope, members=members, ops=ops,
-                                         sizes=self.repeat_sizes * k, dtype=self.shape.dtype,
+                                         sizes=self.repeat_sizes, dtype=self.shape.dtype,
                                          warmup=self.shape.warmup, iters=self.shape.iters,
-                                         deadline_s=self.shape.deadline_s * k,
+                                         deadline_s=self.shape.deadline_s,
                                          redop=self.shape.redop))
         return pending
 
@@ -469,22 +467,6 @@ class AdaptivePlanner:
     def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
         return _suspect(v, "inter_node", node_members(self.nodes, union))
-
-
-# The most measurements one repeat of a group takes in a single run.
-MAX_REPEAT_BATCH = 3
-
-
-def repeat_batch(done: int, max_repeats: int) -> int:
-    """How many measurements a group that has ``done`` of them takes in its next run: one
-    while it has fewer than three (most groups decide by then), then about half as many
-    again, at most ``MAX_REPEAT_BATCH`` and never past ``max_repeats``. A group still
-    undecided after a few measurements sits near a bound and will take several more; taken
-    in one run they share its setup (forming the communicator, tens of milliseconds on the
-    sim and often far more on a real fabric) and its round, where one per run would hold a
-    round each."""
-    k = 1 if done < 3 else min(MAX_REPEAT_BATCH, (done + 1) // 2)
-    return max(1, min(k, max_repeats - done))
 
 
 def _only_steers(scope: str, x: GroupVerdict) -> bool:
