@@ -334,3 +334,19 @@ def test_the_path_search_leaves_out_a_node_whose_nic_is_in_doubt():
     assert "node-005" not in worlds[0].nodes and len(worlds[0].nodes) >= 12
     assert run.judgement.findings == [] or all(
         "node-005" in (f.node or "") for f in run.judgement.findings)
+
+
+def test_a_few_past_values_that_agree_by_chance_are_not_trusted_past_the_noise():
+    """Five past values within 1 % of each other under 6.5 % noise: the link's own normal
+    takes their median, but its uncertainty no smaller than its peers' spread, so a value
+    8 % under that lucky median is not read as a loss of many sigmas."""
+    from services.analyzer.assess import assess
+
+    rng = random.Random(8)
+    peers = [intra(n, 100.0 * math.exp(rng.gauss(0, 0.065))) for n in range(1, 24)]
+    mine = intra(0, 97.0)
+    history = {link_key(mine): [105.0, 105.4, 104.6, 105.2, 104.9]}
+    out = assess([mine, *peers], SIM, history=history)[0]
+    assert out.source == "history" and out.expected_gbs == pytest.approx(105.0)
+    assert out.spread > 0.04
+    assert out.centre_se > 1.2 * 0.04 / math.sqrt(5)

@@ -252,7 +252,10 @@ def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
         floor = paths * t.preset_floor
     chosen: Chosen | None = None
     if own is not None and own.median > 0:
-        spread = MAD_TO_SIGMA * own.mad / own.median
+        # A few past values can agree by chance (five within 1 % under 6.5 % noise): their
+        # spread is never taken as smaller than what its peers show this run, or the normal
+        # would be trusted far past what it knows.
+        spread = max(MAD_TO_SIGMA * own.mad / own.median, peer.spread if peer is not None else 0.0)
         centre_se = MEDIAN_SE * max(spread, w.min_noise) / math.sqrt(own.count)
         if peer is None or own.median >= peer.value * (1 - w.band_z * w.variation_prior):
             chosen = Chosen(own.median, "history", spread, centre_se)

@@ -209,7 +209,7 @@ def _link_health(session: Session, j: Judgement, keys: list[str],
     inserts, updates = [], []
     for key, a in sorted(latest.items()):
         link = links.get(key)
-        values = _folded(link, a, at, policy, learn=not _leans_slow(j, a))
+        values = _folded(link, a, at, policy, learn=not _leans_slow(j, a, link))
         if link is None:
             m = a.measurement
             inserts.append({"group_key": key[0], "op": key[1], "scope": m.scope,
@@ -220,15 +220,18 @@ def _link_health(session: Session, j: Judgement, keys: list[str],
     store.write_links(session, inserts, updates)
 
 
-def _leans_slow(j: Judgement, a: Assessment) -> bool:
-    """Whether the judgement found the assessment's group slow for its op, or leaning slow
-    enough to be looked into (``Weighing.follow_up_llr``)."""
+def _leans_slow(j: Judgement, a: Assessment, link: Any) -> bool:
+    """Whether the judgement found the assessment's group slow for its op, or, once the
+    link's baseline holds half its window, leaning slow enough to be looked into
+    (``Weighing.follow_up_llr``). A young baseline learns what leans slow: a lucky first
+    few values would otherwise freeze it high, and every later value would read slow."""
     m = a.measurement
     x = j.verdicts.get((m.scope, m.group))
     if x is None or m.op not in x.decisions:
         return False
     d = x.decisions[m.op]
-    return d.degraded or d.llr >= x.weighing.follow_up_llr
+    established = link is not None and len(link.recent_busbw or []) >= HISTORY_WINDOW // 2
+    return d.degraded or (established and d.llr >= x.weighing.follow_up_llr)
 
 
 def _folded(link: Any, a: Assessment, at: datetime, policy: Policy, *,
