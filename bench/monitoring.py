@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -64,6 +65,8 @@ class Fleet:
                     "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}",
                     "RINGWATCH_STATE_DIR": str(state)}
         self.scenario = scenario_path
+        # Rounds of each cycle run so far.
+        self.rounds: list[int] = []
         self.proc = start_server(self.env, notifier=False)
         self.api = httpx.Client(base_url=self.env["RINGWATCH_API_URL"], timeout=120,
                                 headers={"Authorization": f"Bearer {TOKEN}"})
@@ -75,6 +78,9 @@ class Fleet:
                              text=True, timeout=1200)
         if out.returncode != 0:
             raise RuntimeError(f"scheduler exited {out.returncode}: {out.stderr[-500:]}")
+        # The scheduler's own summary line: "cycle 1: N rounds, ...".
+        found = re.search(r"cycle \d+: (\d+) rounds", out.stderr)
+        self.rounds.append(int(found.group(1)) if found else 0)
         return time.monotonic() - t0
 
     def incidents(self) -> list[dict[str, Any]]:

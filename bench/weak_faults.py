@@ -109,13 +109,28 @@ def regime(rng: random.Random, n: int) -> list[dict[str, Any]]:
 
 
 def preflight(scenarios: list[dict[str, Any]]) -> Tally:
+    """One check per scenario; each printed as it ends, with the faults it missed and the
+    findings that match no fault."""
     t = Tally()
-    for sc in scenarios:
+    print("\npreflight, per scenario (missed: kind, place, loss; false: kind, place)")
+    for i, sc in enumerate(scenarios):
         started = time.perf_counter()
         v = run_preflight(SimBackend(sc), None)
-        t.wall_s.append(time.perf_counter() - started)
+        wall = time.perf_counter() - started
+        t.wall_s.append(wall)
         t.fabric_s.append(v["duration_s"])
         score(sc, v["findings"], v["exclude"], t)
+        print(f"  #{i:<2} {sc['nodes']:>4} nodes, noise {sc['noise']:.3f}, "
+              f"{len(sc['faults'])} fault(s): {v['rounds']} rounds, fabric "
+              f"{v['duration_s']:.1f} s, wall {wall:.0f} s", flush=True)
+        for f in sc["faults"]:
+            if not any(matches(f, x) for x in v["findings"]):
+                place = f.get("node") or ",".join(f.get("nodes", []))
+                gpus = f" gpus {f['gpus']}" if f.get("gpus") else ""
+                print(f"      missed {f['kind']} {place}{gpus}, loss {1 - f['factor']:.1%}")
+        for x in v["findings"]:
+            if not any(matches(f, x) for f in sc["faults"]):
+                print(f"      false {x['kind']} {x.get('node') or ','.join(x.get('nodes', []))}")
     return t
 
 
@@ -236,7 +251,8 @@ def monitoring(rng: random.Random, quick: bool) -> None:
     state.mkdir(parents=True, exist_ok=True)
     print(f"\nmonitoring (real scheduler --once per cycle, API, Postgres; noise 6.5 %, variation "
           f"5 %, 8 faults of 12-25 % loss from cycle {baseline + 1} of {baseline + after})")
-    print(f"  {'nodes':>5} {'band':>7} {'opened':>7} {'cycles to open':>24} {'s/cycle':>8}")
+    print(f"  {'nodes':>5} {'band':>7} {'opened':>7} {'cycles to open':>24} {'s/cycle':>8} "
+          f"{'rounds/cycle':>14}")
     for nodes in sizes:
         sc = scenario(rng, nodes, 8, noise=0.065, variation=0.05, loss=(0.12, 0.25))
         for f in sc["faults"]:
@@ -267,7 +283,8 @@ def monitoring(rng: random.Random, quick: bool) -> None:
             got = [opened[i] for i in idx if i in opened]
             cyc = ", ".join(str(opened.get(i, "-")) for i in idx)
             print(f"  {nodes:>5} {band:>7} {f'{len(got)}/{len(idx)}':>7} {cyc:>24} "
-                  f"{statistics.mean(walls):>8.1f}")
+                  f"{statistics.mean(walls):>8.1f} "
+                  f"{f'{min(fleet.rounds)}-{max(fleet.rounds)}':>14}")
         false = sum(not any(matches(f, x["detail"]) for f in sc["faults"]) for x in incidents)
         bad = faulty_nodes(sc)
         found = sum(any(matches(f, x) for x in verdict["findings"]) for f in sc["faults"])

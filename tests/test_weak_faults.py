@@ -285,7 +285,7 @@ def test_the_api_serves_each_links_normal_and_never_learns_a_slow_value(api):
     assert len(history) == 10 and history[key] == [10.0] * 7
 
 
-def test_a_scheduler_that_cannot_read_baselines_judges_without_them():
+def test_a_scheduler_that_cannot_reach_the_api_reads_no_baselines():
     from services.scheduler.api_client import SchedulerApi
     from tests.procs import free_port
 

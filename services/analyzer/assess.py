@@ -288,8 +288,8 @@ def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None]
     """The share of its hardware model a healthy node pair reaches in this run: the node
     pairs' median, per (op, size, dtype); none where fewer than three pairs ran. Each
     pair counts once, by its first measurement: the repeats a check takes are of pairs that
-    looked slow, and counted in they pull the median down (by 4 % under 7 % noise, which
-    hid a path 15 % slow from the world group)."""
+    looked slow, and counted in they pull the median down (which hid a path 15 % slow from
+    the world group)."""
     shares: dict[tuple[str, int, str], list[float]] = defaultdict(list)
     seen: set[tuple[str, int, str, tuple[str, ...]]] = set()
     for m, preset in zip(ms, presets, strict=True):

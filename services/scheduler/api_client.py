@@ -7,10 +7,9 @@ from typing import Any
 
 import httpx
 
+from services.analyzer.assess import LinkKey
+
 log = logging.getLogger(__name__)
-# What one check may judge against: (op, scope, size_bytes, dtype, sorted members) to the
-# link's past busbw values (services.analyzer.assess.link_key).
-History = dict[tuple[str, str, int, str, tuple[str, ...]], list[float]]
 
 
 class SchedulerApi:
@@ -44,18 +43,19 @@ class SchedulerApi:
         resp.raise_for_status()
         return resp.json()
 
-    def baselines(self, dtype: str = "float32", page: int = 10_000) -> History:
+    def baselines(self, dtype: str = "float32", page: int = 10_000) -> dict[LinkKey, list[float]]:
         """Every link's own normal the API holds (``GET /v1/baselines``), keyed as the
         judgement reads history, so a check judges its links as the API will judge its
         batch. Empty, with a warning, when the API cannot be read: the check then judges
         against peers and the hardware model alone."""
-        out: History = {}
+        out: dict[LinkKey, list[float]] = {}
         params: dict[str, Any] = {"limit": page}
         try:
             while True:
                 resp = self.client.get("/v1/baselines", params=params)
                 resp.raise_for_status()
                 for row in resp.json():
+                    # assess.link_key of a measurement of this link at its judged size.
                     key = (row["op"], row["scope"], int(row["size_bytes"]), dtype,
                            tuple(sorted(row["members"])))
                     out[key] = [float(v) for v in row["values"]]

@@ -27,6 +27,7 @@ from agents.spec import (
     split_member,
 )
 from agents.telemetry import counter_findings
+from services.analyzer.assess import LinkKey
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.planner import DEFAULT_OPS, layout_of
 from services.scheduler.preflight import probe_shape, run_adaptive, verdict_of
@@ -93,7 +94,7 @@ class CycleResult:
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
               progress: Progress | None = None, skip_busy: bool = False,
               rotation: int = 0,
-              history: Mapping[tuple, Sequence[float]] | None = None) -> CycleResult:
+              history: Mapping[LinkKey, Sequence[float]] | None = None) -> CycleResult:
     """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
     node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
     it is slow, the search for the slow path: the adaptive plan of a preflight, judged
