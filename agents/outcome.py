@@ -55,6 +55,7 @@ def measurement(spec: GroupSpec, probes: list[dict[str, Any]]) -> Measurement:
         wrong=sum(p["wrong"] for p in probes), stats=stats,
         redop=first.get("redop", redop_for(first["op"], spec.redop)),
         timing=weakest_timing(timings) if timings else None,
+        algo=spec.algo if first["op"] == "allreduce" else None,
     )
 
 

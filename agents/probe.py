@@ -14,6 +14,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -158,6 +159,37 @@ class CollectiveFailed(RuntimeError):
 
 
 # ---- forming and leaving a group ------------------------------------------------------
+
+
+_ALGO_LOCK = threading.Lock()
+# Groups of this process inside ``nccl_algo`` and what NCCL_ALGO was before the first.
+_algo_users: list[str | None] = []
+
+
+@contextlib.contextmanager
+def nccl_algo(algo: str | None) -> Any:
+    """NCCL_ALGO set to ``algo`` in this process while the block runs, as it was after the
+    last such block ends; nothing changes for None. An actor runs one group at a time, so
+    the variable is its group's alone; ranks sharing a process (threads) share the group."""
+    if algo is None:
+        yield
+        return
+    with _ALGO_LOCK:
+        if not _algo_users:
+            _algo_users.append(os.environ.get("NCCL_ALGO"))
+        _algo_users.append(algo)
+        os.environ["NCCL_ALGO"] = algo
+    try:
+        yield
+    finally:
+        with _ALGO_LOCK:
+            _algo_users.pop()
+            if len(_algo_users) == 1:
+                before = _algo_users.pop()
+                if before is None:
+                    os.environ.pop("NCCL_ALGO", None)
+                else:
+                    os.environ["NCCL_ALGO"] = before
 
 
 def make_group(
@@ -495,6 +527,9 @@ class ProbeAgent:
         deadline_s = float(spec.get("deadline_s", 60.0))
         pg = None
         failed = False
+        # NCCL reads NCCL_ALGO when the communicator forms, which ProcessGroupNCCL does at
+        # its first collective: the variable stays set until the group is gone.
+        algo_env = contextlib.ExitStack()
         try:
             store = dist.TCPStore(
                 store_host,
@@ -510,6 +545,7 @@ class ProbeAgent:
             store.set(arrived_key(rank), self.member)
             out["stage"] = "form"
             device = self._device()
+            algo_env.enter_context(nccl_algo(spec.get("algo") if self.backend == "nccl" else None))
             pg = make_group(
                 self.backend,
                 dist.PrefixStore(f"{group_id}/pg", store),
@@ -529,6 +565,7 @@ class ProbeAgent:
             out["traceback"] = traceback.format_exc(limit=4)
         finally:
             leave_group(pg, failed)
+            algo_env.close()
         return out
 
     def _run_ops(
@@ -554,7 +591,7 @@ class ProbeAgent:
                     warmup=int(spec.get("warmup", 5)),
                     iters=int(spec.get("iters", 20)),
                     repeats=int(spec.get("repeats", 1)),
-                    slow_factor=slow.factor if slow else None,
+                    slow_factor=slow.factor if slow and slow.op in (None, op) else None,
                     calibrate=bool(spec.get("calibrate", False)),
                     corrupt="corrupt" in self._faults,
                     cuda_graph=bool(spec.get("cuda_graph", True)),

@@ -30,9 +30,15 @@ from agents.spec import (
     redop_for,
 )
 
-FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "error")
+FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "error",
+               "fallback")
 # Faults that scale a rate: they take a "factor" and may drift.
-RATE_KINDS = ("nvlink", "nic", "net_path")
+RATE_KINDS = ("nvlink", "nic", "net_path", "fallback")
+# AllReduce algorithms a group can be told to use (GroupSpec.algo, NCCL_ALGO).
+ALGOS = ("ring", "tree")
+# NCCL's double binary tree runs each half of the data down one of two trees; its busbw at
+# large sizes reaches a little less than a ring's over the same links.
+TREE_BW_SHARE = 0.9
 # A drifting fault's factor never falls below this: a link that drifted out is very slow,
 # not gone.
 DRIFT_FLOOR = 0.01
@@ -178,6 +184,13 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
             raise ValueError(f"{where}: {kind} needs two different gpus")
     if kind in ("hang", "corrupt", "error"):
         _gpu_index(where, f.get("gpu", 0), gpus)
+    if kind == "fallback":
+        if f.get("op", "allreduce") not in RING_OPS + ("alltoall", "sendrecv"):
+            raise ValueError(f"{where}: fallback op must be an op the sim models, "
+                             f"got {f.get('op')!r}")
+        if f.get("algo") is not None and f.get("algo") not in ALGOS:
+            raise ValueError(f"{where}: fallback algo must be one of {', '.join(ALGOS)} or "
+                             f"null (the algorithm NCCL chooses), got {f.get('algo')!r}")
     start = f.get("start", 0)
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"{where}: start must be a non-negative integer (the monitoring "
@@ -230,6 +243,9 @@ class Fabric:
         self.corrupt: set[tuple[int, int]] = set()
         # Ranks whose collective raises (a CUDA OOM, an NCCL error): probe_error, not a hang.
         self.errored: dict[tuple[int, int], str] = {}
+        # (node, op, algo) -> factor: a node whose traffic of one op, under one algorithm
+        # (None: the one NCCL chooses), falls back to a slower protocol or path.
+        self.fallback: dict[tuple[int, str, str | None], float] = {}
         for f in s.faults:
             self._apply(f)
         idx = np.arange(self.g)
@@ -246,6 +262,10 @@ class Fabric:
             self.path_fault[(a, b)] = self.path_fault.get((a, b), 1.0) * fault_factor(f, self.cycle)
             return
         node = int(f["node"][5:])
+        if kind == "fallback":
+            key = (node, str(f.get("op", "allreduce")), f.get("algo"))
+            self.fallback[key] = self.fallback.get(key, 1.0) * fault_factor(f, self.cycle)
+            return
         if kind == "nic":
             self.nic[node] *= fault_factor(f, self.cycle)
         elif kind in ("nvlink", "pcie_only"):
@@ -341,25 +361,60 @@ class CostModel:
             worst = max(worst, float(flows.max()))
         return worst
 
-    def latency(self, op: str, grp: _Group) -> float:
-        """Small-message cost: NCCL moves to trees at scale, so steps grow with log n."""
+    def tree_bw(self, grp: _Group) -> float:
+        """A tree runs at its slowest edge too, but its edges are not the ring's: inside a
+        node a chain over consecutive local ranks, across nodes a binary tree over the
+        group's nodes in order (parent (i - 1) // 2), at ``TREE_BW_SHARE`` of the rate."""
+        f = self.f
+        bw = [math.inf]
+        for node in grp.uniq.tolist():
+            loc = np.sort(grp.local[grp.nodes == node])
+            if loc.size > 1:
+                bw.append(float(f.pair[node, loc[:-1], loc[1:]].min()))
+        if grp.uniq.size > 1:
+            share = grp.counts / f.g
+            child = np.arange(1, grp.uniq.size)
+            parent = (child - 1) // 2
+            x, y = grp.uniq[child], grp.uniq[parent]
+            nic = np.minimum(f.nic[x] * share[child], f.nic[y] * share[parent])
+            bw.append(float((nic * f.path_mult(x, y)).min()))
+        return TREE_BW_SHARE * min(bw) if len(bw) > 1 else math.inf
+
+    def latency(self, op: str, grp: _Group, algo: str | None = None) -> float:
+        """Small-message cost: NCCL moves to trees at scale, so steps grow with log n; a
+        ring told to stay a ring takes n - 1 steps each way."""
         alpha = self.f.hw.alpha_net_s if grp.uniq.size > 1 else self.f.hw.alpha_nvlink_s
         steps = math.ceil(math.log2(max(grp.n, 2)))
         if op == "allreduce":
-            return 2 * steps * alpha
+            return 2 * (grp.n - 1) * alpha if algo == "ring" else 2 * steps * alpha
         if op == "alltoall":
             return steps * alpha + 2e-7 * (grp.n - 1)
         return steps * alpha
 
-    def op_time(self, op: str, grp: _Group) -> tuple[float, float]:
-        """(latency seconds, seconds per byte of size_bytes) of one iteration."""
+    def op_time(self, op: str, grp: _Group, algo: str | None = None) -> tuple[float, float]:
+        """(latency seconds, seconds per byte of size_bytes) of one iteration; ``algo``
+        ("ring", "tree") for AllReduce on a communicator told to use it, None for NCCL's
+        own choice."""
         n = grp.n
+        slow = self.fallback_factor(op, grp, algo)
         if op == "alltoall":
-            return self.latency(op, grp), self.alltoall_time_per_byte(grp)
+            return self.latency(op, grp), self.alltoall_time_per_byte(grp) / slow
         if op in RING_OPS or op == "sendrecv":
             bytes_per_byte = 1.0 if op == "sendrecv" else _busbw_factor(op, n)
-            return self.latency(op, grp), bytes_per_byte / (self.ring_bw(grp) * 1e9)
+            bw = self.tree_bw(grp) if op == "allreduce" and algo == "tree" else self.ring_bw(grp)
+            if math.isinf(bw):
+                bw = self.ring_bw(grp)
+            return self.latency(op, grp, algo), bytes_per_byte / (bw * 1e9) / slow
         raise ValueError(f"the sim has no model for op {op!r}")
+
+    def fallback_factor(self, op: str, grp: _Group, algo: str | None) -> float:
+        """The slowest fallback of any node of the group for this op and algorithm."""
+        if not self.f.fallback:
+            return 1.0
+        nodes = set(grp.uniq.tolist())
+        factors = [v for (node, o, a), v in self.f.fallback.items()
+                   if node in nodes and o == op and a == algo]
+        return min(factors, default=1.0)
 
 
 class SimBackend:
@@ -479,7 +534,7 @@ class SimBackend:
                                  detail={"scope": spec.scope}) for n, g in corrupt]
         seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2))
         for op in spec.ops:
-            lat, per_byte = self.model.op_time(op, grp)
+            lat, per_byte = self.model.op_time(op, grp, spec.algo)
             for size in spec.sizes:
                 t = (lat + per_byte * size) * self._noise()
                 seconds += (spec.warmup + spec.iters) * t
@@ -501,16 +556,17 @@ class SimBackend:
                         time_us=t * 1e6, algbw_gbs=algbw,
                         busbw_gbs=algbw * _busbw_factor(op, n),
                         wrong=max(1, size // 4096) if corrupt else 0,
-                        redop=redop_for(op, spec.redop), timing=TIMING_MODEL)
+                        redop=redop_for(op, spec.redop), timing=TIMING_MODEL,
+                        algo=spec.algo if op == "allreduce" else None)
         m.preset_gbs = self.expected_busbw(m)
         return m
 
     def expected_busbw(self, m: Measurement) -> float | None:
         """The hardware preset for this measurement: fault-free, variation-free links."""
-        key = (m.op, m.size_bytes, tuple(m.members))
+        key = (m.op, m.size_bytes, tuple(m.members), m.algo)
         if key not in self._expected_cache:
             grp = self._group(m.members)
-            lat, per_byte = self._nominal.op_time(m.op, grp)
+            lat, per_byte = self._nominal.op_time(m.op, grp, m.algo)
             t = lat + per_byte * m.size_bytes
             self._expected_cache[key] = m.size_bytes / t / 1e9 * _busbw_factor(m.op, grp.n)
         return self._expected_cache[key]

@@ -32,6 +32,9 @@ FINDING_KINDS: tuple[str, ...] = (
     "inventory_mismatch",
     "gpu_xid",
 )
+# What a profiled check says of the job's own communicators (services.scheduler.workload):
+# reported in the verdict's "workload" section, never exclusions or incidents.
+WORKLOAD_FINDING_KINDS: tuple[str, ...] = ("communicator_slow", "collective_identity")
 # Finding kinds whose node a job should not use (DESIGN.md, "Verdict"). A probe_error is a
 # rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node
 # cannot run the job's collectives either.
@@ -130,10 +133,17 @@ class GroupSpec:
     deadline_s: float = 60.0
     # nccl-tests' -o: the reduction of AllReduce and ReduceScatter (other ops ignore it).
     redop: str = "sum"
+    # NCCL_ALGO for this group's communicator ("ring", "tree"); None: NCCL chooses.
+    algo: str | None = None
 
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+    @property
+    def group_key(self) -> tuple[str, ...]:
+        """``members`` sorted, as ``Measurement.group``: the group whatever its ring order."""
+        return tuple(sorted(self.members))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,6 +178,10 @@ class Measurement:
     # bandwidth-bound sizes: below a fraction of it the link is degraded whatever its
     # peers do.
     rated_gbs: float | None = None
+    # The algorithm its communicator was told to use (NCCL_ALGO: "ring", "tree"); None
+    # where the backend chose (NCCL's own tuning, gloo's fixed algorithms). A series of its
+    # own: links are keyed by it (services.analyzer.assess.link_key).
+    algo: str | None = None
 
     @cached_property
     def nodes(self) -> list[str]:
@@ -185,7 +199,7 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()
-        for key in ("stats", "timing", "preset_gbs", "rated_gbs"):
+        for key in ("stats", "timing", "preset_gbs", "rated_gbs", "algo"):
             if d[key] is None:
                 del d[key]
         return d
@@ -240,7 +254,8 @@ class InjectedFault:
     """A fault injected into a real backend for demos and tests (DESIGN.md, "Injected faults").
 
     ``slow``: the rank delays itself so its groups run at about ``factor`` of their
-    bandwidth. ``hang``: the rank never enters the collective. ``corrupt``: the rank
+    bandwidth (only ``op``'s groups where it names one: a fallback of one collective).
+    ``hang``: the rank never enters the collective. ``corrupt``: the rank
     perturbs its result so the correctness check fails. ``error``: the rank raises as it
     enters its first op, as a CUDA out-of-memory or an NCCL error would.
     """
@@ -249,6 +264,7 @@ class InjectedFault:
     node: str
     gpu: int = 0
     factor: float = 1.0
+    op: str | None = None
 
     KINDS = ("slow", "hang", "corrupt", "error")
 
@@ -262,14 +278,22 @@ class InjectedFault:
         factor = float(d.get("factor", 0.5 if kind == "slow" else 1.0))
         if kind == "slow" and not 0.0 < factor < 1.0:
             raise ValueError(f"slow factor must lie in (0, 1), got {factor}")
-        return cls(kind=kind, node=d["node"], gpu=int(d.get("gpu", 0)), factor=factor)
+        op = d.get("op")
+        if op is not None and (kind != "slow" or op not in OPS):
+            raise ValueError(f"\"op\" names the one collective a slow fault slows, one of "
+                             f"{', '.join(OPS)}; got {op!r} on a {kind} fault")
+        return cls(kind=kind, node=d["node"], gpu=int(d.get("gpu", 0)), factor=factor, op=op)
 
     @property
     def member(self) -> str:
         return member(self.node, self.gpu)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "node": self.node, "gpu": self.gpu, "factor": self.factor}
+        d: dict[str, Any] = {"kind": self.kind, "node": self.node, "gpu": self.gpu,
+                             "factor": self.factor}
+        if self.op is not None:
+            d["op"] = self.op
+        return d
 
 
 @dataclass

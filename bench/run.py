@@ -12,7 +12,8 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors", "scale")
+BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
+              "scale", "workloads")
 
 
 def main(argv: list[str]) -> int:

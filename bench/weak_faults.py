@@ -39,7 +39,7 @@ from agents.spec import Measurement
 from bench.detection import GPUS, fault_of, faulty_nodes, matches, node_count
 from services.analyzer.assess import Assessment
 from services.analyzer.drift import drift_observations, step_drift
-from services.analyzer.evidence import CusumPolicy
+from services.analyzer.evidence import CusumPolicy, Weighing, weigh
 from services.scheduler.preflight import run_preflight
 
 LOSS_KINDS = ("nvlink", "nic", "net_path")
@@ -147,6 +147,34 @@ def report(name: str, t: Tally) -> None:
           f"max {max(t.wall_s):.2f}")
     for count, nodes, which in sorted(t.worst, reverse=True)[:3]:
         print(f"    {count} healthy node(s) excluded of {nodes}: {which}")
+
+
+def ceiling(lo: float, hi: float, variation: float, w: Weighing, steps: int = 200) -> float:
+    """The recall of faults of ``lo``-``hi`` loss that a check with unlimited repeats and an
+    exact peers' centre would reach: the only uncertainty left is each link's lasting
+    offset (uniform within +-``variation``, as the sim draws it), which the judgement weighs
+    as a nuisance of ``w.variation_prior``. What no number of repeats can pass in a fresh
+    check, at these settings."""
+    hits = 0
+    for i in range(steps):
+        loss = lo + (hi - lo) * (i + 0.5) / steps
+        for j in range(steps):
+            offset = -variation + 2 * variation * (j + 0.5) / steps
+            d = weigh([(1 - loss) * (1 + offset)], noise=1e-6, variation=w.variation_prior,
+                      centre_se=0.0, w=w, futility=False)
+            hits += d.degraded
+    return hits / steps ** 2
+
+
+def bound(variation: float = 0.05) -> None:
+    print(f"\nceiling of a fresh check (unlimited repeats, exact centre; a link's lasting offset "
+          f"uniform within +-{variation:.0%}, weighed as a nuisance of sigma "
+          f"{Weighing().variation_prior:.0%})")
+    print(f"  {'false alarm':>11} {'12-15 %':>8} {'>=15 %':>8}")
+    for false_alarm in (Weighing().false_alarm, 1e-3):
+        w = Weighing(false_alarm=false_alarm)
+        print(f"  {false_alarm:>11g} {ceiling(0.12, 0.15, variation, w):>8.3f} "
+              f"{ceiling(0.15, 0.25, variation, w):>8.3f}")
 
 
 def at_scale(rng: random.Random) -> None:
@@ -307,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenarios = regime(rng, 12 if args.quick else 30)
     if args.only in (None, "preflight"):
         report("preflight (one check per scenario)", preflight(scenarios))
+        bound()
     if args.only in (None, "scale"):
         at_scale(rng)
     if args.only in (None, "drift"):

@@ -10,6 +10,7 @@ sync, timing loop, data check, teardown) runs here against real collectives.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class FakeCuda:
         self.log: list[str] = []
         self.sleeps: list[int] = []
         self.bound: list[int] = []
+        self.nccl_algo: list[str | None] = []
 
     def current(self) -> int:
         return getattr(self._local, "device", 0)
@@ -104,6 +106,8 @@ class FakeCuda:
 
     def process_group(self, store: dist.Store, rank: int, world_size: int,
                       timeout: datetime.timedelta) -> Any:
+        # What NCCL would read as its communicator forms.
+        self.nccl_algo.append(os.environ.get("NCCL_ALGO"))
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         opts._timeout = timeout

@@ -108,12 +108,18 @@ class Baseline:
     count: int
 
 
+def series_op(m: Measurement) -> str:
+    """The op as a series names it: an AllReduce told to use one algorithm ("ring",
+    "tree") is a series apart from NCCL's own choice, with peers of its own."""
+    return m.op if m.algo is None else f"{m.op}:{m.algo}"
+
+
 def peer_key(m: Measurement) -> PeerKey:
-    return (m.op, m.scope, m.size_bytes, m.dtype, len(m.members))
+    return (series_op(m), m.scope, m.size_bytes, m.dtype, len(m.members))
 
 
 def link_key(m: Measurement) -> LinkKey:
-    return (m.op, m.scope, m.size_bytes, m.dtype, m.group)
+    return (series_op(m), m.scope, m.size_bytes, m.dtype, m.group)
 
 
 def history_baseline(values: Sequence[float], window: int = 50) -> Baseline | None:

@@ -31,6 +31,14 @@ def _probe_options(args: argparse.Namespace):
     ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
     from agents.spec import OPS
 
+    if getattr(args, "profile", None):
+        from agents.workloads import workload
+
+        if args.sizes or args.preset or args.ops != "allreduce,alltoall":
+            raise CliError("--profile sets the ops and sizes; leave out --ops, --sizes and --preset")
+        w = workload(args.profile)
+        ops, args.sizes = w.ops, w.sizes
+
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise CliError(f"unknown op(s) {', '.join(bad)}; choose from {', '.join(OPS)}")
@@ -314,22 +322,45 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if args.nodes is not None and not nodes:
         raise CliError("--nodes is empty")
     if has_backend(args):
+        from agents.workloads import LayoutError
         from services.scheduler.preflight import run_preflight
 
+        job = _job_layout(args)
         started = time.monotonic()
         with closing(make_backend(args, progress)) as backend:
             known = {r.node for r in backend.ranks()}
             unknown = sorted(set(nodes or []) - known)
             if unknown:
                 raise CliError(f"unknown node(s): {', '.join(unknown)}")
-            verdict = run_preflight(backend, nodes, progress=progress)
+            try:
+                verdict = run_preflight(backend, nodes, progress=progress, profile=args.profile,
+                                        job=job)
+            except LayoutError as exc:
+                raise CliError(str(exc)) from None
         verdict.setdefault("wall_s", round(time.monotonic() - started, 3))
     else:
         if not nodes:
             raise CliError("name the job's nodes with --nodes, or probe with --local/--address/--fabric")
+        if args.profile:
+            raise CliError("--profile probes now: add --local, --address or --fabric")
         verdict = _api_preflight(nodes, args.max_age, args.timeout, args.confirm)
     print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
+
+
+def _job_layout(args: argparse.Namespace):
+    """The job's tp/pp/dp from the command line (None: the profile's default layout)."""
+    from agents.workloads import JobLayout
+
+    given = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+    if not given:
+        return None
+    if not args.profile:
+        raise CliError("--tp, --pp and --dp describe the job a --profile probes; add --profile")
+    bad = [f"--{k} {v}" for k, v in given.items() if v < 1]
+    if bad:
+        raise CliError(f"{', '.join(bad)}: parallel degrees are >= 1")
+    return JobLayout(tp=given.get("tp"), pp=given.get("pp", 1), dp=given.get("dp"))
 
 
 def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,

@@ -53,7 +53,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def add_profile_option(p: argparse.ArgumentParser) -> None:
+    from agents.workloads import WORKLOADS
+
+    p.add_argument("--profile", choices=tuple(WORKLOADS),
+                   help="probe what this kind of job runs, at its message sizes "
+                        "(docs/workloads.md); sets the ops and sizes")
+
+
 def add_probe_options(p: argparse.ArgumentParser) -> None:
+    add_profile_option(p)
     p.add_argument("--ops", default="allreduce,alltoall", help="comma-separated ops")
     p.add_argument("--sizes", type=_sizes,
                    help="comma-separated sizes, e.g. 1M,16M (default: one latency size and one "
@@ -131,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this (s)")
     p.add_argument("--confirm", action="store_true",
                    help="(API) re-probe nodes that fresh results call unhealthy before answering")
+    add_profile_option(p)
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data")):
+        p.add_argument(f"--{name}", type=int, metavar="N",
+                       help=f"with --profile: the job's {what}-parallel degree (default: "
+                            + ("the GPUs of one node" if name == "tp" else
+                               "1" if name == "pp" else "what the ranks leave") + ")")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("check-rankmap", help="check a job's rank table")

@@ -16,6 +16,7 @@ from typing import Any
 from agents import profiles
 from agents.collectives import default_sizes
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
+from agents.workloads import JobLayout, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds
 from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
@@ -27,7 +28,9 @@ from services.scheduler.planner import (
     AdaptivePlanner,
     ProbeShape,
     layout_of,
+    node_members,
 )
+from services.scheduler.workload import identity_findings, identity_table, run_job
 
 Progress = Callable[[str], None]
 
@@ -132,6 +135,8 @@ def run_preflight(
     deadline_s: float | None = None,
     max_rounds: int = MAX_ROUNDS,
     history: Mapping[LinkKey, Sequence[float]] | None = None,
+    profile: str | None = None,
+    job: JobLayout | None = None,
 ) -> dict[str, Any]:
     """Probe ``nodes`` (all the backend's nodes when None) and return DESIGN.md's verdict.
 
@@ -139,14 +144,55 @@ def run_preflight(
     time of the whole check is ``wall_s``. A hang is a finding, never an exception.
     Defaults come from the backend where it offers them (``preflight_sizes``,
     ``preflight_deadline_s``, ``expected_busbw``).
+
+    ``profile`` (agents.workloads: ddp, fsdp, moe, pipeline) sets the ops and sizes of the
+    fabric check to the job's, then runs the job's own communicators under ``job`` (its
+    tp/pp/dp layout; default: tensor parallel over each node's GPUs, data parallel across
+    nodes) and reports them in the verdict's ``workload``; the fabric verdict is the same
+    judgement monitoring reaches.
     """
     ranks = backend.ranks()
     layout = layout_of(ranks, nodes)
+    work = workload(profile) if profile is not None else None
+    members = node_members(layout, list(layout))
+    if work is not None:
+        # The fabric check is the one monitoring runs (the same judgement), with the
+        # profile's ops added; the profile's own sizes are its job groups'.
+        ops = tuple(dict.fromkeys((*ops, *work.ops)))
+        per_node = max((len(ix) for ix in layout.values()), default=1)
+        job = job or JobLayout(tp=per_node)
+        # A layout that does not fit the ranks is refused before anything runs.
+        job = replace(job, tp=per_node if job.tp is None else job.tp).resolve(len(members))
     shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
                        max_rounds=max_rounds, progress=progress, label="preflight round",
                        history=history)
-    return verdict_of(run, backend.name, list(layout))
+    if work is None:
+        return verdict_of(run, backend.name, list(layout))
+    assert job is not None
+    job_run, summary = run_job(backend, work, job, members,
+                               probe_shape(backend, work.ops, work.sizes, deadline_s=deadline_s),
+                               progress=progress)
+    # What the job's groups showed of the ranks themselves (a hang, wrong data, an
+    # error) is a finding like any other; their speed is the workload section's.
+    run.judgement = replace(run.judgement, findings=run.judgement.findings + [
+        f for f in job_run.findings if f.kind in ("hang", "data_corruption", "probe_error")])
+    run.rounds += job_run.rounds
+    run.fabric_s += job_run.fabric_s
+    # The identity on the fabric check's own groups too (fsdp runs all three ops there):
+    # a node's AllReduce off its halves is named by its intra-node group.
+    scopes = {m.group: m.scope for m in run.measurements}
+    on_fabric = replace(work, identity_sizes=shape.sizes) if work.identity_sizes else work
+    fabric_identity = identity_findings(run.measurements, scopes, on_fabric)
+    summary["identity"] = identity_table(run.measurements, scopes, on_fabric) + summary["identity"]
+    summary["findings"] = [f.to_dict() for f in fabric_identity] + summary["findings"]
+    verdict = verdict_of(run, backend.name, list(layout))
+    # The job asked whether its traffic runs well here: a communicator slower than its
+    # peers, or an AllReduce off its halves, says no even where no link is to blame.
+    summary["ok"] = not summary["findings"]
+    verdict["healthy"] = verdict["healthy"] and summary["ok"]
+    verdict["workload"] = summary
+    return verdict
 
 
 def verdict_of(run: AdaptiveRun, backend: str, nodes: list[str]) -> dict[str, Any]:

@@ -1,0 +1,237 @@
+"""Workload profiles: the job's own communicators, ring and tree apart, and the identity
+ReduceScatter + AllGather = AllReduce (agents.workloads, services.scheduler.workload)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents import outcome
+from agents.probe import ProbeAgent
+from agents.sim import SimBackend, node_name
+from agents.spec import GroupSpec, InjectedFault, Measurement, member
+from agents.workloads import WORKLOADS, JobLayout, LayoutError, disjoint_rounds
+from services.analyzer.assess import link_key
+from services.cli.main import main as cli
+from services.scheduler.planner import ProbeShape, node_members
+from services.scheduler.preflight import run_preflight
+from services.scheduler.workload import identity_ratios, job_groups
+from tests.fake_cuda import FakeCuda
+from tests.test_nccl_path import run_agents
+
+
+def ranks(nodes: int, gpus: int = 8) -> list[str]:
+    return [member(node_name(n), g) for n in range(nodes) for g in range(gpus)]
+
+
+def sim(nodes: int, *faults: dict[str, Any], noise: float = 0.02) -> SimBackend:
+    return SimBackend({"nodes": nodes, "gpus_per_node": 8, "noise": noise, "variation": 0.02,
+                       "seed": 3, "faults": list(faults)})
+
+
+# ---- the plan -----------------------------------------------------------------------------
+
+
+def test_a_layout_gives_the_jobs_own_communicators_in_megatron_order() -> None:
+    comms = JobLayout(tp=8, pp=2).communicators(ranks(4))
+    # Tensor parallel inside each node; data parallel across the two nodes of each stage,
+    # one group per local GPU (a rail); pipeline pairs join the same GPU of stage 0 and 1.
+    assert comms["tp"] == [tuple(member(node_name(n), g) for g in range(8)) for n in range(4)]
+    assert len(comms["dp"]) == 16 and all(len(g) == 2 for g in comms["dp"])
+    assert comms["dp"][0] == ("node-000/0", "node-001/0")
+    assert comms["dp"][8] == ("node-002/0", "node-003/0")
+    assert len(comms["pp"]) == 16 and comms["pp"][0] == ("node-000/0", "node-002/0")
+    assert JobLayout(tp=8, pp=2).resolve(32).dp == 2
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(3, 1, None), (8, 2, 3), (0, 1, None)])
+def test_a_layout_that_does_not_fit_the_ranks_is_refused(tp: int, pp: int, dp: int | None) -> None:
+    with pytest.raises(LayoutError):
+        JobLayout(tp=tp, pp=pp, dp=dp).communicators(ranks(4))
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_each_profile_plans_its_ops_and_sizes_on_its_communicators(name: str) -> None:
+    w = WORKLOADS[name]
+    layout = JobLayout(tp=8, pp=2) if name == "pipeline" else JobLayout(tp=8)
+    comms = layout.communicators(ranks(4))
+    rounds = job_groups(w, comms, ProbeShape(), algos=w.algos)
+    assert rounds, name
+    for groups in rounds:
+        members = [m for g in groups for m in g.members]
+        assert len(members) == len(set(members)), "a rank in two groups of one round"
+        for g in groups:
+            kind = next(k for k, gs in comms.items() if g.members in gs)
+            probe = w.comms[kind]
+            assert g.sizes == probe.sizes
+            assert set(g.ops) <= set(probe.ops)
+            assert g.algo is None or (g.ops == ("allreduce",) and g.algo in w.algos)
+            assert g.scope == ("intra_node" if kind == "tp" else "world")
+    planned = {(g.ops, g.algo) for groups in rounds for g in groups}
+    assert any(algo is None for _, algo in planned)
+    if "allreduce" in {op for p in w.comms.values() for op in p.ops} and w.algos:
+        assert {algo for _, algo in planned} == {None, "ring", "tree"}
+    assert {op for ops, _ in planned for op in ops} == {op for p in w.comms.values()
+                                                        for op in p.ops}
+
+
+def test_pipeline_pairs_overlap_at_inner_stages_and_are_packed_apart() -> None:
+    pairs = JobLayout(tp=1, pp=4).communicators(ranks(1, 4))["pp"]
+    assert pairs == [("node-000/0", "node-000/1"), ("node-000/1", "node-000/2"),
+                     ("node-000/2", "node-000/3")]
+    assert disjoint_rounds(pairs) == [[pairs[0], pairs[2]], [pairs[1]]]
+
+
+# ---- ring and tree apart --------------------------------------------------------------
+
+
+def test_ring_and_tree_are_series_apart_with_their_own_costs_on_the_sim() -> None:
+    backend = sim(4, noise=0.0)
+    members = tuple(node_members({node_name(n): list(range(8)) for n in range(4)},
+                                 [node_name(n) for n in range(4)]))
+    out = {}
+    for algo in (None, "ring", "tree"):
+        result = backend.run_round([GroupSpec("world", members, ops=("allreduce",),
+                                              sizes=(1 << 16, 1 << 28), algo=algo)])
+        out[algo] = {m.size_bytes: m for m in result.measurements}
+    assert {m.algo for ms in out.values() for m in ms.values()} == {None, "ring", "tree"}
+    assert len({link_key(out[a][1 << 28]) for a in out}) == 3
+    # A ring of 32 ranks takes 31 steps each way, a tree log2(32): small messages favour
+    # the tree; each further byte costs the tree more (its share of the links' rate).
+    assert out["tree"][1 << 16].time_us < out["ring"][1 << 16].time_us
+
+    def per_byte(algo: str | None) -> float:
+        return out[algo][1 << 28].time_us - out[algo][1 << 16].time_us
+
+    assert per_byte("tree") > per_byte("ring")
+    assert out["tree"][1 << 28].to_dict()["algo"] == "tree"
+    assert "algo" not in out[None][1 << 28].to_dict()
+
+
+def test_a_degradation_in_the_tree_alone_is_found_and_named_with_its_algorithm() -> None:
+    slow = {"kind": "fallback", "node": "node-005", "op": "allreduce", "algo": "tree",
+            "factor": 0.5}
+    verdict = run_preflight(sim(8, slow), profile="ddp")
+    found = [f for f in verdict["workload"]["findings"] if f["kind"] == "communicator_slow"]
+    assert [(f["nodes"], f.get("algo")) for f in found] == [(["node-005"], "tree")]
+    # NCCL's own choice and the ring on the same node are fine: nothing on the fabric.
+    assert verdict["findings"] == [] and not verdict["healthy"]
+    assert verdict["workload"]["ok"] is False
+
+
+def test_a_fault_free_fleet_passes_every_profile() -> None:
+    for name in WORKLOADS:
+        layout = JobLayout(tp=8, pp=2) if name == "pipeline" else None
+        verdict = run_preflight(sim(8), profile=name, job=layout)
+        assert verdict["healthy"], (name, verdict["findings"], verdict["workload"]["findings"])
+        assert verdict["workload"]["profile"] == name and verdict["workload"]["rounds"] > 0
+
+
+def test_the_agent_forms_its_communicator_under_the_groups_nccl_algo(fake_cuda: FakeCuda) -> None:
+    os.environ.pop("NCCL_ALGO", None)
+    agents = [ProbeAgent("node-000", i, backend="nccl") for i in range(2)]
+    for algo in ("tree", None):
+        spec = GroupSpec("intra_node", ("node-000/0", "node-000/1"), ops=("allreduce",),
+                         sizes=(4096,), warmup=1, iters=2, deadline_s=30, algo=algo)
+        replies = run_agents(agents, spec)
+        assert [r["status"] for r in replies] == ["ok", "ok"], replies
+        assert [m.algo for m in outcome.measurements(spec, dict(enumerate(replies)))] == [algo]
+    assert fake_cuda.nccl_algo == ["tree", "tree", None, None]
+    assert "NCCL_ALGO" not in os.environ
+
+
+# ---- ReduceScatter + AllGather = AllReduce ----------------------------------------------
+
+
+def test_an_allreduce_fallback_breaks_the_identity_on_the_sim_and_names_the_node() -> None:
+    fallback = {"kind": "fallback", "node": "node-002", "op": "allreduce", "factor": 0.5}
+    verdict = run_preflight(sim(8, fallback), profile="fsdp")
+    off = [f for f in verdict["workload"]["findings"] if f["kind"] == "collective_identity"]
+    intra = [f for f in off if f["communicator"] == "intra_node"]
+    assert intra and {tuple(f["nodes"]) for f in intra} == {("node-002",)}
+    assert all(f["ratio"] < 0.7 and f["expected_ratio"] == pytest.approx(1.0, abs=0.1)
+               for f in intra)
+    healthy = run_preflight(sim(8), profile="fsdp")["workload"]
+    assert not [f for f in healthy["findings"] if f["kind"] == "collective_identity"]
+    assert all(0.8 < row["ratio_median"] < 1.25 for row in healthy["identity"])
+
+
+def test_an_injected_slow_allreduce_on_gloo_breaks_the_identity_of_its_group_only() -> None:
+    ops = ("reducescatter", "allgather", "allreduce")
+    size = 1 << 22
+    ms: list[Measurement] = []
+    for n in range(4):
+        node = node_name(n)
+        injected = [{"kind": "slow", "node": node, "gpu": 1, "factor": 0.25,
+                     "op": "allreduce"}] if n == 2 else []
+        agents = [ProbeAgent(node, i, backend="gloo", injected=injected) for i in range(2)]
+        spec = GroupSpec("intra_node", (member(node, 0), member(node, 1)), ops=ops,
+                         sizes=(size,), warmup=2, iters=5, deadline_s=60)
+        replies = run_agents(agents, spec, calibrate=True)
+        assert [r["status"] for r in replies] == ["ok", "ok"], replies
+        ms += outcome.measurements(spec, dict(enumerate(replies)))
+    assert all(m.wrong == 0 for m in ms)
+    ratios = identity_ratios(ms, (size,))
+    # Gloo's ReduceScatter is slow beside its AllReduce and its timings scatter on a busy
+    # machine (healthy ratios of 2-3 here), so the band is the sim's to test; what gloo
+    # shows is the slowed AllReduce pulling its own group's ratio far below every peer's.
+    slowed = ratios[(("node-002/0", "node-002/1"), size)]
+    assert slowed < 0.6 * min(r for (g, _), r in ratios.items() if g[0] != "node-002/0"), ratios
+
+
+def test_a_slow_fault_names_only_an_op_it_can_slow() -> None:
+    assert InjectedFault.from_dict({"kind": "slow", "node": "n", "op": "allreduce"}).op == "allreduce"
+    with pytest.raises(ValueError, match="op"):
+        InjectedFault.from_dict({"kind": "slow", "node": "n", "op": "broadcast"})
+    with pytest.raises(ValueError, match="op"):
+        InjectedFault.from_dict({"kind": "hang", "node": "n", "op": "allreduce"})
+
+
+# ---- the command line ---------------------------------------------------------------------
+
+
+def _scenario(tmp_path: Path, *faults: dict[str, Any]) -> str:
+    path = tmp_path / "fabric.json"
+    path.write_text(json.dumps({"nodes": 8, "gpus_per_node": 8, "noise": 0.02,
+                                "variation": 0.02, "seed": 3, "faults": list(faults)}))
+    return str(path)
+
+
+def test_cli_preflight_with_a_profile_and_layout_reports_the_jobs_traffic(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli(["preflight", "--fabric", _scenario(tmp_path), "--profile", "pipeline",
+                "--tp", "8", "--pp", "4", "--json"])
+    verdict = json.loads(capsys.readouterr().out)
+    assert code == 0 and verdict["healthy"]
+    assert verdict["workload"]["layout"] == {"tp": 8, "pp": 4, "dp": 2}
+    assert verdict["workload"]["groups"] == {"tp": 8, "dp": 32, "pp": 48}
+    assert {r["op"] for r in verdict["workload"]["communicators"] if r["kind"] == "pp"} == {
+        "sendrecv"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--profile", "ddp", "--tp", "3"], "does not divide"),
+    (["--tp", "8"], "add --profile"),
+    (["--profile", "ddp", "--pp", "0"], ">= 1"),
+])
+def test_cli_refuses_a_layout_it_cannot_use_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    code = cli(["preflight", "--fabric", _scenario(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_probe_with_a_profile_runs_its_ops_and_sizes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli(["probe", "--fabric", _scenario(tmp_path), "--profile", "moe", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    ms = out["measurements"]
+    assert {m["op"] for m in ms} == set(WORKLOADS["moe"].ops)
+    assert {m["size_bytes"] for m in ms} == set(WORKLOADS["moe"].sizes)
+    assert cli(["probe", "--fabric", _scenario(tmp_path), "--profile", "moe",
+                "--sizes", "1M"]) == 2
