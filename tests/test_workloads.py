@@ -183,6 +183,13 @@ def test_an_injected_slow_allreduce_on_gloo_breaks_the_identity_of_its_group_onl
     assert slowed < 0.6 * min(r for (g, _), r in ratios.items() if g[0] != "node-002/0"), ratios
 
 
+def test_a_single_rank_has_no_identity_to_check() -> None:
+    spec = GroupSpec("intra_node", ("node-000/0",), ops=("reducescatter", "allgather",
+                                                         "allreduce"), sizes=(1 << 24,))
+    ms = sim(1).run_round([spec]).measurements
+    assert len(ms) == 3 and identity_ratios(ms, (1 << 24,)) == {}
+
+
 def test_a_slow_fault_names_only_an_op_it_can_slow() -> None:
     assert InjectedFault.from_dict({"kind": "slow", "node": "n", "op": "allreduce"}).op == "allreduce"
     with pytest.raises(ValueError, match="op"):
