@@ -161,35 +161,39 @@ class CollectiveFailed(RuntimeError):
 # ---- forming and leaving a group ------------------------------------------------------
 
 
-_ALGO_LOCK = threading.Lock()
-# Groups of this process inside ``nccl_algo`` and what NCCL_ALGO was before the first.
-_algo_users: list[str | None] = []
+class _AlgoEnv:
+    """NCCL_ALGO as groups of this process set it: the first to enter saves what was there,
+    the last to leave puts it back (ranks that share a process, as threads do, share the
+    group and so the value)."""
+
+    lock = threading.Lock()
+    users = 0
+    before: str | None = None
 
 
 @contextlib.contextmanager
 def nccl_algo(algo: str | None) -> Any:
     """NCCL_ALGO set to ``algo`` in this process while the block runs, as it was after the
     last such block ends; nothing changes for None. An actor runs one group at a time, so
-    the variable is its group's alone; ranks sharing a process (threads) share the group."""
+    the variable is its group's alone."""
     if algo is None:
         yield
         return
-    with _ALGO_LOCK:
-        if not _algo_users:
-            _algo_users.append(os.environ.get("NCCL_ALGO"))
-        _algo_users.append(algo)
+    with _AlgoEnv.lock:
+        if _AlgoEnv.users == 0:
+            _AlgoEnv.before = os.environ.get("NCCL_ALGO")
+        _AlgoEnv.users += 1
         os.environ["NCCL_ALGO"] = algo
     try:
         yield
     finally:
-        with _ALGO_LOCK:
-            _algo_users.pop()
-            if len(_algo_users) == 1:
-                before = _algo_users.pop()
-                if before is None:
+        with _AlgoEnv.lock:
+            _AlgoEnv.users -= 1
+            if _AlgoEnv.users == 0:
+                if _AlgoEnv.before is None:
                     os.environ.pop("NCCL_ALGO", None)
                 else:
-                    os.environ["NCCL_ALGO"] = before
+                    os.environ["NCCL_ALGO"] = _AlgoEnv.before
 
 
 def make_group(

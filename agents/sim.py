@@ -378,7 +378,7 @@ class CostModel:
             x, y = grp.uniq[child], grp.uniq[parent]
             nic = np.minimum(f.nic[x] * share[child], f.nic[y] * share[parent])
             bw.append(float((nic * f.path_mult(x, y)).min()))
-        return TREE_BW_SHARE * min(bw) if len(bw) > 1 else math.inf
+        return TREE_BW_SHARE * min(bw)
 
     def latency(self, op: str, grp: _Group, algo: str | None = None) -> float:
         """Small-message cost: NCCL moves to trees at scale, so steps grow with log n; a
@@ -402,8 +402,6 @@ class CostModel:
         if op in RING_OPS or op == "sendrecv":
             bytes_per_byte = 1.0 if op == "sendrecv" else _busbw_factor(op, n)
             bw = self.tree_bw(grp) if op == "allreduce" and algo == "tree" else self.ring_bw(grp)
-            if math.isinf(bw):
-                bw = self.ring_bw(grp)
             return self.latency(op, grp, algo), bytes_per_byte / (bw * 1e9) / slow
         raise ValueError(f"the sim has no model for op {op!r}")
 

@@ -32,9 +32,6 @@ FINDING_KINDS: tuple[str, ...] = (
     "inventory_mismatch",
     "gpu_xid",
 )
-# What a profiled check says of the job's own communicators (services.scheduler.workload):
-# reported in the verdict's "workload" section, never exclusions or incidents.
-WORKLOAD_FINDING_KINDS: tuple[str, ...] = ("communicator_slow", "collective_identity")
 # Finding kinds whose node a job should not use (DESIGN.md, "Verdict"). A probe_error is a
 # rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node
 # cannot run the job's collectives either.

@@ -115,29 +115,31 @@ class LayoutError(ValueError):
 @dataclass(frozen=True)
 class JobLayout:
     """A job's parallel degrees: tensor (``tp``), pipeline (``pp``) and data (``dp``);
-    ``dp`` None takes what the ranks leave (world size / (tp * pp)); ``tp`` None is the
-    caller's to fill in (a check takes the GPUs of one node)."""
+    ``dp`` None takes what the ranks leave (world size / (tp * pp)); ``tp`` None takes the
+    GPUs of one node (``resolve``'s ``per_node``)."""
 
-    tp: int | None = 1
+    tp: int | None = None
     pp: int = 1
     dp: int | None = None
 
-    def resolve(self, world_size: int) -> JobLayout:
-        """This layout with ``dp`` filled in; ValueError when it does not fit the ranks."""
-        if self.tp is None:
+    def resolve(self, world_size: int, per_node: int | None = None) -> JobLayout:
+        """This layout with ``tp`` and ``dp`` filled in; LayoutError when it does not fit
+        the ranks."""
+        tp = self.tp if self.tp is not None else per_node
+        if tp is None:
             raise LayoutError("the job's tensor-parallel degree (tp) is not set")
-        for name, value in (("tp", self.tp), ("pp", self.pp), ("dp", self.dp)):
+        for name, value in (("tp", tp), ("pp", self.pp), ("dp", self.dp)):
             if value is not None and value < 1:
                 raise LayoutError(f"{name} must be >= 1, got {value}")
-        per = self.tp * self.pp
+        per = tp * self.pp
         if world_size % per:
-            raise LayoutError(f"tp {self.tp} x pp {self.pp} = {per} does not divide the job's "
-                             f"{world_size} ranks")
+            raise LayoutError(f"tp {tp} x pp {self.pp} = {per} does not divide the job's "
+                              f"{world_size} ranks")
         dp = world_size // per
         if self.dp is not None and self.dp != dp:
-            raise LayoutError(f"tp {self.tp} x pp {self.pp} x dp {self.dp} = "
-                             f"{per * self.dp} ranks, but the job has {world_size}")
-        return JobLayout(self.tp, self.pp, dp)
+            raise LayoutError(f"tp {tp} x pp {self.pp} x dp {self.dp} = "
+                              f"{per * self.dp} ranks, but the job has {world_size}")
+        return JobLayout(tp, self.pp, dp)
 
     def communicators(self, ranks: Sequence[str]) -> dict[str, list[tuple[str, ...]]]:
         """The job's groups by kind, each a tuple of members in rank order: ``tp`` and

@@ -100,3 +100,19 @@ def test_two_gpus_run_every_op_correctly() -> None:
 def test_an_error_on_one_gpu_blames_it_not_its_peer() -> None:
     _, errors = _run(2, ("allreduce",), faults=[{"kind": "error", "node": "gpu-node", "gpu": 1}])
     assert [(f.kind, f.gpu) for f in errors] == [("probe_error", 1)]
+
+
+@needs_gpu
+def test_allreduce_runs_under_each_nccl_algo_and_the_variable_is_put_back() -> None:
+    import os
+
+    os.environ.pop("NCCL_ALGO", None)
+    agent = ProbeAgent("gpu-node", 0, backend="nccl")
+    for algo in ("ring", "tree", None):
+        spec = GroupSpec("intra_node", ("gpu-node/0",), ops=("allreduce",), sizes=SIZES,
+                         warmup=2, iters=10, deadline_s=120, algo=algo)
+        replies = dict(enumerate(run_agents([agent], spec)))
+        ms = outcome.measurements(spec, replies)
+        assert [r["status"] for r in replies.values()] == ["ok"], replies
+        assert len(ms) == len(SIZES) and all(m.wrong == 0 and m.algo == algo for m in ms)
+        assert "NCCL_ALGO" not in os.environ

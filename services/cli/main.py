@@ -62,8 +62,7 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_probe_options(p: argparse.ArgumentParser) -> None:
-    add_profile_option(p)
-    p.add_argument("--ops", default="allreduce,alltoall", help="comma-separated ops")
+    p.add_argument("--ops", help="comma-separated ops (default: allreduce,alltoall)")
     p.add_argument("--sizes", type=_sizes,
                    help="comma-separated sizes, e.g. 1M,16M (default: one latency size and one "
                         "bandwidth-bound size for the backend, as a preflight probes)")
@@ -108,12 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="probe periodically and send results to the API")
     add_backend_args(p)
     add_probe_options(p)
+    add_profile_option(p)
     p.add_argument("--interval", type=float, help="seconds between cycles (RINGWATCH_PROBE_INTERVAL_S)")
     p.add_argument("--once", action="store_true", help="run one cycle and exit")
 
     p = sub.add_parser("probe", help="run one probe cycle and print the results")
     add_backend_args(p)
     add_probe_options(p)
+    add_profile_option(p)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("selftest", help="probe this machine's GPUs alone: every op at every "

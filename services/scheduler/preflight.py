@@ -15,8 +15,8 @@ from typing import Any
 
 from agents import profiles
 from agents.collectives import default_sizes
-from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
-from agents.workloads import JobLayout, workload
+from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo, RoundResult
+from agents.workloads import JobLayout, Workload, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds
 from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
@@ -30,7 +30,7 @@ from services.scheduler.planner import (
     layout_of,
     node_members,
 )
-from services.scheduler.workload import identity_findings, identity_table, run_job
+from services.scheduler.workload import algos_for, identity, job_groups, judge_job, kinds
 
 Progress = Callable[[str], None]
 
@@ -53,10 +53,9 @@ def probe_shape(backend: ProbeBackend, ops: Sequence[str] = DEFAULT_OPS,
 
 
 @dataclass
-class AdaptiveRun:
-    """What an adaptive check measured, and the judgement of all of it."""
+class Rounds:
+    """What rounds of groups measured and reported, added up as they ran."""
 
-    judgement: Judgement
     measurements: list[Measurement] = field(default_factory=list)
     probe_findings: list[Finding] = field(default_factory=list)
     rounds: int = 0
@@ -64,6 +63,26 @@ class AdaptiveRun:
     wall_s: float = 0.0
     # Seconds each rank spent inside probe groups.
     busy_s: dict[str, float] = field(default_factory=dict)
+
+    def take(self, groups: Sequence[GroupSpec], result: RoundResult,
+             node_profiles: dict[str, str | None]) -> None:
+        """Add one round's result (its measurements annotated with their nodes' rated
+        busbw, agents.profiles)."""
+        self.rounds += 1
+        self.fabric_s += result.fabric_time_s
+        for g in groups:
+            for m in g.members:
+                self.busy_s[m] = self.busy_s.get(m, 0.0) + result.busy_s.get(m, result.wall_time_s)
+        profiles.annotate(result.measurements, node_profiles)
+        self.measurements += result.measurements
+        self.probe_findings += result.findings
+
+
+@dataclass
+class AdaptiveRun(Rounds):
+    """What an adaptive check measured, and the judgement of all of it."""
+
+    judgement: Judgement = field(kw_only=True)
     # False when the round cap stopped the plan before it had nothing left to ask.
     complete: bool = True
 
@@ -107,16 +126,8 @@ def run_adaptive(
     run = AdaptiveRun(judgement=judge([], [], nodes, mine, thresholds=t))
     planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds, rotation=rotation)
     while groups := planner.next_round(run.judgement.verdicts, run.judgement.blamed):
-        run.rounds += 1
-        _say(progress, label, run.rounds, groups)
-        result = backend.run_round(groups)
-        run.fabric_s += result.fabric_time_s
-        for g in groups:
-            for m in g.members:
-                run.busy_s[m] = run.busy_s.get(m, 0.0) + result.busy_s.get(m, result.wall_time_s)
-        profiles.annotate(result.measurements, node_profiles)
-        run.measurements += result.measurements
-        run.probe_findings += result.findings
+        _say(progress, label, run.rounds + 1, groups)
+        run.take(groups, backend.run_round(groups), node_profiles)
         run.judgement = judged(run)
     run.complete = planner.phase == "done"
     run.wall_s = time.perf_counter() - started
@@ -145,47 +156,54 @@ def run_preflight(
     Defaults come from the backend where it offers them (``preflight_sizes``,
     ``preflight_deadline_s``, ``expected_busbw``).
 
-    ``profile`` (agents.workloads: ddp, fsdp, moe, pipeline) sets the ops and sizes of the
-    fabric check to the job's, then runs the job's own communicators under ``job`` (its
-    tp/pp/dp layout; default: tensor parallel over each node's GPUs, data parallel across
-    nodes) and reports them in the verdict's ``workload``; the fabric verdict is the same
-    judgement monitoring reaches.
+    ``profile`` (agents.workloads: ddp, fsdp, moe, pipeline) adds its ops to the fabric
+    check (monitoring's judgement), then runs the job's own communicators at its sizes
+    under ``job`` (its tp/pp/dp layout; default: tensor parallel over each node's GPUs,
+    data parallel across nodes) and reports them in the verdict's ``workload``; a
+    workload finding makes the verdict unhealthy without excluding a node.
     """
     ranks = backend.ranks()
     layout = layout_of(ranks, nodes)
-    work = workload(profile) if profile is not None else None
+    if profile is None:
+        shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
+        run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds,
+                           expected=expected, max_rounds=max_rounds, progress=progress,
+                           label="preflight round", history=history)
+        return verdict_of(run, backend.name, list(layout))
+    work = workload(profile)
     members = node_members(layout, list(layout))
-    if work is not None:
-        # The fabric check is the one monitoring runs (the same judgement), with the
-        # profile's ops added; the profile's own sizes are its job groups'.
-        ops = tuple(dict.fromkeys((*ops, *work.ops)))
-        per_node = max((len(ix) for ix in layout.values()), default=1)
-        job = job or JobLayout(tp=per_node)
-        # A layout that does not fit the ranks is refused before anything runs.
-        job = replace(job, tp=per_node if job.tp is None else job.tp).resolve(len(members))
-    shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
+    per_node = max((len(ix) for ix in layout.values()), default=1)
+    # A layout that does not fit the ranks is refused before anything runs.
+    job = (job or JobLayout()).resolve(len(members), per_node)
+    # The fabric check is the one monitoring runs (the same judgement), with the profile's
+    # ops added; the profile's own sizes are its job groups'.
+    shape = probe_shape(backend, tuple(dict.fromkeys((*ops, *work.ops))), sizes,
+                        deadline_s=deadline_s)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
                        max_rounds=max_rounds, progress=progress, label="preflight round",
                        history=history)
-    if work is None:
-        return verdict_of(run, backend.name, list(layout))
-    assert job is not None
-    job_run, summary = run_job(backend, work, job, members,
-                               probe_shape(backend, work.ops, work.sizes, deadline_s=deadline_s),
-                               progress=progress)
-    # What the job's groups showed of the ranks themselves (a hang, wrong data, an
-    # error) is a finding like any other; their speed is the workload section's.
-    run.judgement = replace(run.judgement, findings=run.judgement.findings + [
-        f for f in job_run.findings if f.kind in ("hang", "data_corruption", "probe_error")])
+    comms = job.communicators(members)
+    job_run = _job_phase(backend, work, comms, probe_shape(
+        backend, work.ops, work.sizes, deadline_s=deadline_s), {r.node: r.profile for r in ranks},
+        progress)
+    summary = judge_job(work, job, comms, job_run.measurements)
+    summary.update(rounds=job_run.rounds, fabric_s=round(job_run.fabric_s, 3))
+    algos, no_algos = algos_for(backend.name, work)
+    if no_algos:
+        summary["algos"] = no_algos
+    # What the job's groups showed of the ranks themselves (a hang, wrong data, an error)
+    # is a finding like any other; their speed is the workload section's.
+    run.judgement = replace(run.judgement,
+                            findings=run.judgement.findings + job_run.probe_findings)
     run.rounds += job_run.rounds
     run.fabric_s += job_run.fabric_s
     # The identity on the fabric check's own groups too (fsdp runs all three ops there):
     # a node's AllReduce off its halves is named by its intra-node group.
-    scopes = {m.group: m.scope for m in run.measurements}
-    on_fabric = replace(work, identity_sizes=shape.sizes) if work.identity_sizes else work
-    fabric_identity = identity_findings(run.measurements, scopes, on_fabric)
-    summary["identity"] = identity_table(run.measurements, scopes, on_fabric) + summary["identity"]
-    summary["findings"] = [f.to_dict() for f in fabric_identity] + summary["findings"]
+    if work.identity_sizes:
+        table, off = identity(run.measurements, {m.group: m.scope for m in run.measurements},
+                              shape.sizes)
+        summary["identity"] = table + summary["identity"]
+        summary["findings"] = [f.to_dict() for f in off] + summary["findings"]
     verdict = verdict_of(run, backend.name, list(layout))
     # The job asked whether its traffic runs well here: a communicator slower than its
     # peers, or an AllReduce off its halves, says no even where no link is to blame.
@@ -193,6 +211,22 @@ def run_preflight(
     verdict["healthy"] = verdict["healthy"] and summary["ok"]
     verdict["workload"] = summary
     return verdict
+
+
+def _job_phase(backend: ProbeBackend, work: Workload, comms: Mapping[str, Any],
+               shape: ProbeShape, node_profiles: dict[str, str | None],
+               progress: Progress | None) -> Rounds:
+    """Run the job's own groups, round by round (services.scheduler.workload.job_groups)."""
+    out = Rounds()
+    kind_of = kinds(comms)
+    for groups in job_groups(work, comms, shape, algos_for(backend.name, work)[0]):
+        if progress is not None:
+            first = groups[0]
+            progress(f"job round {out.rounds + 1}: {len(groups)} {kind_of[first.group_key]} "
+                     f"group(s), {', '.join(first.ops)}"
+                     f"{f' ({first.algo})' if first.algo else ''}")
+        out.take(groups, backend.run_round(groups), node_profiles)
+    return out
 
 
 def verdict_of(run: AdaptiveRun, backend: str, nodes: list[str]) -> dict[str, Any]:
