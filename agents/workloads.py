@@ -101,6 +101,13 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
+def fabric_ops(work: Workload, ops: Sequence[str]) -> tuple[str, ...]:
+    """The ops of the fabric check under a profile: the check monitoring runs (``ops``, at
+    its own sizes) with the profile's added, so a profiled check judges every link as an
+    unprofiled one does; the profile's sizes are its job groups'."""
+    return tuple(dict.fromkeys((*ops, *work.ops)))
+
+
 def workload(name: str) -> Workload:
     try:
         return WORKLOADS[name]

@@ -232,13 +232,16 @@ def test_cli_refuses_a_layout_it_cannot_use_in_one_line(
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_cli_probe_with_a_profile_runs_its_ops_and_sizes(
+def test_cli_probe_with_a_profile_adds_its_ops_to_the_checks(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli(["probe", "--fabric", _scenario(tmp_path), "--profile", "moe", "--json"])
-    out = json.loads(capsys.readouterr().out)
+    code = cli(["probe", "--fabric", _scenario(tmp_path), "--profile", "fsdp", "--json"])
+    ms = json.loads(capsys.readouterr().out)["measurements"]
     assert code == 0
-    ms = out["measurements"]
-    assert {m["op"] for m in ms} == set(WORKLOADS["moe"].ops)
-    assert {m["size_bytes"] for m in ms} == set(WORKLOADS["moe"].sizes)
+    # The check monitoring runs (AllReduce, AllToAll at the sim's sizes) and the profile's
+    # AllGather and ReduceScatter beside them.
+    assert {m["op"] for m in ms} == {"allreduce", "alltoall", "allgather", "reducescatter"}
+    assert {m["size_bytes"] for m in ms} == set(SimBackend.preflight_sizes)
     assert cli(["probe", "--fabric", _scenario(tmp_path), "--profile", "moe",
-                "--sizes", "1M"]) == 2
+                "--sizes", "1M", "--json"]) == 0
+    assert {m["size_bytes"] for m in json.loads(capsys.readouterr().out)["measurements"]} == {
+        1 << 20}

@@ -31,21 +31,17 @@ def _probe_options(args: argparse.Namespace):
     from services.scheduler.planner import DEFAULT_OPS
 
     ops = tuple(o.strip() for o in (args.ops or ",".join(DEFAULT_OPS)).split(",") if o.strip())
-    sizes = args.sizes
     if getattr(args, "profile", None):
-        from agents.workloads import workload
+        from agents.workloads import fabric_ops, workload
 
-        if args.sizes or args.preset or args.ops:
-            raise CliError("--profile sets the ops and sizes; leave out --ops, --sizes and --preset")
-        w = workload(args.profile)
-        ops, sizes = w.ops, w.sizes
+        ops = fabric_ops(workload(args.profile), ops)
 
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise CliError(f"unknown op(s) {', '.join(bad)}; choose from {', '.join(OPS)}")
     if args.iters < 1 or args.warmup < 0:
         raise CliError("--iters must be >= 1 and --warmup >= 0")
-    sizes = sizes or _preset_sizes(args)
+    sizes = args.sizes or _preset_sizes(args)
     redop = getattr(args, "redop", "sum")
     _check_redop(args, ops, redop)
     return ProbeOptions(ops=ops, sizes=sizes, dtype=args.dtype, warmup=args.warmup, iters=args.iters,

@@ -57,8 +57,8 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
     from agents.workloads import WORKLOADS
 
     p.add_argument("--profile", choices=tuple(WORKLOADS),
-                   help="probe what this kind of job runs, at its message sizes "
-                        "(docs/workloads.md); sets the ops and sizes")
+                   help="probe what this kind of job runs (docs/workloads.md): its ops join "
+                        "the check's; preflight also runs the job's groups at its sizes")
 
 
 def add_probe_options(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from agents import profiles
 from agents.collectives import default_sizes
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo, RoundResult
-from agents.workloads import JobLayout, Workload, workload
+from agents.workloads import JobLayout, Workload, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds
 from services.analyzer.judge import Judgement, judge
 from services.analyzer.verdict import build_verdict
@@ -175,10 +175,7 @@ def run_preflight(
     per_node = max((len(ix) for ix in layout.values()), default=1)
     # A layout that does not fit the ranks is refused before anything runs.
     job = (job or JobLayout()).resolve(len(members), per_node)
-    # The fabric check is the one monitoring runs (the same judgement), with the profile's
-    # ops added; the profile's own sizes are its job groups'.
-    shape = probe_shape(backend, tuple(dict.fromkeys((*ops, *work.ops))), sizes,
-                        deadline_s=deadline_s)
+    shape = probe_shape(backend, fabric_ops(work, ops), sizes, deadline_s=deadline_s)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
                        max_rounds=max_rounds, progress=progress, label="preflight round",
                        history=history)
