@@ -21,6 +21,7 @@ import numpy as np
 
 from agents.fabric_presets import preset
 from agents.spec import (
+    ALGOS,
     TIMING_MODEL,
     Finding,
     GroupSpec,
@@ -34,8 +35,6 @@ FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "err
                "fallback")
 # Faults that scale a rate: they take a "factor" and may drift.
 RATE_KINDS = ("nvlink", "nic", "net_path", "fallback")
-# AllReduce algorithms a group can be told to use (GroupSpec.algo, NCCL_ALGO).
-ALGOS = ("ring", "tree")
 # NCCL's double binary tree runs each half of the data down one of two trees; its busbw at
 # large sizes reaches a little less than a ring's over the same links.
 TREE_BW_SHARE = 0.9

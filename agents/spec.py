@@ -19,6 +19,8 @@ BACKENDS: tuple[str, ...] = ("nccl", "gloo", "sim")
 # Reductions a probe can run (nccl-tests' -o). prod is left out: it overflows exact patterns.
 REDOPS: tuple[str, ...] = ("sum", "max", "min", "avg")
 REDUCING_OPS: tuple[str, ...] = ("allreduce", "reducescatter")
+# NCCL_ALGO names a probe may pin a communicator to (GroupSpec.algo).
+ALGOS: tuple[str, ...] = ("ring", "tree")
 FINDING_KINDS: tuple[str, ...] = (
     "nvlink_degraded",
     "nic_degraded",
@@ -85,6 +87,18 @@ def redop_for(op: str, redop: str) -> str:
     """The reduction ``op`` runs when its group asks for ``redop``: ops that do not reduce
     run as they always do, recorded as "sum" (not applicable)."""
     return redop if op in REDUCING_OPS else "sum"
+
+
+def series_op(op: str, algo: str | None) -> str:
+    """The op as a series names it: an op whose communicator was pinned to one algorithm
+    is a series apart from NCCL's own choice, ``allreduce:ring`` beside ``allreduce``."""
+    return op if algo is None else f"{op}:{algo}"
+
+
+def split_series_op(name: str) -> tuple[str, str | None]:
+    """``series_op`` undone: ``allreduce:tree`` is ("allreduce", "tree")."""
+    op, _, algo = name.partition(":")
+    return op, algo or None
 
 
 def utcnow() -> datetime:

@@ -24,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from agents.spec import ALGOS
+
 MIB = 1 << 20
 KIB = 1 << 10
 # torch DDP's default bucket_cap_mb (and its first bucket, kept small so the first
 # AllReduce starts early in the backward pass).
 DDP_BUCKET = 25 * MIB
 DDP_FIRST_BUCKET = 1 * MIB
-# NCCL_ALGO names of the AllReduce algorithms probed apart on nccl.
-ALGOS: tuple[str, ...] = ("ring", "tree")
 # Communicator kinds of a job (``JobLayout.communicators``).
 COMM_KINDS: tuple[str, ...] = ("tp", "dp", "pp")
 

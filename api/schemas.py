@@ -15,6 +15,8 @@ ScopeT = Literal["intra_node", "gpu_pair", "inter_node", "world"]
 BackendT = Literal["nccl", "gloo", "sim"]
 # nccl-tests' redop names; probes run sum, max, min and avg, prod is accepted for other senders.
 RedOp = Literal["sum", "prod", "min", "max", "avg"]
+AlgoT = Literal["ring", "tree"]
+ProfileT = Literal["ddp", "fsdp", "moe", "pipeline"]
 Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
                 "probe.error"]
 # No separators, no whitespace, no control characters (a NUL cannot be stored).
@@ -46,6 +48,9 @@ class MeasurementIn(Strict):
     preset_gbs: float | None = Field(default=None, ge=0, le=1e6)
     # The hardware profile's rated busbw for it (GB/s), at bandwidth-bound sizes.
     rated_gbs: float | None = Field(default=None, gt=0, le=1e6)
+    # The algorithm its communicator was pinned to (NCCL_ALGO); stored as a series of its
+    # own, named by op and algorithm (allreduce:ring).
+    algo: AlgoT | None = None
 
     @field_validator("members")
     @classmethod
@@ -225,6 +230,22 @@ class PreflightIn(Strict):
     max_age_s: float = Field(default=900.0, gt=0, le=30 * 86400)
     # When fresh results look unhealthy, have a scheduler re-probe before answering.
     confirm: bool = False
+    # What the job will run (docs/workloads.md): a scheduler probes the nodes with the
+    # profile's ops and the job's own communicators, however fresh the stored results are.
+    profile: ProfileT | None = Field(
+        default=None, description="workload profile: ddp, fsdp, moe or pipeline; the "
+                                  "request is then always probed by a scheduler")
+    # The job's parallel degrees; unset: tensor parallel over one node's GPUs, pipeline 1,
+    # data parallel over what is left.
+    tp: int | None = Field(default=None, ge=1, le=65536, description="tensor-parallel degree")
+    pp: int | None = Field(default=None, ge=1, le=65536, description="pipeline stages")
+    dp: int | None = Field(default=None, ge=1, le=1 << 20, description="data-parallel degree")
+
+    @model_validator(mode="after")
+    def layout_needs_profile(self) -> PreflightIn:
+        if self.profile is None and any(v is not None for v in (self.tp, self.pp, self.dp)):
+            raise ValueError("tp, pp and dp describe the job a profile probes; give a profile")
+        return self
 
 
 class ClaimIn(Strict):

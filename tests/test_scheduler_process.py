@@ -166,3 +166,80 @@ def test_a_check_that_outlasts_its_lease_still_completes(server, tmp_path) -> No
     assert body["rounds"] * SlowRounds.pause_s > 1.0
     assert body["status"] == "done" and body["attempts"] == 1
     assert body["exclude"] == ["node-002"]
+
+
+def test_a_profiled_preflight_runs_the_jobs_groups_and_ships_ring_and_tree_apart(
+        server, tmp_path) -> None:
+    """A profile through the API: the scheduler that claims it runs the job's own groups
+    (ring and tree apart), completes it with the workload section, and the API stores the
+    two algorithms' series apart."""
+    api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    nodes = [f"node-{i:03d}" for i in range(8)]
+    slow_tree = {"kind": "fallback", "node": "node-005", "op": "allreduce", "algo": "tree",
+                 "factor": 0.5}
+    backend = SimBackend({"nodes": 8, "gpus_per_node": 8, "noise": 0.02, "variation": 0.02,
+                          "seed": 3, "faults": [slow_tree]})
+    # The nodes are known and fresh, which would answer a plain request at once.
+    client = SchedulerApi(api, ADMIN, "sched")
+    try:
+        shipper = Shipper(api, ADMIN, tmp_path / "spool")
+        req = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes, "profile": "ddp"},
+                         headers=h)
+        assert req.status_code == 404  # nothing known of these nodes yet
+        assert run_scheduler_once(backend, shipper, client)
+        req = httpx.post(f"{api}/v1/preflight", json={"nodes": nodes, "profile": "ddp"},
+                         headers=h)
+        assert req.status_code == 202 and req.json()["profile"] == "ddp"
+        assert serve_preflight(backend, shipper, client, ProbeOptions())
+        body = httpx.get(f"{api}/v1/preflight/{req.json()['id']}", headers=h).json()
+    finally:
+        client.close()
+    assert body["status"] == "done" and body["source"] == "probed"
+    work = body["workload"]
+    assert work["profile"] == "ddp" and work["layout"]["tp"] == 8 and work["layout"]["dp"] == 8
+    slow = [(f["nodes"], f.get("algo")) for f in work["findings"]]
+    assert slow == [(["node-005"], "tree")]
+    assert body["healthy"] is False and body["exclude"] == []
+    links = httpx.get(f"{api}/v1/links", params={"limit": 10_000}, headers=h).json()
+    ops = {link["op"] for link in links}
+    assert {"allreduce:ring", "allreduce:tree"} <= ops
+    # The job's data-parallel groups (one GPU of each node) hold both algorithms' series.
+    dp = sorted(f"{n}/0" for n in nodes)
+    for algo in ("ring", "tree"):
+        points = httpx.get(f"{api}/v1/series", params={"members": ",".join(dp),
+                                                       "op": f"allreduce:{algo}"},
+                           headers=h).json()["points"]
+        assert points and all(p["op"] == f"allreduce:{algo}" for p in points)
+
+
+def run_scheduler_once(backend: SimBackend, shipper: Shipper, client: SchedulerApi) -> bool:
+    """One monitoring cycle shipped: the nodes become known to the API."""
+    from services.scheduler.cycle import run_scheduler
+
+    return run_scheduler(backend, shipper, ProbeOptions(), interval_s=3600, once=True,
+                         api=client) == 1
+
+
+def test_monitoring_with_a_profile_keeps_the_jobs_series_and_says_how_they_ran(
+        server, tmp_path) -> None:
+    from services.scheduler.cycle import run_scheduler
+
+    api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    backend = SimBackend({"nodes": 4, "gpus_per_node": 8, "noise": 0.02, "seed": 5,
+                          "faults": [{"kind": "fallback", "node": "node-001", "op": "allreduce",
+                                      "algo": "ring", "factor": 0.5}]})
+    lines: list[str] = []
+    client = SchedulerApi(api, ADMIN, "sched")
+    try:
+        assert run_scheduler(backend, Shipper(api, ADMIN, tmp_path / "spool"),
+                             ProbeOptions(profile="ddp"), interval_s=3600, once=True,
+                             api=client, progress=lines.append) == 1
+    finally:
+        client.close()
+    cycle = [line for line in lines if line.startswith("cycle 1:")]
+    assert cycle and "ddp job groups: 1 workload finding(s) (communicator_slow)" in cycle[0]
+    assert any("job round" in line and "(ring)" in line for line in lines)
+    links = httpx.get(f"{api}/v1/links", params={"limit": 10_000}, headers=h).json()
+    tp_ring = [link for link in links
+               if link["op"] == "allreduce:ring" and link["scope"] == "intra_node"]
+    assert sorted(link["nodes"][0] for link in tp_ring) == [f"node-{i:03d}" for i in range(4)]

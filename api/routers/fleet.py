@@ -83,7 +83,9 @@ def get_series(
     group: str | None = Query(default=None, max_length=600,
                               description="the group's key as GET /v1/links gives it "
                                           "(for groups too large to list in a URL)"),
-    op: str | None = None,
+    op: str | None = Query(default=None, max_length=32,
+                           description="an op, or an op pinned to one algorithm: allreduce:ring "
+                                       "and allreduce:tree are series apart from allreduce"),
     size_bytes: int | None = Query(default=None, gt=0),
     since: datetime | None = None,
     until: datetime | None = None,

@@ -5,6 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from sqlalchemy.orm import Session, sessionmaker
 
+from agents.workloads import JobLayout
 from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
 from api.schemas import ClaimIn, CompleteIn, PreflightIn
 from services.preflight import service
@@ -34,11 +35,17 @@ def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsD
     results younger than ``max_age_s``; otherwise the request waits for a scheduler to probe
     (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``).
     With ``confirm``, fresh results that look unhealthy are re-probed by a scheduler first.
+    With a workload ``profile`` (ddp, fsdp, moe, pipeline; and the job's ``tp``, ``pp``,
+    ``dp``), a scheduler always probes: the fabric check with the profile's ops, then the
+    job's own communicators at its sizes; the verdict's ``workload`` section says how they
+    ran (docs/workloads.md). A layout that cannot fit the nodes' GPUs is a 422.
     A token may have RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN requests waiting at once
     (429 with Retry-After beyond)."""
+    job = JobLayout(tp=body.tp, pp=body.pp or 1, dp=body.dp)
     out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url,
                                   confirm=body.confirm, token_id=who.token_id,
-                                  max_waiting=settings.max_pending_preflights_per_token)
+                                  max_waiting=settings.max_pending_preflights_per_token,
+                                  profile=body.profile, job=job)
     return _code(out, response)
 
 

@@ -15,6 +15,7 @@ from statistics import NormalDist
 import numpy as np
 
 from agents.spec import Measurement
+from agents.spec import series_op as spec_series_op
 from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
@@ -111,7 +112,7 @@ class Baseline:
 def series_op(m: Measurement) -> str:
     """The op as a series names it: an AllReduce told to use one algorithm ("ring",
     "tree") is a series apart from NCCL's own choice, with peers of its own."""
-    return m.op if m.algo is None else f"{m.op}:{m.algo}"
+    return spec_series_op(m.op, m.algo)
 
 
 def peer_key(m: Measurement) -> PeerKey:
@@ -168,9 +169,9 @@ def judged_flags(measurements: Sequence[Measurement]) -> list[bool]:
     """True for the largest size each group ran an op at: smaller sizes are latency-bound."""
     largest: dict[tuple[str, str, tuple[str, ...]], int] = {}
     for m in measurements:
-        key = (m.op, m.scope, m.group)
+        key = (series_op(m), m.scope, m.group)
         largest[key] = max(largest.get(key, 0), m.size_bytes)
-    return [m.size_bytes == largest[(m.op, m.scope, m.group)] for m in measurements]
+    return [m.size_bytes == largest[(series_op(m), m.scope, m.group)] for m in measurements]
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None]
     for m, preset in zip(ms, presets, strict=True):
         if (m.scope == "inter_node" and preset and m.busbw_gbs > 0
                 and len(m.nodes) == 2):
-            key = (m.op, m.size_bytes, m.dtype, m.group)
+            key = (series_op(m), m.size_bytes, m.dtype, m.group)
             if key not in seen:
                 seen.add(key)
                 shares[key[:3]].append(m.busbw_gbs / preset)
@@ -337,7 +338,7 @@ def assess(
     out: list[Assessment] = []
     for m, peer, is_judged, preset in zip(ms, peers, judged, presets, strict=True):
         past = history.get(link_key(m)) if history else None
-        share = paths.get((m.op, m.size_bytes, m.dtype)) if preset and _is_union(m) else None
+        share = paths.get((series_op(m), m.size_bytes, m.dtype)) if preset and _is_union(m) else None
         union = (preset * share * slowest_path_share(len(m.nodes), t.weighing.variation_prior)
                  if preset and share is not None else None)
         c = _choose(peer, own_normal(past, t) if past else None, preset, t, union)

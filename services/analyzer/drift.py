@@ -22,7 +22,7 @@ from statistics import NormalDist
 from typing import Any
 
 from agents.spec import Finding, nodes_of, split_member
-from services.analyzer.assess import Assessment
+from services.analyzer.assess import Assessment, series_op
 from services.analyzer.evidence import Cusum, CusumPolicy
 from services.analyzer.faults import fault_key
 from services.analyzer.localize import evidence_of
@@ -127,7 +127,7 @@ def drift_observations(assessments: Iterable[Assessment]) -> dict[str, Observati
         m = a.measurement
         if a.ratio is None or not a.judged or a.explained or a.bad:
             continue
-        groups[(m.scope, m.group)][m.op].append(a)
+        groups[(m.scope, m.group)][series_op(m)].append(a)
     intra: dict[str, list[tuple[tuple[str, ...], _Reading]]] = defaultdict(list)
     pairs: dict[str, list[_Reading]] = defaultdict(list)
     out: dict[str, Observation] = {}

@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
-from services.analyzer.assess import Assessment, PeerKey, peer_key
+from services.analyzer.assess import Assessment, PeerKey, peer_key, series_op
 from services.analyzer.evidence import (
     MAD_TO_SIGMA,
     UNDECIDED,
@@ -165,7 +165,7 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         if key not in out:
             out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w,
                                     noise=noise, variation=variation)
-        out[key].by_op.setdefault(m.op, []).append(a)
+        out[key].by_op.setdefault(series_op(m), []).append(a)
     noise.update(measured_noise(out.values()))
     variation.update(measured_variation(out.values(), noise, w))
     return out
@@ -256,7 +256,7 @@ def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
     for a in sorted(assessments, key=lambda a: a.ratio or 0.0)[:MAX_EVIDENCE]:
         m = a.measurement
         nodes = _nodes_of(m.group)
-        item: dict[str, object] = {"scope": m.scope, "op": m.op, "size_bytes": m.size_bytes,
+        item: dict[str, object] = {"scope": m.scope, "op": series_op(m), "size_bytes": m.size_bytes,
                                    "ranks": len(m.members), "measured_gbs": round(m.busbw_gbs, 3)}
         if a.expected_gbs is not None:
             item["expected_gbs"] = round(a.expected_gbs, 3)

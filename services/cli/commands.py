@@ -45,7 +45,21 @@ def _probe_options(args: argparse.Namespace):
     redop = getattr(args, "redop", "sum")
     _check_redop(args, ops, redop)
     return ProbeOptions(ops=ops, sizes=sizes, dtype=args.dtype, warmup=args.warmup, iters=args.iters,
-                        redop=redop)
+                        redop=redop, profile=getattr(args, "profile", None), job=_job_layout(args))
+
+
+def _fits(options: Any, backend: Any) -> None:
+    """A profile's layout that cannot fit the backend's ranks is refused before a cycle."""
+    if options.profile is None:
+        return
+    from agents.workloads import LayoutError
+    from services.scheduler.planner import layout_of
+    from services.scheduler.preflight import resolve_job
+
+    try:
+        resolve_job(options.job, layout_of(backend.ranks(), None))
+    except LayoutError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _check_redop(args: argparse.Namespace, ops: tuple[str, ...], redop: str) -> None:
@@ -208,6 +222,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
     api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
     with closing(make_backend(args, progress)) as backend, closing(shipper), closing(api):
+        _fits(options, backend)
         rotation = Rotation(settings.state_dir / "scheduler" / f"rotation-{_fleet_id(backend)}.json")
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
                       once=args.once, api=api, progress=progress,
@@ -232,16 +247,20 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     options = _probe_options(args)
     with closing(make_backend(args, progress)) as backend:
+        _fits(options, backend)
         cycle = run_cycle(backend, options, progress=progress)
     if args.json:
         print_json({"backend": cycle.backend,
                      "measurements": [m.to_dict() for m in cycle.measurements],
                      "findings": [f.to_dict() for f in cycle.findings],
-                     "injected": cycle.injected})
+                     "injected": cycle.injected,
+                     **({"workload": cycle.workload} if cycle.workload else {})})
     else:
         print(format_table(cycle.measurements))
         for f in cycle.findings:
             print(f"FINDING {json.dumps(f.to_dict())}")
+        for f in (cycle.workload or {}).get("findings", []):
+            print(f"WORKLOAD {json.dumps(f)}")
     return 1 if cycle.findings else 0
 
 
@@ -338,9 +357,11 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     else:
         if not nodes:
             raise CliError("name the job's nodes with --nodes, or probe with --local/--address/--fabric")
-        if args.profile:
-            raise CliError("--profile probes now: add --local, --address or --fabric")
-        verdict = _api_preflight(nodes, args.max_age, args.timeout, args.confirm)
+        job = _job_layout(args)
+        workload = ({"profile": args.profile,
+                     **{k: v for k, v in (job.to_dict() if job else {}).items() if v is not None}}
+                    if args.profile else {})
+        verdict = _api_preflight(nodes, args.max_age, args.timeout, args.confirm, workload)
     print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
 
@@ -361,14 +382,16 @@ def _job_layout(args: argparse.Namespace):
 
 
 def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
-                   confirm: bool = False) -> dict[str, Any]:
-    """Ask the API; while a scheduler probes, poll with progress until the verdict is in."""
+                   confirm: bool = False, workload: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Ask the API; while a scheduler probes, poll with progress until the verdict is in.
+    ``workload``: the profile and the job's tp/pp/dp (a scheduler then always probes)."""
     settings = get_settings()
     headers = {"Authorization": f"Bearer {settings.token}"}
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=settings.api_url, headers=headers, timeout=60) as client:
         body = _api_call(client, "POST", "/v1/preflight?wait=5",
-                         json={"nodes": nodes, "max_age_s": max_age, "confirm": confirm})
+                         json={"nodes": nodes, "max_age_s": max_age, "confirm": confirm,
+                               **(workload or {})})
         while body.get("status") in ("pending", "running"):
             if time.monotonic() > deadline:
                 raise CliError(f"no verdict within {timeout_s:.0f} s (request {body['id']} is "

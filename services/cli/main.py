@@ -58,7 +58,12 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--profile", choices=tuple(WORKLOADS),
                    help="probe what this kind of job runs (docs/workloads.md): its ops join "
-                        "the check's; preflight also runs the job's groups at its sizes")
+                        "the check's, then the job's own groups run at its sizes")
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data")):
+        p.add_argument(f"--{name}", type=int, metavar="N",
+                       help=f"with --profile: the job's {what}-parallel degree (default: "
+                            + ("the GPUs of one node" if name == "tp" else
+                               "1" if name == "pp" else "what the ranks leave") + ")")
 
 
 def add_probe_options(p: argparse.ArgumentParser) -> None:
@@ -142,11 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", action="store_true",
                    help="(API) re-probe nodes that fresh results call unhealthy before answering")
     add_profile_option(p)
-    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp", "data")):
-        p.add_argument(f"--{name}", type=int, metavar="N",
-                       help=f"with --profile: the job's {what}-parallel degree (default: "
-                            + ("the GPUs of one node" if name == "tp" else
-                               "1" if name == "pp" else "what the ranks leave") + ")")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("check-rankmap", help="check a job's rank table")

@@ -21,9 +21,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import Finding, RankInfo
+from agents.spec import Finding, RankInfo, split_series_op
 from agents.spec import Measurement as ProbeMeasurement
-from services.analyzer.assess import Assessment, Thresholds, link_key
+from services.analyzer.assess import Assessment, Thresholds, link_key, series_op
 from services.analyzer.drift import drift_observations, step_drift, unexplained
 from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS, fault_key, fault_nodes, policy_for
@@ -49,8 +49,9 @@ class HealthChanges:
 
 def to_probe_measurement(row: dict[str, Any]) -> ProbeMeasurement:
     """A stored measurement (the dict ``add_measurements`` took) as the analyzer reads it."""
+    op, algo = split_series_op(row["op"])
     return ProbeMeasurement(
-        op=row["op"], scope=row["scope"], members=list(row["members"]),
+        op=op, algo=row.get("algo") or algo, scope=row["scope"], members=list(row["members"]),
         size_bytes=row["size_bytes"], dtype=row["dtype"], warmup=row["warmup"],
         iters=row["iters"], time_us=row["time_us"], algbw_gbs=row["algbw_gbs"],
         busbw_gbs=row["busbw_gbs"], wrong=row["wrong"], time=row["time"],
@@ -69,7 +70,7 @@ def _history(probes: list[ProbeMeasurement], keys: list[str],
     kept in its row: the baseline for groups that have no peers (the world group)."""
     out: dict[tuple, list[float]] = {}
     for m, key in zip(probes, keys, strict=True):
-        link = links.get((key, m.op))
+        link = links.get((key, series_op(m)))
         if link is not None and link.recent_busbw and link.size_bytes == m.size_bytes:
             out[link_key(m)] = list(link.recent_busbw)
     return out
@@ -92,7 +93,7 @@ def apply_round(
     probes = [to_probe_measurement(r) for r in rows]
     # Each row's series key, computed once (ingest has usually done it already).
     keys = [r.get("group_key") or measurement_store.group_key(r["members"]) for r in rows]
-    links = store.get_links(session, list({(k, m.op) for k, m in zip(keys, probes, strict=True)}))
+    links = store.get_links(session, list({(k, series_op(m)) for k, m in zip(keys, probes, strict=True)}))
     j = judge(probes, [Finding.from_dict(f) for f in probe_findings], (), ranks,
               thresholds=thresholds, history=_history(probes, keys, links))
     found = j.findings + _drift(session, j, at, drift or CusumPolicy())
@@ -195,7 +196,7 @@ def _largest_size(assessments: list[Assessment], keys: list[str]
     best: dict[tuple[str, str], Assessment] = {}
     for a, group in zip(assessments, keys, strict=True):
         m = a.measurement
-        key = (group, m.op)
+        key = (group, series_op(m))
         if key not in best or m.size_bytes > best[key].measurement.size_bytes:
             best[key] = a
     return best
@@ -227,9 +228,9 @@ def _leans_slow(j: Judgement, a: Assessment, link: Any) -> bool:
     few values would otherwise freeze it high, and every later value would read slow."""
     m = a.measurement
     x = j.verdicts.get((m.scope, m.group))
-    if x is None or m.op not in x.decisions:
+    if x is None or series_op(m) not in x.decisions:
         return False
-    d = x.decisions[m.op]
+    d = x.decisions[series_op(m)]
     established = link is not None and len(link.recent_busbw or []) >= HISTORY_WINDOW // 2
     return d.degraded or (established and d.llr >= x.weighing.follow_up_llr)
 

@@ -16,10 +16,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import FINDING_KINDS as KNOWN_KINDS
 from agents.spec import utcnow
+from agents.workloads import JobLayout, LayoutError
 from services.errors import BadInput, NotFound, TooManyRequests
 from services.monitor.stored_verdict import verdict_from_store
 from services.store import db
 from services.store import health as health_store
+from services.store import measurements as measurement_store
 from services.store import preflight as store
 from services.store.models import PreflightRequest
 
@@ -30,6 +32,8 @@ def _out(req: PreflightRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"id": req.id, "status": req.status, "nodes": list(req.nodes),
                             "max_age_s": req.max_age_s, "created_at": req.created_at,
                             "completed_at": req.completed_at, "attempts": req.attempts}
+    if req.workload:
+        body.update(req.workload)
     if req.error:
         body["error"] = req.error
     if req.verdict is not None:
@@ -39,14 +43,19 @@ def _out(req: PreflightRequest) -> dict[str, Any]:
 
 def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = "",
            confirm: bool = False, *, token_id: int | None = None,
-           max_waiting: int | None = None) -> dict[str, Any]:
+           max_waiting: int | None = None, profile: str | None = None,
+           job: JobLayout | None = None) -> dict[str, Any]:
     """Record a request; answer it now if every node has fresh results (and, with
     ``confirm``, they look healthy: a suspect is re-probed before a job is refused).
+    A request with a workload ``profile`` (and the ``job``'s parallel layout) always waits
+    for a scheduler: monitoring never runs a job's own communicators.
     A token with ``max_waiting`` requests already waiting for a scheduler gets a 429
     rather than another (each one costs a scheduler a preflight's probing)."""
     verdict = verdict_from_store(session, nodes, max_age_s)  # 404s unknown nodes
+    work = _workload(session, nodes, profile, job)
     looks_well = verdict["healthy"] and not verdict.get("suspects")
-    ready = not verdict.get("unprobed") and (looks_well or not confirm)
+    ready = (work is None and not verdict.get("unprobed")
+             and (looks_well or not confirm))
     if not ready and token_id is not None and max_waiting is not None:
         waiting = store.waiting_count(session, token_id)
         if waiting >= max_waiting:
@@ -55,21 +64,38 @@ def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = 
                 f"most it may (RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN); wait for them "
                 "(GET /v1/preflight/{id}) before asking again", retry_after_s=30.0)
     req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,
-                               utcnow(), token_id=token_id)
+                               utcnow(), token_id=token_id, workload=work)
     if ready and not verdict["healthy"]:
         _failed_event(session, req, api_url)
     return _out(req)
 
 
+def _workload(session: Session, nodes: list[str], profile: str | None,
+              job: JobLayout | None) -> dict[str, Any] | None:
+    """What a profiled request stores for its scheduler; a layout that cannot fit the
+    nodes' GPUs, as their agents reported them, is refused now rather than after a claim."""
+    if profile is None:
+        return None
+    layout = job or JobLayout()
+    gpus = measurement_store.gpu_counts(session, nodes)
+    if gpus and len(gpus) == len(set(nodes)):
+        try:
+            layout.resolve(sum(gpus.values()), max(gpus.values()))
+        except LayoutError as exc:
+            raise BadInput(f"{exc} ({len(gpus)} node(s), {sum(gpus.values())} GPUs)") from None
+    return {"profile": profile, "job": layout.to_dict()}
+
+
 def submit_and_wait(factory: sessionmaker[Session], nodes: list[str], max_age_s: float,
                     wait_s: float, api_url: str = "", confirm: bool = False, *,
-                    token_id: int | None = None, max_waiting: int | None = None) -> dict[str, Any]:
+                    token_id: int | None = None, max_waiting: int | None = None,
+                    profile: str | None = None, job: JobLayout | None = None) -> dict[str, Any]:
     # The request must be committed before a scheduler can see it, so this is its own job
     # of several short transactions rather than one request-long transaction: no database
     # connection is held while it waits.
     with db.transaction(factory) as s:
         body = submit(s, nodes, max_age_s, api_url, confirm, token_id=token_id,
-                      max_waiting=max_waiting)
+                      max_waiting=max_waiting, profile=profile, job=job)
     deadline = time.monotonic() + wait_s
     while body["status"] in ("pending", "running") and time.monotonic() < deadline:
         time.sleep(POLL_S)

@@ -27,10 +27,17 @@ from agents.spec import (
     split_member,
 )
 from agents.telemetry import counter_findings
+from agents.workloads import JobLayout, LayoutError, workload
 from services.analyzer.assess import LinkKey
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.planner import DEFAULT_OPS, layout_of
-from services.scheduler.preflight import probe_shape, run_adaptive, verdict_of
+from services.scheduler.preflight import (
+    check,
+    probe_shape,
+    resolve_job,
+    run_adaptive,
+    run_job,
+)
 from services.scheduler.shipper import Shipper
 
 Progress = Callable[[str], None]
@@ -51,6 +58,11 @@ class ProbeOptions:
     iters: int = 20
     # nccl-tests' -o for AllReduce and ReduceScatter: sum, max, min, or avg (nccl only).
     redop: str = "sum"
+    # A workload profile (agents.workloads): after the fabric check, each cycle also runs
+    # the job's own communicators under ``job`` (None: the default layout), so their
+    # series (ring and tree apart) are kept like any link's. ``ops`` already holds its ops.
+    profile: str | None = None
+    job: JobLayout | None = None
 
 
 @dataclass
@@ -75,6 +87,9 @@ class CycleResult:
     duty_cycle: dict[str, float] = field(default_factory=dict)
     # NVML readings before and after the cycle of the GPUs whose counters rose.
     counters: list[dict[str, Any]] = field(default_factory=list)
+    # With a profile: how the job's communicators ran (the verdict's ``workload``
+    # section); shown, not shipped (their measurements are).
+    workload: dict[str, Any] | None = None
 
     def to_batch(self, batch_id: str | None = None) -> dict[str, Any]:
         """The body of ``POST /v1/measurements``."""
@@ -116,6 +131,21 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
     before = read() if read else {}
     run = run_adaptive(backend, layout, ranks, shape, rotation=rotation, progress=progress,
                        label="round", history=history)
+    summary = None
+    if options.profile is not None and layout:
+        work = workload(options.profile)
+        job_run, summary = run_job(
+            backend, work, resolve_job(options.job, layout), layout, ranks,
+            probe_shape(backend, work.ops, work.sizes, dtype=options.dtype,
+                        warmup=options.warmup, iters=options.iters, redop=options.redop),
+            progress)
+        summary["ok"] = not summary["findings"]
+        run.rounds += job_run.rounds
+        run.fabric_s += job_run.fabric_s
+        run.measurements += job_run.measurements
+        run.probe_findings += job_run.probe_findings
+        for m, seconds in job_run.busy_s.items():
+            run.busy_s[m] = run.busy_s.get(m, 0.0) + seconds
     after = read() if read else {}
     nvml, snapshots = _counter_findings(before, after)
     return CycleResult(
@@ -124,7 +154,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         rounds=run.rounds, counters=snapshots,
         fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
         injected=[f.to_dict() for f in getattr(backend, "injected", [])], skipped=skipped,
-        busy_s=run.busy_s)
+        busy_s=run.busy_s, workload=summary)
 
 
 class Rotation:
@@ -261,11 +291,10 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     if missing:
         api.complete_preflight(req["id"], error=f"nodes not in this cluster: {', '.join(missing)}")
         return True
+    profile, job = req.get("profile"), _job_of(req.get("job"))
     if progress:
-        progress(f"preflight {req['id'][:8]}: probing {len(req['nodes'])} node(s)")
-    layout = layout_of(ranks, req["nodes"])
-    shape = probe_shape(backend, options.ops, options.sizes, dtype=options.dtype,
-                        warmup=options.warmup, iters=options.iters, redop=options.redop)
+        progress(f"preflight {req['id'][:8]}: probing {len(req['nodes'])} node(s)"
+                 + (f" as a {profile} job" if profile else ""))
     lease = Lease(api, req["id"], lease_s)
 
     def each_round(line: str) -> None:
@@ -273,14 +302,21 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
         if progress:
             progress(line)
 
-    run = run_adaptive(backend, layout, ranks, shape, progress=each_round,
-                       label=f"preflight {req['id'][:8]} round",
-                       history=api.baselines(options.dtype))
+    try:
+        checked = check(backend, list(req["nodes"]), ops=options.ops, sizes=options.sizes,
+                        dtype=options.dtype, warmup=options.warmup, iters=options.iters,
+                        redop=options.redop, progress=each_round,
+                        label=f"preflight {req['id'][:8]} round",
+                        history=api.baselines(options.dtype), profile=profile, job=job)
+    except LayoutError as exc:
+        api.complete_preflight(req["id"], error=str(exc))
+        return True
     if duty is not None:
-        duty.charge_preflight(run.busy_s)
-    verdict = verdict_of(run, backend.name, list(layout))
-    batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in layout],
-                        measurements=run.measurements, findings=run.probe_findings,
+        duty.charge_preflight(checked.busy_s)
+    verdict = checked.verdict
+    asked = set(req["nodes"])
+    batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in asked],
+                        measurements=checked.measurements, findings=checked.probe_findings,
                         injected=[f.to_dict() for f in getattr(backend, "injected", [])])
     if shipper.ship(batch.to_batch()):
         # Results still spooled: leave the request to be claimed again once the API takes them.
@@ -289,6 +325,23 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     if progress:
         progress(f"preflight {req['id'][:8]}: {'healthy' if done.get('healthy') else 'UNHEALTHY'}")
     return True
+
+
+def _workload_note(summary: dict[str, Any] | None) -> str:
+    """The cycle line's word on the job's communicators, with a profile."""
+    if summary is None:
+        return ""
+    found = summary["findings"]
+    return (f", {summary['profile']} job groups: "
+            + (f"{len(found)} workload finding(s) ({', '.join(sorted({f['kind'] for f in found}))})"
+               if found else "ok"))
+
+
+def _job_of(given: dict[str, Any] | None) -> JobLayout | None:
+    """A request's parallel layout (``job``: tp, pp, dp; unset degrees take the defaults)."""
+    if not given:
+        return None
+    return JobLayout(tp=given.get("tp"), pp=given.get("pp") or 1, dp=given.get("dp"))
 
 
 def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
@@ -326,6 +379,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                              f"measurements, {len(cycle.judged)} finding(s) "
                              f"{_kinds(cycle.judged)}, {len(cycle.skipped)} node(s) skipped, "
                              f"duty cycle {worst:.3%}, {left} batch(es) still spooled"
+                             + _workload_note(cycle.workload)
                              + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
                 if once:
                     break

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from agents import profiles
@@ -134,13 +135,36 @@ def run_adaptive(
     return run
 
 
-def run_preflight(
+@dataclass
+class Checked:
+    """A preflight's verdict and what it measured to reach it: the fabric check's and the
+    job's groups' measurements (a scheduler ships them), their probe findings, and the
+    seconds each rank spent in groups (its duty cycle)."""
+
+    verdict: dict[str, Any]
+    measurements: list[Measurement]
+    probe_findings: list[Finding]
+    busy_s: dict[str, float]
+
+
+def run_preflight(backend: ProbeBackend, nodes: list[str] | None = None,
+                  **kwargs: Any) -> dict[str, Any]:
+    """DESIGN.md's verdict of ``check``."""
+    return check(backend, nodes, **kwargs).verdict
+
+
+def check(
     backend: ProbeBackend,
     nodes: list[str] | None = None,
     *,
     ops: Sequence[str] = DEFAULT_OPS,
     sizes: Sequence[int] | None = None,
+    dtype: str = "float32",
+    warmup: int = 5,
+    iters: int = 20,
+    redop: str = "sum",
     progress: Progress | None = None,
+    label: str = "preflight round",
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     deadline_s: float | None = None,
@@ -148,8 +172,8 @@ def run_preflight(
     history: Mapping[LinkKey, Sequence[float]] | None = None,
     profile: str | None = None,
     job: JobLayout | None = None,
-) -> dict[str, Any]:
-    """Probe ``nodes`` (all the backend's nodes when None) and return DESIGN.md's verdict.
+) -> Checked:
+    """Probe ``nodes`` (all the backend's nodes when None) and reach DESIGN.md's verdict.
 
     ``duration_s`` is fabric time (the slowest group of each round, summed); the wall
     time of the whole check is ``wall_s``. A hang is a finding, never an exception.
@@ -160,40 +184,34 @@ def run_preflight(
     check (monitoring's judgement), then runs the job's own communicators at its sizes
     under ``job`` (its tp/pp/dp layout; default: tensor parallel over each node's GPUs,
     data parallel across nodes) and reports them in the verdict's ``workload``; a
-    workload finding makes the verdict unhealthy without excluding a node.
+    workload finding makes the verdict unhealthy without excluding a node. A layout that
+    does not fit the ranks raises LayoutError before anything runs.
     """
     ranks = backend.ranks()
     layout = layout_of(ranks, nodes)
-    if profile is None:
-        shape = probe_shape(backend, ops, sizes, deadline_s=deadline_s)
-        run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds,
-                           expected=expected, max_rounds=max_rounds, progress=progress,
-                           label="preflight round", history=history)
-        return verdict_of(run, backend.name, list(layout))
-    work = workload(profile)
-    members = node_members(layout, list(layout))
-    per_node = max((len(ix) for ix in layout.values()), default=1)
-    # A layout that does not fit the ranks is refused before anything runs.
-    job = (job or JobLayout()).resolve(len(members), per_node)
-    shape = probe_shape(backend, fabric_ops(work, ops), sizes, deadline_s=deadline_s)
+    work = workload(profile) if profile is not None else None
+    if work is not None:  # a layout that does not fit is refused before anything runs
+        job = resolve_job(job, layout)
+    shaped = partial(probe_shape, backend, dtype=dtype, warmup=warmup, iters=iters, redop=redop,
+                     deadline_s=deadline_s)
+    shape = shaped(fabric_ops(work, ops) if work else ops, sizes)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
-                       max_rounds=max_rounds, progress=progress, label="preflight round",
-                       history=history)
-    comms = job.communicators(members)
-    job_run = _job_phase(backend, work, comms, probe_shape(
-        backend, work.ops, work.sizes, deadline_s=deadline_s), {r.node: r.profile for r in ranks},
-        progress)
-    summary = judge_job(work, job, comms, job_run.measurements)
-    summary.update(rounds=job_run.rounds, fabric_s=round(job_run.fabric_s, 3))
-    algos, no_algos = algos_for(backend.name, work)
-    if no_algos:
-        summary["algos"] = no_algos
+                       max_rounds=max_rounds, progress=progress, label=label, history=history)
+    measured = list(run.measurements)
+    busy = dict(run.busy_s)
+    if work is None or job is None:
+        return Checked(verdict_of(run, backend.name, list(layout)), measured,
+                       run.probe_findings, busy)
+    job_run, summary = run_job(backend, work, job, layout, ranks,
+                               shaped(work.ops, work.sizes), progress)
     # What the job's groups showed of the ranks themselves (a hang, wrong data, an error)
     # is a finding like any other; their speed is the workload section's.
     run.judgement = replace(run.judgement,
                             findings=run.judgement.findings + job_run.probe_findings)
     run.rounds += job_run.rounds
     run.fabric_s += job_run.fabric_s
+    for m, seconds in job_run.busy_s.items():
+        busy[m] = busy.get(m, 0.0) + seconds
     # The identity on the fabric check's own groups too (fsdp runs all three ops there):
     # a node's AllReduce off its halves is named by its intra-node group.
     if work.identity_sizes:
@@ -207,7 +225,31 @@ def run_preflight(
     summary["ok"] = not summary["findings"]
     verdict["healthy"] = verdict["healthy"] and summary["ok"]
     verdict["workload"] = summary
-    return verdict
+    return Checked(verdict, measured + job_run.measurements,
+                   run.probe_findings + job_run.probe_findings, busy)
+
+
+def resolve_job(job: JobLayout | None, layout: Mapping[str, Sequence[int]]) -> JobLayout:
+    """The job's layout over these nodes' ranks (default: tensor parallel over one node's
+    GPUs); LayoutError when it does not fit them."""
+    per_node = max((len(ix) for ix in layout.values()), default=1)
+    return (job or JobLayout()).resolve(sum(len(ix) for ix in layout.values()), per_node)
+
+
+def run_job(backend: ProbeBackend, work: Workload, job: JobLayout,
+            layout: dict[str, list[int]], ranks: Sequence[RankInfo], shape: ProbeShape,
+            progress: Progress | None = None) -> tuple[Rounds, dict[str, Any]]:
+    """The job's own communicators under ``job`` (resolved) over ``layout``'s ranks, run
+    at the profile's sizes and judged (the verdict's ``workload`` section, without ``ok``)."""
+    comms = job.communicators(node_members(layout, list(layout)))
+    job_run = _job_phase(backend, work, comms, shape, {r.node: r.profile for r in ranks},
+                         progress)
+    summary = judge_job(work, job, comms, job_run.measurements)
+    summary.update(rounds=job_run.rounds, fabric_s=round(job_run.fabric_s, 3))
+    no_algos = algos_for(backend.name, work)[1]
+    if no_algos:
+        summary["algos"] = no_algos
+    return job_run, summary
 
 
 def _job_phase(backend: ProbeBackend, work: Workload, comms: Mapping[str, Any],

@@ -11,6 +11,7 @@ from sqlalchemy import func, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from agents.spec import series_op
 from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun
 
 # Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
@@ -148,7 +149,9 @@ def _as_time(t: datetime | str) -> datetime:
 def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, Any]]) -> int:
     """Store a batch's measurements by binary COPY into the day partitions, each row naming
     its group by id (the members are stored once, in ``groups``). The partitions must
-    exist (``services.store.timeseries.ensure_partitions``)."""
+    exist (``services.store.timeseries.ensure_partitions``). A row pinned to one algorithm
+    is stored under its series op (``allreduce:ring``): a series, rollup and link of its
+    own."""
     if rows:
         keyed = [r.get("group_key") or group_key(r["members"]) for r in rows]
         ids = group_ids(session, {k: (r["scope"], r["members"]) for k, r in zip(keyed, rows, strict=True)})
@@ -161,7 +164,7 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
                 cp.write_row((
                     _as_time(r["time"]), r["size_bytes"], r["time_us"], r["algbw_gbs"],
                     r["busbw_gbs"], r.get("preset_gbs"), ids[k], run.id, r.get("warmup", 0),
-                    r["iters"], r.get("wrong", 0), r["op"], run.backend,
+                    r["iters"], r.get("wrong", 0), series_op(r["op"], r.get("algo")), run.backend,
                     r.get("dtype", "float32"), r.get("redop") or "sum", r.get("timing")))
     run.measurement_count = len(rows)
     return len(rows)
@@ -169,6 +172,14 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
 
 def known_nodes(session: Session, names: Sequence[str]) -> set[str]:
     return set(session.scalars(select(Node.name).where(Node.name.in_(set(names)))).all())
+
+
+def gpu_counts(session: Session, names: Sequence[str]) -> dict[str, int]:
+    """How many GPUs (ranks) each of ``names`` reported; nodes with none are left out."""
+    rows = session.execute(
+        select(Node.name, func.count(Gpu.local_index)).join(Gpu, Gpu.node_id == Node.id)
+        .where(Node.name.in_(set(names))).group_by(Node.name)).tuples()
+    return {name: count for name, count in rows}
 
 
 def list_nodes(session: Session, *, after: str | None = None,

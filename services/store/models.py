@@ -394,3 +394,6 @@ class PreflightRequest(Base):
     # the claim (only it, under the worker name it claimed with, completes the request).
     token_id: Mapped[int | None] = mapped_column(Integer)
     claim_token_id: Mapped[int | None] = mapped_column(Integer)
+    # The job it asks about: {"profile": "fsdp", "job": {"tp": 8, "pp": 1, "dp": null}}.
+    # Such a request is always probed (agents.workloads).
+    workload: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

@@ -14,9 +14,11 @@ from services.store.models import PreflightRequest
 
 def create_request(session: Session, nodes: list[str], max_age_s: float,
                    verdict: dict[str, Any] | None, now: datetime,
-                   token_id: int | None = None) -> PreflightRequest:
+                   token_id: int | None = None,
+                   workload: dict[str, Any] | None = None) -> PreflightRequest:
     req = PreflightRequest(
         id=str(uuid.uuid4()), nodes=nodes, max_age_s=max_age_s, attempts=0, token_id=token_id,
+        workload=workload,
         status="done" if verdict is not None else "pending", verdict=verdict,
         completed_at=now if verdict is not None else None,
     )
