@@ -1,6 +1,6 @@
 """The modeled fabric backend: alpha-beta collectives over NVLink pairs, NICs and node paths.
 
-Built from a scenario (DESIGN.md, "Fabric scenario file"). Each group's time follows the
+Built from a scenario (docs/formats.md, "Fabric scenario file"). Each group's time follows the
 links its algorithm loads: a ring runs at its slowest edge, an all-to-all ends with its
 slowest flow. Faults scale what they name, and may drift: lose more each monitoring cycle.
 Per-link variation and measurement noise are seeded; each cycle draws its own noise. The
@@ -94,9 +94,11 @@ class Scenario:
     def from_dict(cls, d: dict[str, Any]) -> Scenario:
         if not isinstance(d, dict):
             raise ValueError("a scenario is a JSON object")
-        unknown = set(d) - {f for f in cls.__dataclass_fields__}
+        fields = list(cls.__dataclass_fields__)
+        unknown = set(d) - set(fields)
         if unknown:
-            raise ValueError(f"unknown scenario field(s): {', '.join(sorted(unknown))}")
+            raise ValueError(f"unknown scenario field(s): {', '.join(sorted(unknown))}; "
+                             f"a scenario has {', '.join(fields)} (docs/formats.md)")
         s = cls(
             nodes=_int(d, "nodes", None, 1),
             gpus_per_node=_int(d, "gpus_per_node", 8, 1),
@@ -160,6 +162,16 @@ def _gpu_index(where: str, g: Any, gpus: int) -> int:
     return g
 
 
+def fault_fields(kind: str) -> tuple[str, ...]:
+    """The fields a scenario fault of ``kind`` takes (docs/formats.md)."""
+    place = ("nodes",) if kind == "net_path" else ("node",)
+    gpus: tuple[str, ...] = (("gpus",) if kind in ("nvlink", "pcie_only") else
+                             ("gpu",) if kind in ("hang", "corrupt", "error") else ())
+    extra: tuple[str, ...] = (("factor", "drift") if kind in RATE_KINDS else ()) + (
+        ("op", "algo") if kind == "fallback" else ("message",) if kind == "error" else ())
+    return ("kind", *place, *gpus, *extra, "start")
+
+
 def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
     where = f"faults[{i}]"
     if not isinstance(f, dict):
@@ -167,6 +179,11 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
     kind = f.get("kind")
     if kind not in FAULT_KINDS:
         raise ValueError(f"{where}: kind must be one of {', '.join(FAULT_KINDS)}, got {kind!r}")
+    allowed = fault_fields(kind)
+    unknown = sorted(set(f) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)} for a {kind} fault; "
+                         f"it takes {', '.join(allowed)}")
     if kind == "net_path":
         pair = f.get("nodes")
         if not isinstance(pair, list) or len(pair) != 2:

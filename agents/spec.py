@@ -34,7 +34,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "inventory_mismatch",
     "gpu_xid",
 )
-# Finding kinds whose node a job should not use (DESIGN.md, "Verdict"). A probe_error is a
+# Finding kinds whose node a job should not use (docs/formats.md, "Verdict"). A probe_error is a
 # rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node
 # cannot run the job's collectives either.
 EXCLUDING_KINDS = frozenset(
@@ -162,7 +162,7 @@ class GroupSpec:
 
 @dataclass
 class Measurement:
-    """One timed collective, in nccl-tests' terms (DESIGN.md, "Probe output")."""
+    """One timed collective, in nccl-tests' terms (docs/formats.md, "Probe output")."""
 
     op: str
     scope: str
@@ -218,7 +218,7 @@ class Measurement:
 
 @dataclass
 class Finding:
-    """Something wrong, named as precisely as the evidence allows (DESIGN.md, "Verdict")."""
+    """Something wrong, named as precisely as the evidence allows (docs/formats.md, "Verdict")."""
 
     kind: str
     node: str | None = None
@@ -262,7 +262,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class InjectedFault:
-    """A fault injected into a real backend for demos and tests (DESIGN.md, "Injected faults").
+    """A fault injected into a real backend for demos and tests (docs/formats.md, "Injected faults").
 
     ``slow``: the rank delays itself so its groups run at about ``factor`` of their
     bandwidth (only ``op``'s groups where it names one: a fallback of one collective).

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import errors
-from api.auth import Authenticate
+from api.auth import PUBLIC_PATHS, Authenticate
 from api.limits import BodyLimit
 from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
 from api.schemas import ErrorOut
@@ -52,11 +52,36 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
               rankmaps.router, webhooks.router, tokens.router):
         app.include_router(r)
     _install_error_handlers(app)
+    _declare_security(app)
     # Outermost: a body over the limit is refused before routing, auth or parsing read it;
     # then the token is checked before any body is parsed.
     app.add_middleware(Authenticate, session_factory=session_factory)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
+
+
+def _declare_security(app: FastAPI) -> None:
+    """Say in the OpenAPI document what the middleware enforces: a bearer token on every
+    route but the public ones (so /docs offers an Authorize button)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "a ringwatch token (ringwatch token create --role reader, "
+                               "agent or admin)"}}
+            for path, operations in schema.get("paths", {}).items():
+                if path in PUBLIC_PATHS:
+                    continue
+                for operation in operations.values():
+                    operation["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _bootstrap_admin(settings: Settings, factory: sessionmaker[Session]) -> None:

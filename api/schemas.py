@@ -248,13 +248,61 @@ class PreflightIn(Strict):
         return self
 
 
+class FindingOut(BaseModel):
+    """A finding (docs/formats.md, "Verdict"): its kind, place and figures; more fields by
+    kind (confidence, evidence, problem, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    kind: str
+    severity: str | None = None
+    node: str | None = None
+    gpu: int | None = None
+    gpus: list[int] | None = None
+    nodes: list[str] | None = None
+    measured_gbs: float | None = None
+    expected_gbs: float | None = None
+
+
+class PreflightOut(BaseModel):
+    """A preflight request: while ``pending`` or ``running`` its state; once ``done``, the
+    verdict (docs/formats.md, "Verdict") beside it; ``failed`` with an ``error``."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    status: Literal["pending", "running", "done", "failed"]
+    nodes: list[str]
+    max_age_s: float
+    created_at: datetime | None = None
+    completed_at: datetime | None = None
+    attempts: int = 0
+    error: str | None = None
+    profile: ProfileT | None = Field(default=None, description="the workload profile asked about")
+    job: dict[str, int | None] | None = Field(default=None, description="the job's tp, pp, dp")
+    # The verdict, once done.
+    healthy: bool | None = None
+    backend: str | None = None
+    nodes_checked: int | None = None
+    exclude: list[str] | None = Field(default=None, description="nodes a job should not use")
+    findings: list[FindingOut] | None = None
+    rounds: int | None = None
+    duration_s: float | None = Field(default=None, description="fabric time of the check (s)")
+    source: Literal["stored", "probed"] | None = Field(
+        default=None, description="stored: from monitoring's fresh results; probed: a "
+                                  "scheduler probed for this request")
+    unprobed: list[str] | None = None
+    suspects: list[str] | None = None
+    workload: dict[str, Any] | None = Field(
+        default=None, description="with a profile: how the job's communicators ran "
+                                  "(docs/workloads.md)")
+
+
 class ClaimIn(Strict):
     worker: str = Field(min_length=1, max_length=255)
     lease_s: float = Field(default=300.0, gt=0, le=3600)
 
 
 class VerdictIn(BaseModel):
-    """A verdict a scheduler's own preflight reached (DESIGN.md, "Verdict")."""
+    """A verdict a scheduler's own preflight reached (docs/formats.md, "Verdict")."""
 
     model_config = ConfigDict(extra="allow")
     healthy: bool

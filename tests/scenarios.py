@@ -1,6 +1,6 @@
 """Fabric scenarios shared by the sim tests."""
 
-# The scenario file of DESIGN.md, verbatim.
+# The scenario file of the design's first version: six faults of six kinds.
 DESIGN_SCENARIO = {
     "nodes": 16, "gpus_per_node": 8, "gpu": "H100-SXM", "nvlink_gbs": 450, "net_gbs": 50,
     "noise": 0.03, "seed": 7,

@@ -1,13 +1,13 @@
 """Preflight: may a job launch on these nodes? Durable requests that a scheduler completes."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.workloads import JobLayout
 from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
-from api.schemas import ClaimIn, CompleteIn, PreflightIn
+from api.schemas import ClaimIn, CompleteIn, PreflightIn, PreflightOut
 from services.preflight import service
 
 router = APIRouter(prefix="/v1/preflight", tags=["preflight"])
@@ -26,12 +26,19 @@ def _code(body: dict, response: Response) -> dict:
     return body
 
 
-@router.post("")
+# A request that waits for a scheduler is answered 202 with the same body, its status
+# pending or running.
+WAITING: dict[int | str, dict[str, Any]] = {202: {"model": PreflightOut,
+                 "description": "waiting for a scheduler: poll GET /v1/preflight/{id}"}}
+
+
+@router.post("", response_model=PreflightOut, response_model_exclude_unset=True,
+             responses=WAITING)
 def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsDep, who: ReaderDep,
                      response: Response,
                      wait: float = Query(default=0.0, ge=0, le=600,
                                          description="seconds to wait for a probing scheduler")) -> dict:
-    """The verdict of DESIGN.md for ``nodes``. Answered at once (200) when every node has
+    """The verdict for ``nodes`` (docs/formats.md, "Verdict"). Answered at once (200) when every node has
     results younger than ``max_age_s``; otherwise the request waits for a scheduler to probe
     (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``).
     With ``confirm``, fresh results that look unhealthy are re-probed by a scheduler first.
@@ -49,7 +56,8 @@ def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsD
     return _code(out, response)
 
 
-@router.get("/{request_id}")
+@router.get("/{request_id}", response_model=PreflightOut, response_model_exclude_unset=True,
+            responses=WAITING)
 def get_preflight(request_id: str, session: SessionDep, _: ReaderDep, response: Response) -> dict:
     """One preflight request: its status and, once done, its verdict."""
     return _code(service.get(session, request_id), response)

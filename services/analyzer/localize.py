@@ -566,7 +566,7 @@ def localize(
     ranks: Iterable[RankInfo] | None = None,
     verdicts: dict[GroupKey, GroupVerdict] | None = None,
 ) -> list[Finding]:
-    """Findings of DESIGN.md's kinds for these nodes (all nodes seen when ``nodes`` is empty).
+    """Findings of the verdict's kinds (docs/formats.md) for these nodes (all nodes seen when ``nodes`` is empty).
 
     ``ranks`` (optional) carries telemetry: a P2P row tells a PCIe pair from a slow NVLink.
     ``verdicts``: ``group_verdicts(assessments)`` where the caller has it already.

@@ -1,4 +1,4 @@
-"""The preflight verdict object of DESIGN.md, built from findings."""
+"""The preflight verdict object (docs/formats.md, "Verdict"), built from findings."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def build_verdict(
     duration_s: float,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """DESIGN.md's verdict: healthy only when there is no finding of any kind."""
+    """The verdict: healthy only when there is no finding of any kind."""
     verdict: dict[str, Any] = {
         "healthy": not findings,
         "backend": backend,

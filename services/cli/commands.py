@@ -107,8 +107,11 @@ def cmd_db(args: argparse.Namespace) -> int:
         finally:
             engine.dispose()
         return 0
+    before = db.current_revision(url)
     db.upgrade(url)
-    print("database at head")
+    after = db.current_revision(url)
+    moved = f"from {before} to {after}" if before != after else f"already at {after}"
+    print(f"database {db.describe_url(url)}: migrated {moved} (head)")
     return 0
 
 
@@ -163,11 +166,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.app import create_app
+    from services.store import db
 
     settings = get_settings()
     settings.check_secrets()
     app = create_app(settings)
     stop = threading.Event()
+    notifier_note = "off (--no-notifier)" if args.no_notifier else "on"
+    print(f"ringwatch serve: API on http://{args.host}:{args.port} (OpenAPI at /docs), "
+          f"database {db.describe_url(db.resolve_database_url(settings))}, "
+          f"webhook notifier {notifier_note}", file=sys.stderr, flush=True)
     if not args.no_notifier:
         notifier = _notifier(settings)
         threading.Thread(target=notifier.run_forever, args=(settings.notifier_poll_s, stop),
@@ -176,7 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=_maintain_forever, args=(settings, stop), daemon=True,
                          name="maintenance").start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port,
+                    log_level="info" if args.verbose else "warning")
     finally:
         stop.set()
     return 0
@@ -203,7 +212,12 @@ def _maintain_forever(settings, stop: threading.Event) -> None:
 
 
 def cmd_notifier(args: argparse.Namespace) -> int:
+    from services.store import db
+
     settings = get_settings()
+    print(f"ringwatch notifier: delivering webhooks from the outbox of "
+          f"{db.describe_url(db.resolve_database_url(settings))}, polling every "
+          f"{settings.notifier_poll_s:g} s", file=sys.stderr, flush=True)
     stop = threading.Event()
     _notifier(settings).run_forever(settings.notifier_poll_s, stop)
     return 0
@@ -386,6 +400,9 @@ def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
     """Ask the API; while a scheduler probes, poll with progress until the verdict is in.
     ``workload``: the profile and the job's tp/pp/dp (a scheduler then always probes)."""
     settings = get_settings()
+    if not settings.token:
+        raise CliError(f"RINGWATCH_TOKEN is not set: set it to a reader token for the API at "
+                       f"{settings.api_url} (ringwatch token create --role reader)")
     headers = {"Authorization": f"Bearer {settings.token}"}
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=settings.api_url, headers=headers, timeout=60) as client:
@@ -458,6 +475,11 @@ def _api_rankmap_check(entries: list) -> dict[str, Any] | None:
     from services.rankmap import checks
 
     settings = get_settings()
+    if not settings.token:
+        print(f"ringwatch check-rankmap: RINGWATCH_TOKEN is not set, so the API at "
+              f"{settings.api_url} was not asked; skipped the host checks: "
+              f"{', '.join(checks.fleet_checks(entries))}", file=sys.stderr)
+        return None
     headers = {"Authorization": f"Bearer {settings.token}"}
     # A short connect timeout: a launcher without an API gets its offline answer at once.
     with httpx.Client(base_url=settings.api_url, headers=headers,

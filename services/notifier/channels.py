@@ -1,7 +1,7 @@
 """Alert channels: how one event becomes one HTTP request body, and how it is signed.
 
 A channel is a small plugin: ``render(event_type, sequence, payload) -> dict``. ``json``
-is the generic webhook of DESIGN.md; ``slack`` is shaped for Slack incoming webhooks.
+is the generic webhook of docs/webhooks.md; ``slack`` is shaped for Slack incoming webhooks.
 
 ``X-Ringwatch-Signature`` is ``t=<unix seconds>,v1=<hex>``: HMAC-SHA256 with the webhook's
 secret over ``f"{t}.{delivery_id}."`` and the raw body. The time bounds a replay to the

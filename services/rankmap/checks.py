@@ -1,4 +1,4 @@
-"""Rank tables and the checks that need no fleet state (DESIGN.md, "Rank maps").
+"""Rank tables and the checks that need no fleet state (docs/rankmaps.md).
 
 Pure functions, no database: the CLI runs them when no API answers, and the service
 adds the host checks on top of them.

@@ -327,6 +327,17 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     return True
 
 
+def _api_note(answer: dict[str, Any] | None) -> str:
+    """What the API made of the cycle's batch: its own findings (the hysteresis opens an
+    incident on a fault seen in enough cycles) and the incidents it opened and resolved."""
+    if answer is None:
+        return "API: not sent yet"
+    found = [Finding.from_dict(f) for f in answer.get("findings") or []]
+    return (f"API: {len(found)} finding(s){(' ' + _kinds(found)) if found else ''}, "
+            f"{len(answer.get('degraded') or [])} incident(s) opened, "
+            f"{len(answer.get('recovered') or [])} resolved")
+
+
 def _workload_note(summary: dict[str, Any] | None) -> str:
     """The cycle line's word on the job's communicators, with a profile."""
     if summary is None:
@@ -370,15 +381,21 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                                   rotation=rotation.advance(), history=history)
                 cycle.duty_cycle = so_far
                 duty.add(cycle)
-                worst = max(so_far.values(), default=0.0)
-                left = shipper.ship(cycle.to_batch())
+                # The duty cycle with this cycle's probing counted (the batch carries the
+                # figure before it: what each node had spent when the cycle began).
+                worst = max(duty.fractions().values(), default=0.0)
+                batch = cycle.to_batch()
+                left = shipper.ship(batch)
                 cycles += 1
                 failures = 0
                 if progress:
                     progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
-                             f"measurements, {len(cycle.judged)} finding(s) "
-                             f"{_kinds(cycle.judged)}, {len(cycle.skipped)} node(s) skipped, "
-                             f"duty cycle {worst:.3%}, {left} batch(es) still spooled"
+                             f"measurements, {len(cycle.judged)} finding(s) in this cycle "
+                             f"{_kinds(cycle.judged)}, "
+                             f"{_api_note(shipper.answers.pop(batch['batch_id'], None))}, "
+                             f"{len(cycle.skipped)} node(s) skipped, "
+                             f"duty cycle {worst:.3%} (max {max_duty:.2%}), "
+                             f"{left} batch(es) still spooled"
                              + _workload_note(cycle.workload)
                              + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
                 if once:

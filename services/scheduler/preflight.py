@@ -149,7 +149,7 @@ class Checked:
 
 def run_preflight(backend: ProbeBackend, nodes: list[str] | None = None,
                   **kwargs: Any) -> dict[str, Any]:
-    """DESIGN.md's verdict of ``check``."""
+    """The verdict (docs/formats.md) of ``check``."""
     return check(backend, nodes, **kwargs).verdict
 
 
@@ -173,7 +173,7 @@ def check(
     profile: str | None = None,
     job: JobLayout | None = None,
 ) -> Checked:
-    """Probe ``nodes`` (all the backend's nodes when None) and reach DESIGN.md's verdict.
+    """Probe ``nodes`` (all the backend's nodes when None) and reach a verdict (docs/formats.md).
 
     ``duration_s`` is fabric time (the slowest group of each round, summed); the wall
     time of the whole check is ``wall_s``. A hang is a finding, never an exception.
@@ -269,7 +269,7 @@ def _job_phase(backend: ProbeBackend, work: Workload, comms: Mapping[str, Any],
 
 
 def verdict_of(run: AdaptiveRun, backend: str, nodes: list[str]) -> dict[str, Any]:
-    """DESIGN.md's verdict of an adaptive check, as the CLI prints it and a scheduler
+    """The verdict (docs/formats.md) of an adaptive check, as the CLI prints it and a scheduler
     completes an API preflight with: fabric and wall time, and whether the round cap cut
     the plan short (``complete``, with the groups it left ``undecided``)."""
     return build_verdict(

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # Status codes that mean "not now" for every batch: wait, then send the same batch again.
 BUSY = frozenset({408, 429, 502, 503, 504})
+# The API's answers kept for the latest batches sent (``Shipper.answers``).
+ANSWERS_KEPT = 16
 
 
 class Shipper:
@@ -43,6 +45,8 @@ class Shipper:
         self.max_failures = max_failures
         self._failures: dict[str, int] = {}
         self._not_before = 0.0
+        # What the API said of each batch lately sent, by batch id.
+        self.answers: dict[str, dict[str, Any]] = {}
         self.recovered = self._recover()
 
     def _recover(self) -> int:
@@ -139,6 +143,7 @@ class Shipper:
             log.warning("API unreachable (%s); %s stays spooled", exc, path.name)
             return "busy"
         if resp.status_code < 300:
+            self._answered(path, resp)
             return "sent"
         if resp.status_code in BUSY:
             self._not_before = time.monotonic() + _retry_after(resp)
@@ -152,6 +157,18 @@ class Shipper:
             return "busy" if resp.status_code in (401, 403) else "failed"
         log.error("API rejected %s: %s", path.name, resp.text[:500])
         return "rejected"
+
+    def _answered(self, path: Path, resp: httpx.Response) -> None:
+        """Keep what the API said of a batch (its judgement: findings, incidents opened and
+        resolved) for whoever shipped it to report; the few latest only."""
+        try:
+            body = resp.json()
+        except ValueError:
+            return
+        if isinstance(body, dict) and body.get("batch_id"):
+            self.answers[str(body["batch_id"])] = body
+            while len(self.answers) > ANSWERS_KEPT:
+                self.answers.pop(next(iter(self.answers)))
 
     def close(self) -> None:
         self.client.close()

@@ -31,6 +31,28 @@ def normalize_url(url: str) -> str:
     return u.render_as_string(hide_password=False)
 
 
+def describe_url(url: str) -> str:
+    """A database URL fit to print: no password, the socket folder of a local server."""
+    u = make_url(url)
+    user = f"{u.username}@" if u.username else ""
+    if u.host:
+        return f"postgresql://{user}{u.host}:{u.port or 5432}/{u.database or ''}"
+    socket = u.query.get("host")
+    return f"postgresql://{user}/{u.database or ''} (socket in {socket or 'the default folder'})"
+
+
+def current_revision(url: str) -> str | None:
+    """The migration the database is at (None: not migrated)."""
+    engine = create_engine(normalize_url(url))
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except Exception:
+        return None
+    finally:
+        engine.dispose()
+
+
 def start_embedded(state_dir: Path) -> str:
     """Start (or reuse) the embedded Postgres under ``state_dir/pg``; return its URL."""
     import pgserver  # imported late: only the embedded path needs it
