@@ -36,4 +36,6 @@ serve: $(STAMP)
 	$(BIN)/ringwatch serve
 
 clean:
+	# The embedded Postgres is stopped before its data is removed.
+	if [ -x $(BIN)/ringwatch ]; then $(BIN)/ringwatch db stop; fi
 	rm -rf $(VENV) .ringwatch

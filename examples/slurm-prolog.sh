@@ -18,21 +18,28 @@ if [ -z "$nodelist" ]; then
     exit 2
 fi
 
-# Expand a compressed host list (node[001-004]) with scontrol where Slurm is installed.
+# A compressed host list (node[001-004,007]) is expanded by scontrol where Slurm is
+# installed, and by ringwatch itself otherwise (--nodes takes Slurm's syntax).
 if command -v scontrol >/dev/null 2>&1; then
     nodes=$(scontrol show hostnames "$nodelist" | paste -sd, -)
 else
     nodes="$nodelist"
 fi
 
+# The preflight's stderr goes to a private file (mktemp: unpredictable name, mode 0600),
+# removed however the prolog ends; a prolog runs as root.
+errfile=$(mktemp "${TMPDIR:-/tmp}/ringwatch-prolog.XXXXXXXX") || {
+    echo "ringwatch prolog: cannot create a temporary file" >&2; exit 2; }
+trap 'rm -f "$errfile"' EXIT
+
 ringwatch="${RINGWATCH_BIN:-ringwatch}"
 # --confirm: where fresh results look unhealthy, a scheduler re-probes (re-testing every
 # suspect) before the job is refused; a healthy answer comes at once.
 out=$("$ringwatch" preflight --nodes "$nodes" --json ${RINGWATCH_PREFLIGHT_CONFIRM:+--confirm} \
       --max-age "${RINGWATCH_PREFLIGHT_MAX_AGE:-900}" \
-      --timeout "${RINGWATCH_PREFLIGHT_TIMEOUT:-300}" 2>/tmp/ringwatch-prolog.$$)
+      --timeout "${RINGWATCH_PREFLIGHT_TIMEOUT:-300}" 2>"$errfile")
 rc=$?
-err=$(cat /tmp/ringwatch-prolog.$$ 2>/dev/null); rm -f /tmp/ringwatch-prolog.$$
+err=$(cat "$errfile" 2>/dev/null)
 
 case $rc in
     0) exit 0 ;;

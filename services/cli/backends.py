@@ -69,6 +69,13 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
         raise CliError("--gpus-per-node needs at least 1")
     if not (args.local or args.address):
         raise CliError("say where to probe: --address ADDR, --local N or --fabric FILE")
+    if args.local:
+        # The local cluster's ranks are known before it starts: a fault aimed elsewhere is
+        # refused now rather than silently never happening.
+        from agents.sim import node_name
+
+        _check_injected(injected, {(node_name(i), g) for i in range(args.local)
+                                   for g in range(args.gpus_per_node)})
     if name == "nccl" and args.local:
         # The local ranks are this machine's GPUs: refuse before any cluster starts. On a
         # cluster (--address) every agent checks its own node as it starts.
@@ -77,10 +84,26 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
         check_cuda(args.local * args.gpus_per_node - 1)
     from services.scheduler.ray_backend import RayBackend
 
-    return RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
-                      address=args.address, injected=injected,
-                      temp_dir=get_settings().state_dir / "ray", progress=progress,
-                      repeats=_repeats(args, name), cuda_graph=getattr(args, "cuda_graph", True))
+    backend = RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
+                         address=args.address, injected=injected,
+                         temp_dir=get_settings().state_dir / "ray", progress=progress,
+                         repeats=_repeats(args, name), cuda_graph=getattr(args, "cuda_graph", True))
+    try:
+        _check_injected(injected, {(r.node, r.local_index) for r in backend.ranks()})
+    except CliError:
+        backend.close()
+        raise
+    return backend
+
+
+def _check_injected(injected: list, ranks: set[tuple[str, int]]) -> None:
+    """Every --inject names a rank of the cluster probed."""
+    for f in injected:
+        if (f.node, f.gpu) not in ranks:
+            nodes = sorted({n for n, _ in ranks})
+            shown = ", ".join(nodes[:3]) + (f" ... {nodes[-1]}" if len(nodes) > 3 else "")
+            raise CliError(f"--inject names {f.node}/{f.gpu}, not a rank of this cluster "
+                           f"({len(nodes)} node(s): {shown})")
 
 
 def _repeats(args: argparse.Namespace, backend: str) -> int:

@@ -97,6 +97,13 @@ def cmd_db(args: argparse.Namespace) -> int:
     from services.store import db
 
     settings = get_settings()
+    if args.db_command == "stop":
+        where = settings.state_dir / "pg"
+        if db.stop_embedded(settings.state_dir):
+            print(f"stopped the embedded Postgres (data kept in {where})")
+        else:
+            print(f"no embedded Postgres is running in {where}")
+        return 0
     url = db.resolve_database_url(settings)
     if args.db_command == "maintain":
         from services.store import timeseries
@@ -235,13 +242,35 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
     shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
     api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
+    stop = threading.Event()
     with closing(make_backend(args, progress)) as backend, closing(shipper), closing(api):
         _fits(options, backend)
+        # Set after the backend: Ray installs its own SIGTERM handler (a crash report) when
+        # it connects. A stop request ends the loop at its next wait and shuts down cleanly.
+        _stop_on_signals(stop)
         rotation = Rotation(settings.state_dir / "scheduler" / f"rotation-{_fleet_id(backend)}.json")
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
-                      once=args.once, api=api, progress=progress,
+                      once=args.once, api=api, progress=progress, stop=stop,
                       max_duty=settings.max_duty_cycle, rotation=rotation)
+    if stop.is_set():
+        print("ringwatch scheduler: stopped", file=sys.stderr)
     return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM (and SIGINT) ask the scheduler to stop: the cycle or preflight under way
+    finishes and is shipped, Ray is shut down, the process exits 0."""
+    import signal
+
+    def handle(signum: int, _frame: Any) -> None:
+        first = not stop.is_set()
+        stop.set()
+        if first:
+            print(f"ringwatch scheduler: {signal.Signals(signum).name} received; stopping after "
+                  "the work under way", file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
 
 
 def _fleet_id(backend: Any) -> str:
@@ -348,7 +377,12 @@ def _with_node(text: str, node: str) -> str:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()] if args.nodes else None
+    from services.cli.hostlist import expand_hostlist
+
+    try:
+        nodes = expand_hostlist(args.nodes) if args.nodes else None
+    except ValueError as exc:
+        raise CliError(f"--nodes: {exc}") from None
     if args.nodes is not None and not nodes:
         raise CliError("--nodes is empty")
     if has_backend(args):

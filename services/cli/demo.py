@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from agents.spec import InjectedFault
+from services.analyzer.hysteresis import Policy
 from services.cli import api_process
 from services.cli.errors import CliError
 from services.cli.output import print_verdict
@@ -152,10 +153,20 @@ def _cycle(backend, options: ProbeOptions, shipper: Shipper, client: httpx.Clien
     for f in cycle.findings:
         note(f"probe finding: {f.to_dict()}")
     if table:
-        print_links(client.get("/v1/links", headers=_auth(token)).json())
+        print_links(client.get("/v1/links", headers=_auth(token)).json(),
+                    get_settings().hysteresis())
 
 
-def print_links(links: list[dict[str, Any]]) -> None:
+def link_legend(policy: Policy) -> str:
+    """What the link table's last two columns mean: one is this cycle's, the other the
+    link's state over cycles, and they can disagree (a first slow cycle, a first clean one)."""
+    return (f"ratio: this cycle's busbw over the link's expectation. status: the link's state "
+            f"over cycles (degraded after {policy.k_bad} slow cycles of the last "
+            f"{policy.n_window}, ok again after {policy.m_good} clean ones), so a first slow "
+            "cycle shows a low ratio beside ok")
+
+
+def print_links(links: list[dict[str, Any]], policy: Policy | None = None) -> None:
     print(f"   {'scope':<11} {'op':<10} {'nodes (ranks)':<30} {'busbw GB/s':>10} {'expected':>9} "
           f"{'ratio':>6}  status")
     for link in links:
@@ -165,6 +176,7 @@ def print_links(links: list[dict[str, Any]]) -> None:
         flag = "DEGRADED" if link["status"] == "degraded" else link["status"]
         print(f"   {link['scope']:<11} {link['op']:<10} {members:<30} "
               f"{link['busbw_gbs']:>10.3f} {exp:>9} {ratio:>6}  {flag}")
+    print(f"   {link_legend(policy or Policy())}")
 
 
 def _where(body: dict[str, Any]) -> str:

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("preflight", help="may a job launch on these nodes? exit 0 healthy, 1 not")
     add_backend_args(p)
-    p.add_argument("--nodes", help="comma-separated node names (default: all)")
+    p.add_argument("--nodes", help="node names, comma-separated or as Slurm compresses them (node[001-004,007]); default: all")
     p.add_argument("--max-age", type=float, default=900.0, help="reuse results younger than this (s)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this (s)")
     p.add_argument("--confirm", action="store_true",
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     dsub.add_parser("upgrade", help="apply migrations")
     dsub.add_parser("maintain", help="one maintenance pass: partitions ahead, rollups, "
                                      "retention (`serve` runs one every minute)")
+    dsub.add_parser("stop", help="stop the embedded Postgres (started when no "
+                                 "RINGWATCH_DATABASE_URL is set); its data stays")
     return parser
 
 

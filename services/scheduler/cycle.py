@@ -381,28 +381,28 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                                   rotation=rotation.advance(), history=history)
                 cycle.duty_cycle = so_far
                 duty.add(cycle)
-                # The duty cycle with this cycle's probing counted (the batch carries the
-                # figure before it: what each node had spent when the cycle began).
-                worst = max(duty.fractions().values(), default=0.0)
                 batch = cycle.to_batch()
                 left = shipper.ship(batch)
                 cycles += 1
                 failures = 0
+                wait = interval_s * (1 + random.uniform(-jitter, jitter))
+                held = max(cycle.busy_s.values(), default=0.0)
+                floor = duty.rest_after(held)
+                # This cycle's share of its busiest GPU's time, the wait after it counted:
+                # what the duty cycle settles at if every cycle is like it.
+                share = held / max(cycle.wall_time_s + max(wait, floor), 1e-9)
                 if progress:
                     progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
-                             f"measurements, {len(cycle.judged)} finding(s) in this cycle "
-                             f"{_kinds(cycle.judged)}, "
+                             f"measurements, {len(cycle.judged)} finding(s) in this cycle"
+                             f"{' ' + _kinds(cycle.judged) if cycle.judged else ''}, "
                              f"{_api_note(shipper.answers.pop(batch['batch_id'], None))}, "
-                             f"{len(cycle.skipped)} node(s) skipped, "
-                             f"duty cycle {worst:.3%} (max {max_duty:.2%}), "
+                             f"{len(cycle.skipped)} node(s) skipped, busiest GPU held "
+                             f"{held:.1f} s: duty cycle {share:.3%} (max {max_duty:.2%}), "
                              f"{left} batch(es) still spooled"
                              + _workload_note(cycle.workload)
                              + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
                 if once:
                     break
-                wait = interval_s * (1 + random.uniform(-jitter, jitter))
-                held = max(cycle.busy_s.values(), default=0.0)
-                floor = duty.rest_after(held)
                 if floor > wait and progress:
                     progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
                              f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")

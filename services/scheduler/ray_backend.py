@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -195,7 +196,15 @@ class RayBackend:
     def _join(self, address: str, ranks_per_node: int) -> None:
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialized in this process; close it first")
-        ray.init(address=address, log_to_driver=False)
+        hint = ("start one with `ray start --head` on the head node and `ray start --address "
+                "HEAD:6379` on each GPU node (or use the RayCluster of docs/kubernetes.md), or "
+                "probe without one: --local N or --fabric FILE")
+        _check_listening(address, hint)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as exc:
+            raise ProbeSetupError(f"no Ray cluster at --address {address} "
+                                  f"({str(exc).split('.')[0]}): {hint}") from None
         self._owns_ray = True
         seen: dict[str, int] = {}
         for info in sorted(ray.nodes(), key=lambda n: n["NodeManagerHostname"]):
@@ -505,3 +514,16 @@ class RayBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_listening(address: str, hint: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT address where nothing listens is refused at once: Ray itself would wait
+    minutes for its control store before giving up."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", a ray:// client address: Ray's own lookup says what is wrong
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ProbeSetupError(f"nothing answers at --address {address} ({exc.strerror or exc}): "
+                              f"{hint}") from None

@@ -45,6 +45,7 @@ class Shipper:
         self.max_failures = max_failures
         self._failures: dict[str, int] = {}
         self._not_before = 0.0
+        self._unreachable = False
         # What the API said of each batch lately sent, by batch id.
         self.answers: dict[str, dict[str, Any]] = {}
         self.recovered = self._recover()
@@ -140,8 +141,16 @@ class Shipper:
             resp = self.client.post(f"{self.api_url}/v1/measurements", content=path.read_bytes(),
                                     headers={"Content-Type": "application/json"})
         except httpx.HTTPError as exc:
-            log.warning("API unreachable (%s); %s stays spooled", exc, path.name)
+            # Said once when the API goes away, not at every try (a scheduler tries every
+            # second between cycles), and once when it is back.
+            (log.debug if self._unreachable else log.warning)(
+                "API at %s unreachable (%s); batches stay spooled until it answers",
+                self.api_url, exc)
+            self._unreachable = True
             return "busy"
+        if self._unreachable:
+            log.warning("API at %s answers again; sending the spooled batches", self.api_url)
+            self._unreachable = False
         if resp.status_code < 300:
             self._answered(path, resp)
             return "sent"

@@ -64,6 +64,20 @@ def start_embedded(state_dir: Path) -> str:
     return f"postgresql+psycopg://postgres@/postgres?host={socket_dir}"
 
 
+def stop_embedded(state_dir: Path) -> bool:
+    """Stop the embedded Postgres under ``state_dir/pg`` if it runs; False if none did.
+    Its data stays for the next start."""
+    pgdata = state_dir / "pg"
+    if not (pgdata / "postmaster.pid").exists():
+        return False
+    from pgserver import pg_ctl  # type: ignore[attr-defined]  # made at import time
+
+    # The server runs as the user the embedded server made for itself when started as root.
+    user = "pgserver" if os.geteuid() == 0 else None
+    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user, timeout=60)
+    return True
+
+
 def resolve_database_url(settings: Settings) -> str:
     """The URL to use: the configured one, else the embedded server's."""
     if settings.database_url:
