@@ -58,6 +58,27 @@ def test_slurm_prolog_blocks_an_unhealthy_node_set(server) -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_slurm_prolog_expands_a_compressed_list_without_scontrol_and_leaves_no_file(
+        server, tmp_path) -> None:
+    api, headers = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    for _ in range(2):
+        httpx.post(f"{api}/v1/measurements", json=fleet_batch(slow_node="node-002"),
+                   headers=headers).raise_for_status()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    # No scontrol on this PATH (none is installed here): ringwatch expands the list itself.
+    r = prolog({**server, "TMPDIR": str(scratch)}, "node-00[0-3]")
+    assert r.returncode == 1, r.stderr
+    assert "exclude: node-002" in r.stderr
+    # The preflight's stderr went to a private file, removed on the way out, as after a
+    # preflight that could not answer.
+    assert list(scratch.iterdir()) == []
+    r = prolog({**server, "TMPDIR": str(scratch),
+                "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}"}, "node-00[0-3]")
+    assert r.returncode == 2 and list(scratch.iterdir()) == []
+    assert "/tmp/ringwatch-prolog.$$" not in (ROOT / "examples" / "slurm-prolog.sh").read_text()
+
+
 def test_slurm_prolog_without_an_answer_fails_closed(server) -> None:
     r = prolog({**server, "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}"}, "node-000")
     assert r.returncode == 2 and "could not answer" in r.stderr
