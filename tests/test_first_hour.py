@@ -49,8 +49,6 @@ def test_no_file_sends_the_reader_to_a_document_the_repository_lacks() -> None:
     missing = []
     for path in _tracked_text_files():
         text = path.read_text(errors="replace")
-        if "DESIGN.md" in text:
-            missing.append(f"{path.relative_to(ROOT)}: DESIGN.md")
         for ref in set(named.findall(text)):
             candidates = [ROOT / ref, ROOT / "docs" / ref, path.parent / ref]
             if not any(c.exists() for c in candidates):
@@ -79,9 +77,16 @@ def _curls(markdown: str) -> list[list[str]]:
     """The curl commands of a document's code blocks, continuation lines joined."""
     out = []
     for block in re.findall(r"```(?:sh|bash)\n(.*?)```", markdown, re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            if command.strip().startswith("curl "):
-                out.append(shlex.split(command))
+        command = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            command += line + "\n"
+            try:
+                argv = shlex.split(command, comments=True)
+            except ValueError:  # a quote still open: the command goes on
+                continue
+            if argv[:1] == ["curl"]:
+                out.append(argv)
+            command = ""
     return out
 
 
@@ -107,7 +112,8 @@ def test_every_documented_curl_is_understood_by_the_api(api) -> None:
                 elif a in ("-d", "--data"):
                     body = next(args)
                 elif a.startswith(("$RINGWATCH_API_URL", "http")):
-                    url = a.replace("$RINGWATCH_API_URL", "")
+                    # No scheduler runs here: a request that would wait for one, does not.
+                    url = re.sub(r"wait=\d+", "wait=0", a.replace("$RINGWATCH_API_URL", ""))
             assert url is not None, argv
             if body is not None and "nodes" in body:
                 body = json.dumps({**json.loads(body), "nodes": ["node-000", "node-001"]})
