@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,9 +21,38 @@ from services.cli.errors import CliError
 from services.cli.output import print_json, print_tokens, print_verdict
 from services.config import get_settings
 
+# Progress lines that the next one replaces on a terminal: a check's rounds, a wait.
+_TRANSIENT = re.compile(r"^(?:\S+ )?(?:\S+ )?(?:job )?round \d+|.*waiting for a scheduler")
 
-def progress(message: str) -> None:
-    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+class _Progress:
+    """Progress on standard error. On a terminal the rounds of a check and the waits for a
+    scheduler redraw one live line (elapsed time, the latest round) and the rest stay as
+    lines; elsewhere (a log, a pipe) every message is its own line, as it was."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.open = False
+
+    def __call__(self, message: str) -> None:
+        stream = sys.stderr
+        if stream.isatty() and _TRANSIENT.match(message):
+            elapsed = time.monotonic() - self.started
+            stream.write(f"\r\x1b[K  .. [{elapsed:6.1f} s] {message}")
+            self.open = True
+        else:
+            self.end()
+            stream.write(f"  .. {message}\n")
+        stream.flush()
+
+    def end(self) -> None:
+        """Close the live line (before other output, and when the command ends)."""
+        if self.open:
+            sys.stderr.write("\n")
+            self.open = False
+
+
+progress = _Progress()
 
 
 def _probe_options(args: argparse.Namespace):
@@ -292,6 +322,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     with closing(make_backend(args, progress)) as backend:
         _fits(options, backend)
         cycle = run_cycle(backend, options, progress=progress)
+    progress.end()
     if args.json:
         print_json({"backend": cycle.backend,
                      "measurements": [m.to_dict() for m in cycle.measurements],
@@ -410,6 +441,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
                      **{k: v for k, v in (job.to_dict() if job else {}).items() if v is not None}}
                     if args.profile else {})
         verdict = _api_preflight(nodes, args.max_age, args.timeout, args.confirm, workload)
+    progress.end()
     print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
 
@@ -471,6 +503,33 @@ def _api_message(resp: httpx.Response) -> str:
         return str(resp.json().get("message", resp.text))
     except ValueError:
         return resp.text
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from services.cli import status
+
+    settings = get_settings()
+    if not settings.token:
+        raise CliError(f"RINGWATCH_TOKEN is not set: set it to a reader token for the API at "
+                       f"{settings.api_url} (ringwatch token create --role reader)")
+    with httpx.Client(base_url=settings.api_url, timeout=30,
+                      headers={"Authorization": f"Bearer {settings.token}"}) as client:
+        fleet = status.fetch(client)
+    if args.json:
+        print_json(fleet.to_dict())
+    elif sys.stdout.isatty():
+        status.render_rich(fleet)
+    else:
+        print(status.plain(fleet))
+    return 0 if fleet.health["status"] != "degraded" else 1
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from services.cli import completion
+    from services.cli.main import build_parser
+
+    print(getattr(completion, args.shell)(build_parser()), end="")
+    return 0
 
 
 def cmd_check_rankmap(args: argparse.Namespace) -> int:

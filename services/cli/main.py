@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_option(p)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("status", help="the fleet at a glance from the API: health, incidents, "
+                                      "last cycle, duty cycle")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("completion", help="print shell completion: eval \"$(ringwatch "
+                                          "completion bash)\" in ~/.bashrc")
+    p.add_argument("shell", choices=("bash", "zsh"))
+
     p = sub.add_parser("check-rankmap", help="check a job's rank table")
     p.add_argument("file")
     p.add_argument("--json", action="store_true")
@@ -185,13 +193,18 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = getattr(commands, "cmd_" + args.command.replace("-", "_"))
     try:
-        return int(handler(args) or 0)
+        code = int(handler(args) or 0)
+        commands.progress.end()
+        return code
     except (CliError, ProbeSetupError) as exc:
+        commands.progress.end()
         print(f"ringwatch {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        commands.progress.end()
         return 130
     except Exception as exc:  # an error is exit 2 with one line, never a traceback wall
+        commands.progress.end()
         if args.verbose:
             logging.exception("failed")
         print(f"ringwatch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,0 +1,172 @@
+"""``ringwatch status``: the fleet at a glance from the API, for a person at a terminal.
+
+Tables with colour where standard output is a terminal (rich), the same figures as plain
+aligned text where it is not (a pipe, a log, a cron mail), and JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from services.cli.errors import CliError
+
+# Incidents listed at most; the count says how many more are open.
+MAX_LISTED = 20
+STATUS_STYLE = {"healthy": "bold green", "degraded": "bold red", "unknown": "bold yellow"}
+
+
+@dataclass
+class FleetStatus:
+    api_url: str
+    health: dict[str, Any]
+    incidents: list[dict[str, Any]]
+    # Per node: when it was last seen and its probing duty cycle (a fraction).
+    last_seen: dict[str, datetime]
+    duty: dict[str, float]
+    now: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        newest = max(self.last_seen.values(), default=None)
+        duty = sorted(self.duty.values())
+        return {
+            "api_url": self.api_url, "status": self.health["status"],
+            "nodes": self.health["nodes"], "links": self.health["links"],
+            "open_incidents": len(self.incidents), "incidents": self.incidents,
+            "last_cycle_at": newest.isoformat() if newest else None,
+            "last_cycle_age_s": round((self.now - newest).total_seconds(), 1) if newest else None,
+            "duty_cycle": {"max": duty[-1], "median": statistics.median(duty),
+                           "busiest_node": max(self.duty, key=lambda n: self.duty[n])}
+            if duty else None,
+        }
+
+
+def fetch(client: httpx.Client) -> FleetStatus:
+    """Everything ``status`` shows, from the reader routes of the API."""
+    health = _get(client, "/v1/health")
+    incidents = _get(client, "/v1/findings", params={"status": "open", "limit": 500})
+    last_seen: dict[str, datetime] = {}
+    duty: dict[str, float] = {}
+    after = None
+    while True:
+        resp = _response(client, "/v1/nodes", params={"limit": 5000,
+                                                      **({"after": after} if after else {})})
+        for node in resp.json():
+            last_seen[node["name"]] = datetime.fromisoformat(node["last_seen_at"])
+            if node.get("duty_cycle") is not None:
+                duty[node["name"]] = float(node["duty_cycle"])
+        after = resp.headers.get("X-Next-Cursor")
+        if not after:
+            break
+    return FleetStatus(str(client.base_url), health, incidents, last_seen, duty,
+                       datetime.now(UTC))
+
+
+def _response(client: httpx.Client, path: str, **kw: Any) -> httpx.Response:
+    try:
+        resp = client.get(path, **kw)
+    except httpx.HTTPError as exc:
+        raise CliError(f"API at {client.base_url} unreachable: {exc}") from None
+    if resp.status_code == 401:
+        raise CliError(f"API at {client.base_url} refused the token (401): set RINGWATCH_TOKEN "
+                       "to a reader token")
+    if resp.status_code != 200:
+        raise CliError(f"API answered {resp.status_code} for {path}: {resp.text[:200]}")
+    return resp
+
+
+def _get(client: httpx.Client, path: str, **kw: Any) -> Any:
+    return _response(client, path, **kw).json()
+
+
+def ago(seconds: float | None) -> str:
+    """A span as a person says it: 12 s, 5 min, 3 h, 2 d ago."""
+    if seconds is None:
+        return "never"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{max(seconds, 0):.0f} s ago"
+
+
+def where(incident: dict[str, Any]) -> str:
+    """An incident's place: GPU pair, node, path."""
+    detail = incident.get("detail") or {}
+    nodes = incident.get("nodes") or []
+    if detail.get("gpus") and nodes:
+        return f"{nodes[0]} GPUs {detail['gpus'][0]}-{detail['gpus'][1]}"
+    if detail.get("gpu") is not None and nodes:
+        return f"{nodes[0]}/{detail['gpu']}"
+    return " - ".join(nodes[:2]) + (f" +{len(nodes) - 2}" if len(nodes) > 2 else "")
+
+
+def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:
+    """The summary (label, value) and the incidents table, as text: what both renderings
+    print."""
+    d = status.to_dict()
+    links = d["links"]
+    link_text = ", ".join(f"{n} {s}" for s, n in sorted(links.items())) or "none probed yet"
+    duty = d["duty_cycle"]
+    summary = [
+        ("status", d["status"].upper()),
+        ("API", d["api_url"]),
+        ("nodes", str(d["nodes"])),
+        ("links", link_text),
+        ("incidents", f"{d['open_incidents']} open"),
+        ("last cycle", ago(d["last_cycle_age_s"])),
+        ("duty cycle", f"max {duty['max']:.3%} ({duty['busiest_node']}), median "
+                       f"{duty['median']:.3%}" if duty else "not reported yet"),
+    ]
+    table = []
+    for inc in status.incidents[:MAX_LISTED]:
+        opened = datetime.fromisoformat(inc["opened_at"]) if inc.get("opened_at") else None
+        detail = inc.get("detail") or {}
+        ratio = (f"{detail['measured_gbs'] / detail['expected_gbs']:.2f} of expected"
+                 if detail.get("measured_gbs") and detail.get("expected_gbs") else "")
+        table.append([str(inc["id"]), inc["kind"], inc.get("severity") or "", where(inc),
+                      ago((status.now - opened).total_seconds() if opened else None), ratio])
+    return summary, table
+
+
+HEADERS = ["id", "kind", "severity", "where", "opened", "busbw"]
+
+
+def plain(status: FleetStatus) -> str:
+    summary, table = rows(status)
+    width = max(len(label) for label, _ in summary)
+    lines = [f"{label:<{width}}  {value}" for label, value in summary]
+    if table:
+        cols = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(HEADERS)]
+        lines += ["", "  ".join(h.upper().ljust(c) for h, c in zip(HEADERS, cols, strict=True))]
+        lines += ["  ".join(v.ljust(c) for v, c in zip(r, cols, strict=True)).rstrip()
+                  for r in table]
+        more = len(status.incidents) - len(table)
+        if more > 0:
+            lines.append(f"... and {more} more (GET /v1/findings?status=open)")
+    return "\n".join(lines)
+
+
+def render_rich(status: FleetStatus) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    summary, table = rows(status)
+    console = Console()
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    for label, value in summary:
+        style = STATUS_STYLE.get(value.lower(), "") if label == "status" else ""
+        head.add_row(label, f"[{style}]{value}[/]" if style else value)
+    console.print(head)
+    if table:
+        t = Table(title=f"open incidents ({len(status.incidents)})", title_justify="left")
+        for h in HEADERS:
+            t.add_column(h)
+        for r in table:
+            t.add_row(*r, style="red" if r[2] == "critical" else "yellow")
+        console.print(t)
