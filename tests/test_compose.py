@@ -108,3 +108,62 @@ def test_the_tls_proxy_is_optional_and_proxies_to_the_api() -> None:
     api_port = services["api"]["ports"][0].rsplit(":", 1)[1]
     assert re.search(rf"^\s*reverse_proxy\s+api:{api_port}\s*$", text, re.MULTILINE)
     assert "api" in services and proxy["depends_on"]["api"]["condition"] == "service_healthy"
+
+
+def mounted(service: dict, container_path: str) -> Path:
+    """The repository file or folder a service sees at ``container_path`` through its
+    read-only bind mounts."""
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        if source.startswith("./") and (container_path + "/").startswith(target.rstrip("/") + "/"):
+            assert mode == ["ro"], f"{volume} is not read-only"
+            return ROOT / source / Path(container_path).relative_to(target)
+    raise AssertionError(f"nothing is mounted at {container_path}")
+
+
+def test_monitoring_is_an_optional_profile_of_prometheus_and_grafana() -> None:
+    services = load()["services"]
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"], name
+        for volume in services[name]["volumes"]:
+            if volume.startswith("./"):
+                source, _, mode = volume.split(":")
+                assert (ROOT / source).exists() and mode == "ro", volume
+    # The default `docker compose up` is the one-machine shape it was.
+    default = {n for n, s in services.items() if not s.get("profiles")}
+    assert default == {"postgres", "api", "ray-head", "ray-worker"}
+    assert services["grafana"]["ports"] == ["${RINGWATCH_BIND:-127.0.0.1}:3000:3000"]
+
+
+def test_prometheus_scrapes_the_apis_metrics() -> None:
+    services = load()["services"]
+    prometheus = services["prometheus"]
+    flag = next(a for a in prometheus["command"] if a.startswith("--config.file="))
+    config = yaml.safe_load(mounted(prometheus, flag.split("=", 1)[1]).read_text())
+    [job] = config["scrape_configs"]
+    api_port = services["api"]["ports"][0].rsplit(":", 1)[1]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"] == [{"targets": [f"api:{api_port}"]}]
+    assert prometheus["depends_on"]["api"]["condition"] == "service_healthy"
+    # The API asks no token of a scrape unless told to; a token, when used, is a file.
+    env = services["api"]["environment"]
+    assert env["RINGWATCH_METRICS_TOKEN_REQUIRED"] == "${RINGWATCH_METRICS_TOKEN_REQUIRED:-false}"
+    assert "credentials" not in job.get("authorization", {})
+
+
+def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard() -> None:
+    services = load()["services"]
+    grafana = services["grafana"]
+    provisioning = mounted(grafana, "/etc/grafana/provisioning")
+    [datasource] = [d for f in sorted((provisioning / "datasources").glob("*.yaml"))
+                    for d in yaml.safe_load(f.read_text())["datasources"]]
+    assert datasource["type"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090" and "prometheus" in services
+    providers = [p for f in sorted((provisioning / "dashboards").glob("*.yaml"))
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    assert providers
+    for provider in providers:
+        folder = mounted(grafana, provider["options"]["path"])
+        assert (folder / "ringwatch.json").is_file(), folder
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert mounted(grafana, home).is_file()

@@ -15,8 +15,9 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from services.store import db
+from services.store import db, timeseries
 from services.store import webhooks as webhook_store
+from services.store.timeseries import Retention
 from tests.api_fixtures import REACT_AT_ONCE, api_client, fleet_batch, measurement
 
 # Node names may hold quotes and backslashes (no slash, comma or whitespace); a sender's
@@ -226,3 +227,77 @@ def test_the_cache_serves_one_collection_within_its_window(clean_db) -> None:
         assert value(scrape(api, openmetrics=True), "ringwatch_nodes") == 2
     with api_client(clean_db, {"metrics_cache_s": 0}) as api:
         assert value(scrape(api), "ringwatch_nodes") == 5
+
+
+def test_ingest_counters_count_stored_batches_and_outlive_retention(api, clean_db) -> None:
+    sizes = (2, 3, 4)  # nodes: 1, 3 and 6 node pairs, plus one intra-node group each
+    batches = [fleet_batch(nodes=n, prefix=f"b{n}") for n in sizes]
+    for batch in batches:
+        api.post("/v1/measurements", json=batch, headers=api.h["agent"]).raise_for_status()
+    resent = api.post("/v1/measurements", json=batches[0], headers=api.h["agent"])
+    assert resent.status_code == 200 and resent.json()["created"] is False
+    stored = sum(len(b["measurements"]) for b in batches)
+    assert stored == 1 + 2 + 3 + 3 + 6 + 4
+    samples = scrape(api)
+    assert value(samples, "ringwatch_ingested_batches_total") == 3
+    assert value(samples, "ringwatch_ingested_measurements_total") == stored
+
+    # Retention deletes the two older runs; what they counted stays counted.
+    with db.transaction(clean_db) as s:
+        s.execute(text("UPDATE probe_runs SET received_at = now() - interval '30 days' "
+                       "WHERE id IN (SELECT id FROM probe_runs ORDER BY id LIMIT 2)"))
+    report = timeseries.maintain(clean_db.kw["bind"], Retention(raw_days=14))
+    assert report.deleted["probe_runs"] == 2
+    api.post("/v1/measurements", json=fleet_batch(nodes=2, prefix="late"),
+             headers=api.h["agent"]).raise_for_status()
+    with db.transaction(clean_db) as s:
+        assert s.execute(text("SELECT count(*) FROM probe_runs")).scalar() == 2
+    samples = scrape(api)
+    assert value(samples, "ringwatch_ingested_batches_total") == 4
+    assert value(samples, "ringwatch_ingested_measurements_total") == stored + 3
+    # Another API process reads the same totals: they are the database's, not a process's.
+    with api_client(clean_db, {"metrics_cache_s": 0}) as other:
+        again = scrape(other)
+    assert value(again, "ringwatch_ingested_batches_total") == 4
+    assert value(again, "ringwatch_ingested_measurements_total") == stored + 3
+
+
+def test_preflight_latency_counts_each_verdict_under_its_bucket(api, clean_db) -> None:
+    api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"]).raise_for_status()
+    # One answered at once from fresh results; one a scheduler answers 45 s after it was
+    # asked (its request made to look older: no test waits 45 s).
+    assert api.post("/v1/preflight", json={"nodes": ["node-000", "node-001"]},
+                    headers=api.h["reader"]).status_code == 200
+    old = fleet_batch(nodes=2, prefix="old")
+    for m in old["measurements"]:
+        m["time"] = (datetime.now(UTC) - timedelta(hours=2)).isoformat()
+    api.post("/v1/measurements", json=old, headers=api.h["agent"]).raise_for_status()
+    waiting = api.post("/v1/preflight", json={"nodes": ["old-000", "old-001"], "max_age_s": 60},
+                       headers=api.h["reader"])
+    assert waiting.status_code == 202
+    request_id = waiting.json()["id"]
+    before = scrape(api, openmetrics=True)
+    assert value(before, "ringwatch_preflight_latency_seconds_count", answered="probed") == 0
+    claimed = api.post("/v1/preflight/claim", json={"worker": "sched-a"},
+                       headers=api.h["agent"]).json()
+    assert claimed["id"] == request_id
+    with db.transaction(clean_db) as s:
+        s.execute(text("UPDATE preflight_requests SET created_at = created_at - "
+                       "interval '45 seconds' WHERE id = :id"), {"id": request_id})
+    done = api.post(f"/v1/preflight/{request_id}/complete", json={"worker": "sched-a"},
+                    headers=api.h["agent"])
+    assert done.status_code == 200 and done.json()["status"] == "done", done.text
+
+    # OpenMetrics' parser also checks the buckets are cumulative and end in +Inf = count.
+    samples = scrape(api, openmetrics=True)
+    name = "ringwatch_preflight_latency_seconds"
+
+    def bucket(answered: str, le: str) -> float:
+        return value(samples, f"{name}_bucket", answered=answered, le=le)
+
+    assert value(samples, f"{name}_count", answered="at_once") == 1
+    assert bucket("at_once", "+Inf") == 1
+    assert value(samples, f"{name}_count", answered="probed") == 1
+    assert bucket("probed", "30.0") == 0 and bucket("probed", "120.0") == 1
+    assert value(samples, f"{name}_sum", answered="probed") >= 45
+    assert value(samples, f"{name}_sum", answered="at_once") < 45

@@ -14,14 +14,21 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 
 from services.analyzer.hysteresis import DEGRADED, OK
 from services.store import health as health_store
 from services.store import measurements as measurement_store
 from services.store import metrics as store
+from services.store.preflight import LATENCY_BOUNDS
 
 LINK_LABELS = ["scope", "op", "members"]
 PREFLIGHT_STATUSES = ("pending", "running", "done", "failed")
@@ -39,6 +46,8 @@ class Snapshot:
     shippers: dict[str, dict[str, Any]]
     backlog: store.Backlog
     preflight: dict[str, int]
+    preflight_latency: dict[str, store.LatencyCounts]
+    ingested: store.IngestTotals
     last_ingest_at: datetime | None
     now: datetime
     collect_s: float
@@ -55,9 +64,12 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
     shippers = measurement_store.shipper_states(session)
     backlog = store.delivery_backlog(session)
     preflight = store.preflight_requests_by_status(session)
+    latency = store.preflight_latency(session)
+    ingested = store.ingest_totals(session)
     last_ingest_at, now = store.last_ingest(session), store.database_now(session)
     return Snapshot(link_counts, links, nodes, open_findings, shippers, backlog, preflight,
-                    last_ingest_at, now, collect_s=time.perf_counter() - started)
+                    latency, ingested, last_ingest_at, now,
+                    collect_s=time.perf_counter() - started)
 
 
 def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
@@ -131,6 +143,13 @@ class FleetCollector(Collector):
         yield from (duty, probed)
 
     def _ingest(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "ringwatch_ingested_batches", "Measurement batches stored (a re-sent batch "
+            "once), read from the database: every replica reports the fleet's total.",
+            self.snap.ingested.batches)
+        yield CounterMetricFamily(
+            "ringwatch_ingested_measurements", "Measurements stored, read from the database: "
+            "every replica reports the fleet's total.", self.snap.ingested.measurements)
         last = self.snap.last_ingest_at
         yield _gauge("ringwatch_last_ingest_timestamp_seconds",
                      "Unix time the newest measurement batch was stored.",
@@ -164,6 +183,18 @@ class FleetCollector(Collector):
         for status, n in sorted(counts.items()):
             requests.add_metric([status], n)
         yield requests
+        latency = HistogramMetricFamily(
+            "ringwatch_preflight_latency_seconds", "Seconds from a preflight request to its "
+            "verdict, of every completed request: answered at_once from stored results, or "
+            "probed by a scheduler.", labels=["answered"], unit="seconds")
+        for answered in ("at_once", "probed"):
+            got = self.snap.preflight_latency.get(answered)
+            if got is None:
+                got = store.LatencyCounts([0] * len(LATENCY_BOUNDS), 0, 0.0)
+            buckets = [(floatToGoString(b), n) for b, n in zip(LATENCY_BOUNDS, got.le,
+                                                               strict=True)]
+            latency.add_metric([answered], [*buckets, ("+Inf", got.total)], got.sum_s)
+        yield latency
 
 
 class Scrape(NamedTuple):

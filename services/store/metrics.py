@@ -13,10 +13,12 @@ from services.store.models import (
     Finding,
     LinkHealth,
     Node,
+    PreflightLatency,
     PreflightRequest,
     ProbeRun,
     WebhookDelivery,
 )
+from services.store.preflight import LATENCY_BOUNDS
 
 
 class LinkRow(NamedTuple):
@@ -70,6 +72,48 @@ def preflight_requests_by_status(session: Session) -> dict[str, int]:
     rows = session.execute(
         select(PreflightRequest.status, func.count()).group_by(PreflightRequest.status)).tuples()
     return dict(rows.all())
+
+
+class IngestTotals(NamedTuple):
+    """Batches and measurements stored since the database was made."""
+
+    batches: int
+    measurements: int
+
+
+class LatencyCounts(NamedTuple):
+    """Completed preflight requests of one kind: how many took at most each of
+    ``LATENCY_BOUNDS`` (in order), how many in all (``total``), and their summed seconds."""
+
+    le: list[int]
+    total: int
+    sum_s: float
+
+
+def ingest_totals(session: Session) -> IngestTotals:
+    """The probe runs held plus those retention deleted (``ingest_retired``), in one
+    statement so a retention pass is seen whole or not at all. Every replica reads the
+    same totals, and a restart loses none; a re-sent batch is not stored, so not counted."""
+    batches, measurements = session.execute(text(
+        "SELECT count(*) + coalesce((SELECT batches FROM ingest_retired), 0), "
+        "coalesce(sum(measurement_count), 0) "
+        "+ coalesce((SELECT measurements FROM ingest_retired), 0) FROM probe_runs")).one()
+    return IngestTotals(int(batches), int(measurements))
+
+
+def preflight_latency(session: Session) -> dict[str, LatencyCounts]:
+    """The verdicts counted in ``preflight_latency`` (written with each one), cumulated
+    under each of ``LATENCY_BOUNDS`` as a histogram's buckets, per way of answering."""
+    out: dict[str, LatencyCounts] = {}
+    rows = session.execute(select(PreflightLatency.answered, PreflightLatency.le,
+                                  PreflightLatency.count, PreflightLatency.sum_s)).tuples()
+    for answered, le, count, sum_s in rows:
+        got = out.setdefault(answered, LatencyCounts([0] * len(LATENCY_BOUNDS), 0, 0.0))
+        for i, bound in enumerate(LATENCY_BOUNDS):
+            if le <= bound:
+                got.le[i] += count
+        out[answered] = got._replace(total=got.total + count, sum_s=got.sum_s + sum_s)
+    return out
 
 
 def delivery_backlog(session: Session) -> Backlog:

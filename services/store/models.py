@@ -98,6 +98,32 @@ class ProbeRun(Base):
     shipper: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
 
 
+class IngestRetired(Base):
+    """What retention deleted of ``probe_runs``: its batches and their measurements, so the
+    ingest counters of ``/metrics`` (stored rows plus these) only ever count up. One row,
+    written by retention in the transaction that deletes the runs."""
+
+    __tablename__ = "ingest_retired"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    batches: Mapped[int] = mapped_column(BigInteger)
+    measurements: Mapped[int] = mapped_column(BigInteger)
+
+
+class PreflightLatency(Base):
+    """Completed preflight requests by how long their verdict took: per way of answering
+    (``at_once`` from stored results, ``probed`` by a scheduler) and latency bucket (``le``,
+    its upper bound in seconds; infinity for the last), how many and their summed seconds.
+    Written with each verdict, so the histogram of ``/metrics`` reads a few rows."""
+
+    __tablename__ = "preflight_latency"
+
+    answered: Mapped[str] = mapped_column(String(16), primary_key=True)
+    le: Mapped[float] = mapped_column(Float, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    sum_s: Mapped[float] = mapped_column(Float)
+
+
 class Group(Base):
     """A link or group that was probed: its members stored once, its compact key (the
     members comma-joined, or ``sha256:`` of that for a large group) and a small id that

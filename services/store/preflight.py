@@ -6,10 +6,28 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import bindparam, func, or_, select, text
+from sqlalchemy.dialects.postgresql import ARRAY, DOUBLE_PRECISION
 from sqlalchemy.orm import Session
 
 from services.store.models import PreflightRequest
+
+# Upper bounds (seconds) of the latency buckets a verdict is counted in: an answer from
+# stored results takes milliseconds, one a scheduler probes for takes its check (seconds to
+# minutes). Bounds may be added; a verdict counted under an old bound stays there.
+LATENCY_BOUNDS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+# One verdict into its bucket: the smallest bound at or above its latency (created_at is
+# the database's clock, completed_at the API's; a negative span is counted as none).
+_OBSERVE = text("""
+INSERT INTO preflight_latency (answered, le, count, sum_s)
+SELECT :answered, coalesce((SELECT min(b) FROM unnest(:bounds) AS b WHERE b >= d),
+                           'Infinity'::float8), 1, d
+FROM (SELECT greatest(extract(epoch FROM completed_at - created_at)::float8, 0) AS d
+      FROM preflight_requests WHERE id = :id) AS done
+ON CONFLICT (answered, le) DO UPDATE SET count = preflight_latency.count + 1,
+                                         sum_s = preflight_latency.sum_s + excluded.sum_s
+""").bindparams(bindparam("bounds", type_=ARRAY(DOUBLE_PRECISION)))
 
 
 def create_request(session: Session, nodes: list[str], max_age_s: float,
@@ -24,7 +42,15 @@ def create_request(session: Session, nodes: list[str], max_age_s: float,
     )
     session.add(req)
     session.flush()
+    if verdict is not None:
+        _observe_latency(session, req, "at_once")
     return req
+
+
+def _observe_latency(session: Session, req: PreflightRequest, answered: str) -> None:
+    session.flush()
+    session.execute(_OBSERVE, {"answered": answered, "bounds": list(LATENCY_BOUNDS),
+                               "id": req.id})
 
 
 def get_request(session: Session, request_id: str) -> PreflightRequest | None:
@@ -76,3 +102,4 @@ def complete(session: Session, req: PreflightRequest, verdict: dict[str, Any] | 
     req.error = error
     req.completed_at = now
     req.lease_until = None
+    _observe_latency(session, req, "probed")

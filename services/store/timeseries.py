@@ -305,6 +305,19 @@ def maintain(engine: Engine, retention: Retention, now: datetime | None = None,
     return report
 
 
+_RETIRE_PROBE_RUNS = """
+WITH gone AS (DELETE FROM probe_runs WHERE received_at < :t RETURNING measurement_count),
+     n AS (SELECT count(*) AS batches, coalesce(sum(measurement_count), 0) AS measurements
+           FROM gone),
+     kept AS (INSERT INTO ingest_retired (id, batches, measurements)
+              SELECT 1, batches, measurements FROM n WHERE batches > 0
+              ON CONFLICT (id) DO UPDATE SET
+                batches = ingest_retired.batches + excluded.batches,
+                measurements = ingest_retired.measurements + excluded.measurements)
+SELECT batches FROM n
+"""
+
+
 def _delete_old(engine: Engine, retention: Retention, now: datetime,
                 daily_rolled: datetime | None) -> dict[str, int]:
     deleted = {}
@@ -319,9 +332,10 @@ def _delete_old(engine: Engine, retention: Retention, now: datetime,
         for name, table, cut in (("series_1h", series_1h, hourly_cut),
                                  ("series_1d", series_1d, daily_cut)):
             deleted[name] = conn.execute(table.delete().where(table.c.bucket < cut)).rowcount
-        # A probe run's own record (its findings) goes with its raw measurements.
-        deleted["probe_runs"] = conn.execute(
-            text("DELETE FROM probe_runs WHERE received_at < :t"), {"t": raw_cut}).rowcount
+        # A probe run's own record (its findings) goes with its raw measurements; what it
+        # counted moves to ingest_retired in the same statement, so the ingest counters
+        # (services.store.metrics.ingest_totals) never see it twice or not at all.
+        deleted["probe_runs"] = conn.execute(text(_RETIRE_PROBE_RUNS), {"t": raw_cut}).scalar_one()
         deleted["gpu_counters"] = conn.execute(
             text("DELETE FROM gpu_counters WHERE time < :t"), {"t": raw_cut}).rowcount
     return deleted
