@@ -141,7 +141,8 @@ def plain(status: FleetStatus) -> str:
     lines = [f"{label:<{width}}  {value}" for label, value in summary]
     if table:
         cols = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(HEADERS)]
-        lines += ["", "  ".join(h.upper().ljust(c) for h, c in zip(HEADERS, cols, strict=True))]
+        lines += ["", "  ".join(h.upper().ljust(c) for h, c in zip(HEADERS, cols, strict=True))
+                  .rstrip()]
         lines += ["  ".join(v.ljust(c) for v, c in zip(r, cols, strict=True)).rstrip()
                   for r in table]
         more = len(status.incidents) - len(table)
