@@ -327,6 +327,15 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     return True
 
 
+def _shares(busy_s: dict[str, float], period_s: float) -> dict[str, float]:
+    """Each node's busiest rank's seconds in groups, as a share of ``period_s``."""
+    per_node: dict[str, float] = {}
+    for member_name, seconds in busy_s.items():
+        node = member_name.split("/")[0]
+        per_node[node] = max(per_node.get(node, 0.0), seconds / max(period_s, 1e-9))
+    return {n: round(v, 6) for n, v in sorted(per_node.items())}
+
+
 def _api_note(answer: dict[str, Any] | None) -> str:
     """What the API made of the cycle's batch: its own findings (the hysteresis opens an
     incident on a fault seen in enough cycles) and the incidents it opened and resolved."""
@@ -379,18 +388,21 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 history = api.baselines(options.dtype) if api is not None else None
                 cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
                                   rotation=rotation.advance(), history=history)
-                cycle.duty_cycle = so_far
                 duty.add(cycle)
-                batch = cycle.to_batch()
-                left = shipper.ship(batch)
-                cycles += 1
-                failures = 0
                 wait = interval_s * (1 + random.uniform(-jitter, jitter))
                 held = max(cycle.busy_s.values(), default=0.0)
                 floor = duty.rest_after(held)
                 # This cycle's share of its busiest GPU's time, the wait after it counted:
-                # what the duty cycle settles at if every cycle is like it.
-                share = held / max(cycle.wall_time_s + max(wait, floor), 1e-9)
+                # what the duty cycle settles at if every cycle is like it. The first cycle
+                # reports it per node (nothing has elapsed to measure yet); later ones what
+                # each node spent since the scheduler started.
+                period = cycle.wall_time_s + max(wait, floor)
+                share = held / max(period, 1e-9)
+                cycle.duty_cycle = so_far or _shares(cycle.busy_s, period)
+                batch = cycle.to_batch()
+                left = shipper.ship(batch)
+                cycles += 1
+                failures = 0
                 if progress:
                     progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
                              f"measurements, {len(cycle.judged)} finding(s) in this cycle"
