@@ -204,8 +204,10 @@ class NodeStatesOut(BaseModel):
 
 class NodePairsOut(BaseModel):
     nodes: list[str]
-    # [index of a, index of b, worst ratio or null, 1 degraded / 0 not], a < b.
-    pairs: list[tuple[int, int, float | None, int]]
+    # Base64, one byte per pair (a, b), a < b, by index into ``nodes``, row by row through
+    # the upper triangle: 0 not probed as a pair; else 0x80 set when degraded, and the low
+    # seven bits 1 + the worst ratio in hundredths (capped at 1.25), or 127 for no ratio.
+    cells: str
 
 
 class LinkOut(BaseModel):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.monitoring import Fleet, scenario
+from tests.api_fixtures import decode_pairs, measurement
 
 # The pages, each by its address and the view that marks it drawn.
 PAGES = (("fleet", "#/fleet", "fleet"), ("node", "#/node/{node}", "series"),
@@ -69,6 +70,24 @@ def answered_at_once(fleet: Fleet, states: list[dict[str, Any]]) -> list[str]:
     return [n["name"] for n in states if n["links"] and not n["skipped_reason"]]
 
 
+def probe_every_pair(fleet: Fleet, names: list[str], batch_size: int = 50_000) -> float:
+    """Ship one inter-node AllReduce of GPU 0 of every node pair not probed yet (what a
+    long-running fleet's map holds once every matching has come round), through
+    POST /v1/measurements; the seconds it took."""
+    have = {tuple(sorted((names[i], names[j])))
+            for i, j in decode_pairs(fleet.api.get("/v1/fleet/pairs").json())}
+    rng = random.Random(5)
+    todo = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if (a, b) not in have]
+    t0 = time.monotonic()
+    for start in range(0, len(todo), batch_size):
+        ms = [measurement([f"{a}/0", f"{b}/0"], 45.0 * rng.uniform(0.97, 1.03))
+              for a, b in todo[start:start + batch_size]]
+        resp = fleet.api.post("/v1/measurements", json={
+            "batch_id": f"every-pair-{start}", "backend": "sim", "measurements": ms})
+        resp.raise_for_status()
+    return time.monotonic() - t0
+
+
 def payloads(fleet: Fleet, node: str) -> list[tuple[str, int, float]]:
     """What the API sends for the page's heaviest reads: bytes and server wall time."""
     out = []
@@ -99,14 +118,15 @@ def main(flags: list[str]) -> None:
         walls = [fleet.cycle() for _ in range(cycles)]
         base, token = fleet.env["RINGWATCH_API_URL"], fleet.env["RINGWATCH_TOKEN"]
         states = fleet.api.get("/v1/fleet/nodes").json()["nodes"]
-        pairs = fleet.api.get("/v1/fleet/pairs").json()
-        degraded = next((n["name"] for n in states if n["state"] == "degraded"), states[0]["name"])
-        bad = next((p for p in pairs["pairs"] if p[3]), pairs["pairs"][0])
-        pair = f"{pairs['nodes'][bad[0]]},{pairs['nodes'][bad[1]]}"
+        names = [n["name"] for n in states]
+        pairs = decode_pairs(fleet.api.get("/v1/fleet/pairs").json())
+        degraded = next((n["name"] for n in states if n["state"] == "degraded"), names[0])
+        i, j = next((p for p, (_, bad) in pairs.items() if bad), next(iter(pairs)))
+        pair = f"{names[i]},{names[j]}"
         links = sum(fleet.api.get("/v1/health").json()["links"].values())
         print(f"\n{nodes} x {sc['gpus_per_node']} sim fleet, {len(sc['faults'])} faults, "
               f"{cycles} monitoring cycles ({sum(walls) / len(walls):.1f} s each): {links} links, "
-              f"{len(pairs['pairs'])} of {nodes * (nodes - 1) // 2} node pairs probed, "
+              f"{len(pairs)} of {nodes * (nodes - 1) // 2} node pairs probed, "
               f"{sum(n['state'] == 'degraded' for n in states)} nodes degraded")
         print(f"  {'page':<16}{'drawn, median ms':>18}{'slowest ms':>12}  (cold, {loads} loads each)")
         with sync_playwright() as p:
@@ -126,5 +146,21 @@ def main(flags: list[str]) -> None:
         print(f"  {'API read':<44}{'bytes':>10}{'ms':>8}")
         for path_, size, wall in payloads(fleet, degraded):
             print(f"  {path_:<44}{size:>10}{wall * 1000:>8.0f}")
+        took = probe_every_pair(fleet, names)
+        dense = fleet.api.get("/v1/fleet/pairs")
+        every = decode_pairs(dense.json())
+        print(f"  every node pair probed ({len(every)} pairs, "
+              f"{sum(bad for _, bad in every.values())} "
+              f"degraded, shipped in {took:.0f} s): /v1/fleet/pairs sends "
+              f"{len(dense.content)} bytes in {dense.elapsed.total_seconds() * 1000:.0f} ms")
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            try:
+                load_ms(browser, f"{base}/ui/#/fleet", token, "fleet")  # start-up, as above
+                times = [load_ms(browser, f"{base}/ui/#/network", token, "network")
+                         for _ in range(loads)]
+            finally:
+                browser.close()
+        print(f"  {'network, full':<16}{statistics.median(times):>18.0f}{max(times):>12.0f}")
     finally:
         fleet.close()

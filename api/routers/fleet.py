@@ -52,9 +52,10 @@ def get_node_states(session: SessionDep, settings: SettingsDep, _: ReaderDep) ->
 
 @router.get("/fleet/pairs", response_model=NodePairsOut)
 def get_node_pairs(session: SessionDep, _: ReaderDep) -> dict:
-    """The node x node map: every node's name, and each node pair probed as a pair with
-    its worst ratio and whether it is degraded, by index into ``nodes``. A pair not listed
-    has not been probed yet."""
+    """The node x node map: every node's name, and for each node pair one byte (base64 in
+    ``cells``, row by row through the upper triangle): 0 when it has not been probed as a
+    pair yet, else its worst ratio in hundredths plus one (127: no ratio), with 0x80 set
+    when it is degraded. One byte a pair keeps 1024 nodes' map to 700 kB."""
     return fleet.node_pairs(session)
 
 

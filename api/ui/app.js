@@ -500,22 +500,42 @@ async function seriesView(params) {
 async function networkView() {
   const data = await get("/v1/fleet/pairs");
   const n = data.nodes.length;
-  const cell = new Map();
-  for (const [i, j, r, bad] of data.pairs) cell.set(i * n + j, [r, bad]);
+  // One byte per pair, upper triangle row by row (GET /v1/fleet/pairs): 0 not probed,
+  // 0x80 degraded, low seven bits 1 + ratio in hundredths (127: no ratio).
+  const raw = atob(data.cells);
+  const cells = new Uint8Array(raw.length);
+  for (let k = 0; k < raw.length; k++) cells[k] = raw.charCodeAt(k);
+  const ratioOf = (b) => ((b & 0x7f) === 127 ? null : ((b & 0x7f) - 1) / 100);
+  function pairAt(r, c) {
+    if (r === c || r < 0 || c < 0 || r >= n || c >= n) return null;
+    const i = Math.min(r, c), j = Math.max(r, c);
+    const b = cells[i * n - i * (i + 1) / 2 + (j - i - 1)];
+    return b ? [ratioOf(b), (b & 0x80) !== 0] : null;
+  }
   // One pixel per pair in an offscreen image; the view scales a window of it.
   const img = document.createElement("canvas");
   img.width = img.height = Math.max(1, n);
   const ictx = img.getContext("2d");
   const pixels = ictx.createImageData(Math.max(1, n), Math.max(1, n));
-  const none = [228, 230, 234];
-  for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
-    const k = (i * n + j) * 4;
-    const found = i === j ? null : cell.get(Math.min(i, j) * n + Math.max(i, j));
-    const rgb = i === j ? [255, 255, 255] : found ? ratioRgb(found[0] ?? RATIO_HI) : none;
-    pixels.data.set([...rgb, 255], k);
+  const px32 = new Uint32Array(pixels.data.buffer);
+  const abgr = ([r, g, b]) => ((255 << 24) | (b << 16) | (g << 8) | r) >>> 0;  // little-endian RGBA
+  const palette = new Uint32Array(128);
+  for (let q = 1; q < 128; q++) palette[q] = abgr(ratioRgb(q === 127 ? RATIO_HI : (q - 1) / 100));
+  const none = abgr([228, 230, 234]), white = abgr([255, 255, 255]);
+  const degraded = [];
+  let probed = 0;
+  for (let i = 0, k = 0; i < n; i++) {
+    px32[i * n + i] = white;
+    for (let j = i + 1; j < n; j++, k++) {
+      const b = cells[k];
+      const colour = b ? palette[b & 0x7f] : none;
+      px32[i * n + j] = colour;
+      px32[j * n + i] = colour;
+      if (b) probed++;
+      if (b & 0x80) degraded.push([i, j, ratioOf(b)]);
+    }
   }
   ictx.putImageData(pixels, 0, 0);
-  const degraded = data.pairs.filter((p) => p[3]);
 
   const SIZE = Math.min(800, Math.max(300, window.innerWidth - 420));
   const canvas = el("canvas", {class: "matrix", id: "network-matrix", width: SIZE, height: SIZE});
@@ -539,7 +559,7 @@ async function networkView() {
     if (px >= 14) {  // close enough to read: the ratio in each probed cell
       ctx.font = `${Math.min(12, px / 3)}px system-ui`; ctx.textAlign = "center";
       for (let r = Math.floor(z.y); r < Math.min(n, z.y + z.span); r++) for (let c = Math.floor(z.x); c < Math.min(n, z.x + z.span); c++) {
-        const found = r === c ? null : cell.get(Math.min(r, c) * n + Math.max(r, c));
+        const found = pairAt(r, c);
         if (!found) continue;
         ctx.fillStyle = inkOn(found[0]);
         ctx.fillText(found[1] ? GLYPH.degraded : fmt(found[0]), (c - z.x + 0.5) * px, (r - z.y + 0.5) * px + 4);
@@ -575,7 +595,7 @@ async function networkView() {
     }
     const [r, c] = at(e);
     if (r < 0 || c < 0 || r >= n || c >= n) return hideTip();
-    const found = r === c ? null : cell.get(Math.min(r, c) * n + Math.max(r, c));
+    const found = pairAt(r, c);
     showTip(e, `${data.nodes[r]} \u2194 ${data.nodes[c]}\n` + (r === c ? "same node" : found
       ? `ratio ${fmt(found[0])}${found[1] ? " \u2014 degraded" : ""}\nclick for its series` : "not probed as a pair yet"));
   });
@@ -583,15 +603,15 @@ async function networkView() {
   canvas.addEventListener("click", (e) => {
     if (drag && drag.moved) return;
     const [r, c] = at(e);
-    if (r !== c && cell.has(Math.min(r, c) * n + Math.max(r, c)))
+    if (pairAt(r, c))
       location.hash = `#/series?pair=${encodeURIComponent(data.nodes[r])},${encodeURIComponent(data.nodes[c])}`;
   });
   const zoomText = el("span", {class: "muted", id: "zoom"});
   const total = n * (n - 1) / 2;
   view.replaceChildren(el("div", {class: "layout"},
     el("section", {class: "card"}, el("h2", {}, "Network: node \u00d7 node"),
-      el("p", {class: "muted", id: "coverage"}, `${n} nodes \u00b7 ${data.pairs.length} of ${total} pairs probed ` +
-         `(${total ? (100 * data.pairs.length / total).toFixed(1) : 0} %) \u00b7 ${degraded.length} degraded; ` +
+      el("p", {class: "muted", id: "coverage"}, `${n} nodes \u00b7 ${probed} of ${total} pairs probed ` +
+         `(${total ? (100 * probed / total).toFixed(1) : 0} %) \u00b7 ${degraded.length} degraded; ` +
          "grey: not probed as a pair yet. Wheel or buttons to zoom, drag to pan."),
       el("div", {class: "filters"}, el("button", {type: "button", onclick: () => zoom(0.5)}, "zoom in"),
          el("button", {type: "button", onclick: () => zoom(2)}, "zoom out"),
