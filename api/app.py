@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api import errors
 from api.auth import PUBLIC_PATHS, Authenticate
 from api.limits import BodyLimit
-from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, webhooks
+from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, ui, webhooks
 from api.schemas import ErrorOut
 from services.config import Settings
 from services.errors import RingwatchError
@@ -51,6 +51,7 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     for r in (meta.router, measurements.router, fleet.router, preflight.router,
               rankmaps.router, webhooks.router, tokens.router):
         app.include_router(r)
+    ui.mount(app)
     _install_error_handlers(app)
     _declare_security(app)
     # Outermost: a body over the limit is refused before routing, auth or parsing read it;

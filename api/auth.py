@@ -26,6 +26,9 @@ from services.store.tokens import Principal
 # /metrics unless RINGWATCH_METRICS_TOKEN_REQUIRED; that check is the route's own).
 PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc",
                           "/docs/oauth2-redirect"})
+# The web page's static shell (api/routers/ui.py): it holds no data, only the code that
+# asks the API for it with the user's token.
+UI_PREFIX = "/ui"
 STATE_KEY = "principal"
 MISSING_TOKEN = "missing bearer token: send 'Authorization: Bearer <token>'"
 
@@ -37,6 +40,10 @@ def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
             scheme, _, token = value.decode("latin-1").partition(" ")
             return token.strip() if scheme.lower() == "bearer" else ""
     return None
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
 
 
 class Authenticate:
@@ -51,7 +58,7 @@ class Authenticate:
             await self.app(scope, receive, send)
             return
         token = bearer(scope.get("headers") or [])
-        if token is None and scope.get("path") in PUBLIC_PATHS:
+        if token is None and is_public(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
         if not token:

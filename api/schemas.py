@@ -159,6 +159,57 @@ class NodeOut(BaseModel):
     gpus: list[GpuOut]
 
 
+class NodeDetailGpuOut(GpuOut):
+    # Free-form NVML facts as the rank reported them (NVLink state, P2P row, versions).
+    telemetry: dict[str, Any]
+
+
+class NodeDetailOut(BaseModel):
+    """One node's inventory, NICs and newest NVML counter readings (newest first)."""
+
+    name: str
+    hostname: str | None
+    backend: str | None
+    profile: str | None
+    duty_cycle: float | None
+    skipped_reason: str | None
+    last_seen_at: datetime
+    last_probed_at: datetime | None
+    gpus: list[NodeDetailGpuOut]
+    nics: list[dict[str, Any]]
+    counters: list[dict[str, Any]]
+
+
+class NodeStateOut(BaseModel):
+    name: str
+    backend: str | None
+    profile: str | None
+    last_probed_at: datetime | None
+    skipped_reason: str | None
+    links: int
+    degraded_links: int
+    open_findings: int
+    # Worst ratio (measured over expected) of its own NVLink groups; median of its node pairs.
+    nvlink_ratio: float | None
+    net_ratio: float | None
+    ratio: float | None
+    state: Literal["degraded", "suspect", "ok", "unknown"]
+
+
+class NodeStatesOut(BaseModel):
+    nodes: list[NodeStateOut]
+    # Per backend seen: the ratio below which a measurement counts as degraded.
+    degraded_ratio: dict[str, float]
+
+
+class NodePairsOut(BaseModel):
+    nodes: list[str]
+    # Base64, one byte per pair (a, b), a < b, by index into ``nodes``, row by row through
+    # the upper triangle: 0 not probed as a pair; else 0x80 set when degraded, and the low
+    # seven bits 1 + the worst ratio in hundredths (capped at 1.25), or 127 for no ratio.
+    cells: str
+
+
 class LinkOut(BaseModel):
     # The series key: members comma-joined, or "sha256:..." for a group too large for that
     # (GET /v1/series?group=KEY reads it).

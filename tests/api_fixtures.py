@@ -82,3 +82,22 @@ def register_webhook(api, url: str, secret: str = WEBHOOK_SECRET,
                     json={"url": url, "secret": secret, "events": list(events), **extra})
     assert resp.status_code == 201, resp.text
     return resp.json()["id"]
+
+
+def decode_pairs(body: dict[str, Any]) -> dict[tuple[int, int], tuple[float | None, bool]]:
+    """GET /v1/fleet/pairs read back: each probed pair (i < j) with its ratio and whether it
+    is degraded, from the byte-per-pair encoding its docstring gives."""
+    import base64
+
+    cells, n = base64.b64decode(body["cells"]), len(body["nodes"])
+    assert len(cells) == n * (n - 1) // 2
+    out: dict[tuple[int, int], tuple[float | None, bool]] = {}
+    k = 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            b = cells[k]
+            k += 1
+            if b:
+                q = b & 0x7F
+                out[(i, j)] = (None if q == 127 else (q - 1) / 100, bool(b & 0x80))
+    return out

@@ -7,7 +7,16 @@ from fastapi import APIRouter, Query, Request, Response
 
 from api.deps import ReaderDep, SessionDep, SettingsDep
 from api.pages import decode_cursor, encode_cursor, link_next
-from api.schemas import BaselineOut, HealthOut, LinkOut, NodeOut, SeriesOut
+from api.schemas import (
+    BaselineOut,
+    HealthOut,
+    LinkOut,
+    NodeDetailOut,
+    NodeOut,
+    NodePairsOut,
+    NodeStatesOut,
+    SeriesOut,
+)
 from services.errors import BadInput
 from services.monitor import fleet
 
@@ -24,6 +33,30 @@ def get_nodes(request: Request, response: Response, session: SessionDep, _: Read
     out = fleet.nodes(session, after=after, limit=limit)
     link_next(request, response, out, limit, out[-1]["name"] if out else None)
     return out
+
+
+@router.get("/nodes/{name}", response_model=NodeDetailOut)
+def get_node(name: str, session: SessionDep, _: ReaderDep) -> dict:
+    """One node: its GPUs with their telemetry, its NICs and its newest NVML counter
+    readings (up to 100, newest first)."""
+    return fleet.node(session, name)
+
+
+@router.get("/fleet/nodes", response_model=NodeStatesOut)
+def get_node_states(session: SessionDep, settings: SettingsDep, _: ReaderDep) -> dict:
+    """Every node's health in one read (the fleet map): its state (degraded: an open
+    finding names it; suspect: a link it shares is degraded; ok; unknown: no links yet),
+    its worst ratio of measured over expected busbw, and its link and finding counts."""
+    return fleet.node_states(session, settings.thresholds)
+
+
+@router.get("/fleet/pairs", response_model=NodePairsOut)
+def get_node_pairs(session: SessionDep, _: ReaderDep) -> dict:
+    """The node x node map: every node's name, and for each node pair one byte (base64 in
+    ``cells``, row by row through the upper triangle): 0 when it has not been probed as a
+    pair yet, else its worst ratio in hundredths plus one (127: no ratio), with 0x80 set
+    when it is degraded. One byte a pair keeps 1024 nodes' map to 700 kB."""
+    return fleet.node_pairs(session)
 
 
 @router.get("/links", response_model=list[LinkOut])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +27,83 @@ def nodes(session: Session, *, after: str | None = None,
                    "numa_node": g.numa_node, "name": g.name} for g in gpus]}
         for n, gpus in store.list_nodes(session, after=after, limit=limit)
     ]
+
+
+def node(session: Session, name: str) -> dict[str, Any]:
+    """One node's inventory: its GPUs with their telemetry, its NICs (as its first rank
+    read them), and its newest stored NVML counter readings."""
+    found = store.get_node(session, name)
+    if found is None:
+        raise NodeNotFound(f"unknown node: {name}")
+    n, gpus = found
+    nics: list[dict[str, Any]] = next((g.telemetry["nics"] for g in gpus if g.telemetry.get("nics")), [])
+    return {"name": n.name, "hostname": n.hostname, "backend": n.backend, "profile": n.profile,
+            "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
+            "last_seen_at": n.last_seen_at, "last_probed_at": n.last_probed_at,
+            "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+                      "numa_node": g.numa_node, "name": g.name, "telemetry": g.telemetry}
+                     for g in gpus],
+            "nics": nics,
+            "counters": [{"time": c.time, "local_index": c.local_index, **c.reading}
+                         for c in store.node_counters(session, name)]}
+
+
+def node_states(session: Session,
+                thresholds: Callable[[str], Thresholds]) -> dict[str, Any]:
+    """Every node's health in one read, for a fleet map: ``state`` is degraded where an
+    open finding names the node, suspect where only a link it shares is degraded (the
+    localization blamed someone else, or has not yet), ok where it has links and none is
+    degraded, unknown where it has none; ``ratio`` is its worst of the two ratios the store
+    keeps per node (own NVLink groups; median of its node pairs)."""
+    out = []
+    for r in health_store.node_health(session):
+        ratios = [x for x in (r.nvlink_ratio, r.net_ratio) if x is not None]
+        state = ("degraded" if r.open_findings else "suspect" if r.degraded
+                 else "ok" if r.links else "unknown")
+        out.append({"name": r.name, "backend": r.backend, "profile": r.profile,
+                    "last_probed_at": r.last_probed_at, "skipped_reason": r.skipped_reason,
+                    "links": r.links, "degraded_links": r.degraded,
+                    "open_findings": r.open_findings, "nvlink_ratio": r.nvlink_ratio,
+                    "net_ratio": r.net_ratio, "ratio": min(ratios) if ratios else None,
+                    "state": state})
+    backends = sorted({n["backend"] for n in out if n["backend"]})
+    return {"nodes": out,
+            "degraded_ratio": {b: thresholds(b).degraded_ratio for b in backends}}
+
+
+# GET /v1/fleet/pairs: one byte per node pair, so the whole map of 1024 nodes (523,776
+# pairs) is 700 kB of base64 instead of megabytes of JSON lists. 0: not probed as a pair;
+# else bit 7 set when degraded, and the low seven bits 1 + the worst ratio in hundredths
+# (capped at 1.25), or 127 when no ratio is known.
+PAIR_DEGRADED = 0x80
+PAIR_NO_RATIO = 127
+PAIR_RATIO_CAP = 1.25
+
+
+def pair_index(i: int, j: int, n: int) -> int:
+    """Where pair (i, j), i < j, sits in the upper triangle of n nodes, row by row."""
+    return i * n - i * (i + 1) // 2 + (j - i - 1)
+
+
+def pair_byte(ratio: float | None, degraded: bool) -> int:
+    q = PAIR_NO_RATIO if ratio is None else 1 + round(min(max(ratio, 0.0), PAIR_RATIO_CAP) * 100)
+    return q | (PAIR_DEGRADED if degraded else 0)
+
+
+def node_pairs(session: Session) -> dict[str, Any]:
+    """The node x node map of the pairs probed: every node's name once, and ``cells``, the
+    base64 of one byte per pair (above)."""
+    names = store.node_names(session)
+    index = {name: i for i, name in enumerate(names)}
+    n = len(names)
+    cells = bytearray(n * (n - 1) // 2)
+    for a, b, ratio, degraded in health_store.node_pairs(session):
+        i, j = index.get(a), index.get(b)
+        if i is None or j is None or i == j:
+            continue
+        i, j = min(i, j), max(i, j)
+        cells[pair_index(i, j, n)] = pair_byte(ratio, degraded)
+    return {"nodes": names, "cells": base64.b64encode(cells).decode()}
 
 
 def require_nodes(session: Session, names: list[str]) -> None:

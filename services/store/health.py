@@ -184,3 +184,41 @@ def health_counts(session: Session) -> dict[str, int]:
 
 def open_findings_count(session: Session) -> int:
     return session.scalar(select(func.count()).select_from(Finding).where(Finding.status == "open")) or 0
+
+
+def node_health(session: Session) -> list[Any]:
+    """Per node (all of them, by name), over the links that touch it, the world group aside:
+    how many and how many degraded, the worst ratio of its own NVLink groups (intra_node,
+    gpu_pair), the median ratio of its node pairs (a pair's ratio is shared with the other
+    node, so one slow partner must not paint a node), and its open findings."""
+    return list(session.execute(text("""
+        WITH per_link AS (
+            SELECT node, scope, status, ratio
+            FROM link_health, unnest(nodes) AS node
+            WHERE scope <> 'world'
+        ), links AS (
+            SELECT node, count(*) AS links, count(*) FILTER (WHERE status <> 'ok') AS degraded,
+                   min(ratio) FILTER (WHERE scope IN ('intra_node', 'gpu_pair')) AS nvlink_ratio,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY ratio)
+                       FILTER (WHERE scope = 'inter_node') AS net_ratio
+            FROM per_link GROUP BY node
+        ), open AS (
+            SELECT node, count(*) AS open_findings
+            FROM findings, unnest(nodes) AS node WHERE status = 'open' GROUP BY node
+        )
+        SELECT n.name, n.backend, n.profile, n.last_probed_at, n.skipped_reason,
+               coalesce(l.links, 0) AS links, coalesce(l.degraded, 0) AS degraded,
+               l.nvlink_ratio, l.net_ratio, coalesce(o.open_findings, 0) AS open_findings
+        FROM nodes n LEFT JOIN links l ON l.node = n.name LEFT JOIN open o ON o.node = n.name
+        ORDER BY n.name""")))
+
+
+def node_pairs(session: Session) -> list[Any]:
+    """Each node pair probed as such (inter_node groups of two nodes): the worst ratio over
+    its ops and sizes, and whether any of them is degraded."""
+    return list(session.execute(text("""
+        SELECT nodes[1] AS a, nodes[2] AS b, min(ratio) AS ratio,
+               bool_or(status <> 'ok') AS degraded
+        FROM link_health
+        WHERE scope = 'inter_node' AND cardinality(nodes) = 2
+        GROUP BY nodes[1], nodes[2]""")))

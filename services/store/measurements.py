@@ -258,3 +258,23 @@ def counters_of(session: Session, members: Sequence[str], since: datetime | None
     if until:
         q = q.where(GpuCounters.time <= until)
     return list(session.scalars(q.order_by(GpuCounters.time).limit(limit)))
+
+
+def get_node(session: Session, name: str) -> tuple[Node, list[Gpu]] | None:
+    """One node with its GPUs (their telemetry too), or None."""
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        return None
+    gpus = session.scalars(select(Gpu).where(Gpu.node_id == node.id)
+                           .order_by(Gpu.local_index)).all()
+    return node, list(gpus)
+
+
+def node_counters(session: Session, node: str, limit: int = 100) -> list[GpuCounters]:
+    """The node's newest stored NVML readings, newest first."""
+    return list(session.scalars(select(GpuCounters).where(GpuCounters.node == node)
+                                .order_by(GpuCounters.time.desc()).limit(limit)))
+
+
+def node_names(session: Session) -> list[str]:
+    return list(session.scalars(select(Node.name).order_by(Node.name)))

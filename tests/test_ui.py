@@ -1,0 +1,270 @@
+"""The web page at /ui: its endpoints through the app, and its pages in headless Chromium
+against a real API process fed by a sim fleet with faults, through the real scheduler.
+
+Screenshots of every page land in tests/artifacts/ui/ (ignored by git)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import text
+
+from agents.sim import SimBackend
+from services.scheduler.api_client import SchedulerApi
+from services.scheduler.cycle import ProbeOptions, run_scheduler
+from services.scheduler.shipper import Shipper
+from services.store import db
+from services.store.models import Base
+from tests.api_fixtures import decode_pairs, fleet_batch
+from tests.procs import free_port, start_server, stop_server
+
+ARTIFACTS = Path(__file__).parent / "artifacts" / "ui"
+ADMIN = "rw_ui_admin_token_for_tests"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+# ---- the endpoints the page reads (in-process app, real Postgres)
+
+
+def test_node_states_mark_the_node_a_finding_names(api) -> None:
+    resp = api.post("/v1/measurements", json=fleet_batch(slow_node="node-002"),
+                    headers=api.h["agent"])
+    assert resp.status_code == 200, resp.text
+    body = api.get("/v1/fleet/nodes", headers=api.h["reader"]).json()
+    states = {n["name"]: n for n in body["nodes"]}
+    assert sorted(states) == ["node-000", "node-001", "node-002", "node-003"]
+    blamed = {n for f in api.get("/v1/findings?status=open", headers=api.h["reader"]).json()
+              for n in f["nodes"]}
+    assert blamed == {"node-002"}
+    assert states["node-002"]["state"] == "degraded" and states["node-002"]["open_findings"] >= 1
+    # Its own intra-node group ran at 0.4 of its peers; the others' did not.
+    assert states["node-002"]["nvlink_ratio"] < 0.7
+    assert all(states[n]["nvlink_ratio"] > 0.9 for n in ("node-000", "node-001", "node-003"))
+    # A partner of the slow node shares one slow pair of three: its median pair is fine.
+    assert all(states[n]["net_ratio"] > 0.9 for n in ("node-000", "node-001", "node-003"))
+    assert {states[n]["state"] for n in ("node-000", "node-001", "node-003")} <= {"ok", "suspect"}
+    assert body["degraded_ratio"]["gloo"] > 0
+
+
+def test_node_pairs_list_each_probed_pair_once_by_index(api) -> None:
+    batch = fleet_batch(slow_node="node-001", nodes=5)
+    # Leave one pair out: it is not probed, so it is not in the map.
+    batch["measurements"] = [m for m in batch["measurements"]
+                             if not {"node-003/0", "node-004/0"} <= set(m["members"])]
+    assert api.post("/v1/measurements", json=batch, headers=api.h["agent"]).status_code == 200
+    body = api.get("/v1/fleet/pairs", headers=api.h["reader"]).json()
+    assert body["nodes"] == [f"node-{i:03d}" for i in range(5)]
+    pairs = decode_pairs(body)
+    assert len(pairs) == 9 and (3, 4) not in pairs
+    links = api.get("/v1/links?scope=inter_node", headers=api.h["reader"]).json()
+    assert len(links) == 9
+    for link in links:
+        i, j = sorted(body["nodes"].index(n) for n in link["nodes"])
+        assert pairs[(i, j)][0] == round(min(link["ratio"], 1.25), 2)
+        assert pairs[(i, j)][1] == (link["status"] != "ok")
+    assert {bad for _, bad in pairs.values()} == {True, False}
+
+
+def test_node_detail_has_inventory_nics_and_counters(api) -> None:
+    batch = fleet_batch(nodes=2)
+    batch["ranks"] = [{"node": "node-000", "local_index": g, "hostname": "h0", "gpu_name": "H100",
+                       "gpu_uuid": f"GPU-{g}", "telemetry": {"nics": [{"name": "mlx5_0",
+                                                                        "state": "ACTIVE"}]}
+                       if g == 0 else {}} for g in range(2)]
+    batch["counters"] = [{"node": "node-000", "local_index": 1,
+                          "before": [{"field": "nvlink_crc_errors", "value": 0}],
+                          "after": [{"field": "nvlink_crc_errors", "value": 7}]}]
+    assert api.post("/v1/measurements", json=batch, headers=api.h["agent"]).status_code == 200
+    node = api.get("/v1/nodes/node-000", headers=api.h["reader"]).json()
+    assert [g["uuid"] for g in node["gpus"]] == ["GPU-0", "GPU-1"]
+    assert node["nics"] == [{"name": "mlx5_0", "state": "ACTIVE"}]
+    assert api.get("/v1/nodes/node-404", headers=api.h["reader"]).status_code == 404
+    stored = api.get("/v1/series", params={"members": "node-000/1"},
+                     headers=api.h["reader"]).json()["counters"]
+    assert node["counters"] and [c["local_index"] for c in node["counters"]] == [1]
+    assert [c["local_index"] for c in node["counters"]] == [c["local_index"] for c in stored]
+
+
+def test_the_shell_is_public_and_the_data_is_not(api) -> None:
+    page = api.get("/ui/")
+    assert page.status_code == 200 and "<title>ringwatch</title>" in page.text
+    assert api.get("/ui/app.js").status_code == 200
+    for path in ("/v1/fleet/nodes", "/v1/fleet/pairs", "/v1/nodes/node-000"):
+        assert api.get(path).status_code == 401
+        assert api.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+# ---- the pages, in a browser, against a real API process
+
+FLEET = {"nodes": 12, "gpus_per_node": 8, "seed": 7, "noise": 0.02, "faults": [
+    {"kind": "nvlink", "node": "node-003", "gpus": [2, 5], "factor": 0.5},
+    {"kind": "nic", "node": "node-008", "factor": 0.5}]}
+
+
+@pytest.fixture(scope="module")
+def served(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A real API process on an emptied database, fed two cycles of the real scheduler on
+    a 12 x 8 sim fleet (one matching of node pairs per cycle, so some pairs stay unprobed);
+    one bad cycle opens an incident. Returns the API's URL and a reader token."""
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with db.transaction(session_factory) as s:
+        s.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    state = tmp_path_factory.mktemp("ui")
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "RINGWATCH_DATABASE_URL": database_url, "RINGWATCH_API_URL": url,
+           "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": ADMIN, "RINGWATCH_STATE_DIR": str(state),
+           "RINGWATCH_HYSTERESIS_K_BAD": "1", "RINGWATCH_HYSTERESIS_N_WINDOW": "1",
+           "RINGWATCH_HYSTERESIS_M_GOOD": "1"}
+    proc = start_server(env, notifier=False)
+    client = SchedulerApi(url, ADMIN, "ui-test")
+    try:
+        shipper = Shipper(url, ADMIN, state / "spool")
+        backend = SimBackend(FLEET)
+        for _ in range(2):
+            assert run_scheduler(backend, shipper, ProbeOptions(), interval_s=3600, once=True,
+                                 api=client) == 1
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        reader = httpx.post(f"{url}/v1/tokens", json={"role": "reader", "name": "ui"},
+                            headers=admin).json()["token"]
+        yield {"url": url, "reader": reader, "h": {"Authorization": f"Bearer {reader}"}}
+    finally:
+        client.close()
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium): the page tests need a browser")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    yield context.new_page()
+    context.close()
+
+
+def login(page, served: dict[str, Any], hash_: str = "") -> None:
+    page.goto(f"{served['url']}/ui/{hash_}")
+    page.fill("#token", served["reader"])
+    page.click("#login-form button[type=submit]")
+
+
+def wait_drawn(page, name: str) -> None:
+    page.wait_for_selector(f"html[data-drawn='{name}']", timeout=30_000)
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_login_refuses_a_bad_token_with_a_message(served, page) -> None:
+    page.goto(f"{served['url']}/ui/")
+    wait_drawn(page, "login")
+    page.fill("#token", "not-a-token")
+    page.click("#login-form button[type=submit]")
+    page.wait_for_function("document.getElementById('login-error').textContent.length > 0")
+    message = page.text_content("#login-error") or ""
+    assert message.startswith("Token refused")
+    assert page.is_visible("#login-form") and not page.is_visible("#fleet-grid")
+    shot(page, "login-bad-token-refused")
+
+
+def test_fleet_shows_every_node_and_marks_the_degraded_one(served, page) -> None:
+    login(page, served)
+    wait_drawn(page, "fleet")
+    nodes = httpx.get(f"{served['url']}/v1/nodes", headers=served["h"]).json()
+    open_ = httpx.get(f"{served['url']}/v1/findings?status=open", headers=served["h"]).json()
+    blamed = {n for f in open_ for n in f["nodes"]}
+    cells = page.eval_on_selector_all(
+        ".cell[data-node]", "cs => cs.map(c => [c.dataset.node, c.dataset.state, c.textContent])")
+    assert sorted(c[0] for c in cells) == sorted(n["name"] for n in nodes)
+    assert len(cells) == FLEET["nodes"]
+    marked = {name for name, state, glyph in cells if state == "degraded" and glyph == "\u2715"}
+    assert "node-003" in marked and marked == blamed
+    listed = page.text_content("#incidents") or ""
+    assert all(n in listed for n in blamed)
+    shot(page, "fleet-degraded-node-marked")
+    # The filter keeps the degraded nodes alone.
+    page.select_option("#filter-state", "degraded")
+    visible = page.eval_on_selector_all(".cell[data-node]:not([hidden])", "cs => cs.map(c => c.dataset.node)")
+    assert set(visible) == blamed
+    shot(page, "fleet-filtered-to-degraded")
+
+
+def test_a_click_on_a_degraded_cell_opens_its_series(served, page) -> None:
+    login(page, served)
+    wait_drawn(page, "fleet")
+    page.click(".cell[data-node='node-003']")
+    wait_drawn(page, "series")
+    assert page.url.endswith("#/node/node-003")
+    selected = page.eval_on_selector("tr.link-row.selected", "r => r.dataset.status")
+    assert selected != "ok"  # the worst link first, and it is degraded
+    points = int(page.get_attribute("#series-chart", "data-points") or 0)
+    assert points > 0 and page.locator("#series-chart .point").count() == points
+    # Its slow points sit below the expected band, drawn as crosses.
+    assert page.locator("#series-chart .point.low").count() > 0
+    # The NVLink heatmap shows the slow GPU pair among those probed.
+    assert page.locator("#gpu-heatmap rect[data-pair='2,5'][data-status='degraded']").count() == 1
+    shot(page, "node-003-degraded-series")
+
+
+def test_network_map_shows_pairs_probed_and_not_yet(served, page) -> None:
+    login(page, served, "#/network")
+    wait_drawn(page, "network")
+    pairs = decode_pairs(httpx.get(f"{served['url']}/v1/fleet/pairs", headers=served["h"]).json())
+    total = FLEET["nodes"] * (FLEET["nodes"] - 1) // 2
+    coverage = page.text_content("#coverage") or ""
+    assert f"{len(pairs)} of {total} pairs probed" in coverage
+    assert 0 < len(pairs) < total
+    degraded = [p for p, (_, bad) in pairs.items() if bad]
+    assert page.locator("#degraded-pairs a").count() == len(degraded)
+    # An unprobed pair's pixel is grey, a probed one is not.
+    probed = set(pairs)
+    unprobed = next((i, j) for i in range(12) for j in range(i + 1, 12) if (i, j) not in probed)
+    i, j = next(iter(probed))
+    colours = page.evaluate("""([a, b]) => {
+        const c = document.getElementById('network-matrix'), n = 12, px = c.width / n;
+        // Near the cell's corner, clear of its text and of a degraded pair's ring.
+        const at = ([r, k]) => Array.from(c.getContext('2d').getImageData(
+            Math.floor((k + 0.12) * px), Math.floor((r + 0.12) * px), 1, 1).data);
+        return [at(a), at(b)];
+    }""", [[i, j], list(unprobed)])
+    assert colours[1][:3] == [228, 230, 234] and colours[0][:3] != [228, 230, 234]
+    shot(page, "network-pairs-probed")
+    if degraded:
+        page.click("#degraded-pairs a >> nth=0")
+        wait_drawn(page, "series")
+        assert int(page.get_attribute("#series-chart", "data-points") or 0) > 0
+        shot(page, "network-degraded-pair-series")
+
+
+def test_preflight_form_shows_the_verdict(served, page) -> None:
+    login(page, served, "#/preflight")
+    wait_drawn(page, "preflight")
+    page.fill("#pf-nodes", "\n".join(f"node-{i:03d} slots=8" for i in range(FLEET["nodes"])))
+    page.click("#preflight-form button[type=submit]")
+    wait_drawn(page, "verdict")
+    stored = httpx.post(f"{served['url']}/v1/preflight", headers=served["h"],
+                        json={"nodes": [f"node-{i:03d}" for i in range(FLEET["nodes"])]}).json()
+    assert page.get_attribute("#verdict-card", "data-healthy") == str(stored["healthy"]).lower()
+    assert stored["healthy"] is False and "node-003" in stored["exclude"]
+    assert (page.text_content("#pf-exclude") or "") == f"Exclude: {', '.join(stored['exclude'])}"
+    shot(page, "preflight-verdict-unhealthy")
+    # An unknown node is refused with the API's reason.
+    page.fill("#pf-nodes", "node-999")
+    page.click("#preflight-form button[type=submit]")
+    page.wait_for_selector("#pf-error")
+    assert "node-999" in (page.text_content("#pf-error") or "")
