@@ -70,6 +70,44 @@ def test_node_pairs_list_each_probed_pair_once_by_index(api) -> None:
     assert {bad for _, bad in pairs.values()} == {True, False}
 
 
+def test_the_pair_map_follows_each_batch_and_forgets_removed_links(api) -> None:
+    """The map is kept from read to read, patched with the pairs a batch touched: what a
+    later batch changes shows at once, judged over all of that pair's rows, and emptied
+    link rows are not shown from memory."""
+    from datetime import UTC, datetime, timedelta
+
+    from services.store import db
+
+    def pairs() -> dict:
+        return decode_pairs(api.get("/v1/fleet/pairs", headers=api.h["reader"]).json())
+
+    old = datetime.now(UTC) - timedelta(hours=1)
+    first = fleet_batch(nodes=4)
+    for m in first["measurements"]:
+        m["time"] = old.isoformat()
+    api.post("/v1/measurements", json=first, headers=api.h["agent"]).raise_for_status()
+    before = pairs()
+    assert len(before) == 6 and not any(bad for _, bad in before.values())
+    # An hour later node-002 is slow: its three pairs change, the others do not.
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-002", nodes=4),
+             headers=api.h["agent"]).raise_for_status()
+    api.post("/v1/measurements", json=fleet_batch(slow_node="node-002", nodes=4),
+             headers=api.h["agent"]).raise_for_status()
+    after = pairs()
+    slow = {k for k, (ratio, _) in after.items() if ratio is not None and ratio < 0.6}
+    assert slow == {(0, 2), (1, 2), (2, 3)}
+    assert {k for k, (_, bad) in after.items() if bad} == slow
+    # The link rows are emptied (a restored database, a cleared fleet): not shown from memory.
+    with db.transaction(api.app.state.session_factory) as s:
+        s.execute(text("TRUNCATE link_health RESTART IDENTITY"))
+    api.post("/v1/measurements", json=fleet_batch(nodes=3, slow_node="node-000"),
+             headers=api.h["agent"]).raise_for_status()
+    again = pairs()
+    assert set(again) == {(0, 1), (0, 2), (1, 2)}  # node-003's pairs are gone
+    assert {k for k, (ratio, _) in again.items() if ratio is not None and ratio < 0.6} == {
+        (0, 1), (0, 2)}
+
+
 def test_node_detail_has_inventory_nics_and_counters(api) -> None:
     batch = fleet_batch(nodes=2)
     batch["ranks"] = [{"node": "node-000", "local_index": g, "hostname": "h0", "gpu_name": "H100",

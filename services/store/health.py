@@ -213,12 +213,32 @@ def node_health(session: Session) -> list[Any]:
         ORDER BY n.name""")))
 
 
-def node_pairs(session: Session) -> list[Any]:
+def link_rows_mark(session: Session) -> tuple[int, int]:
+    """How many link rows there are and the newest id: either going down means rows were
+    removed (or the table emptied) since an earlier look."""
+    count, newest = session.execute(text(
+        "SELECT count(*), coalesce(max(id), 0) FROM link_health")).one()
+    return int(count), int(newest)
+
+
+def node_pairs(session: Session, since: datetime | None = None) -> list[Any]:
     """Each node pair probed as such (inter_node groups of two nodes): the worst ratio over
-    its ops and sizes, and whether any of them is degraded."""
+    its ops, groups and sizes, whether any of them is degraded, and when it was last
+    updated. With ``since``, only the pairs with a row updated after it, each still judged
+    over all its rows (found by ix_link_health_pair)."""
+    if since is None:
+        return list(session.execute(text("""
+            SELECT nodes[1] AS a, nodes[2] AS b, min(ratio) AS ratio,
+                   bool_or(status <> 'ok') AS degraded, max(updated_at) AS updated_at
+            FROM link_health
+            WHERE scope = 'inter_node' AND cardinality(nodes) = 2
+            GROUP BY nodes[1], nodes[2]""")))
     return list(session.execute(text("""
-        SELECT nodes[1] AS a, nodes[2] AS b, min(ratio) AS ratio,
-               bool_or(status <> 'ok') AS degraded
-        FROM link_health
-        WHERE scope = 'inter_node' AND cardinality(nodes) = 2
-        GROUP BY nodes[1], nodes[2]""")))
+        WITH touched AS (
+            SELECT DISTINCT nodes[1] AS a, nodes[2] AS b FROM link_health
+            WHERE updated_at > :since AND scope = 'inter_node' AND cardinality(nodes) = 2)
+        SELECT t.a, t.b, min(l.ratio) AS ratio, bool_or(l.status <> 'ok') AS degraded,
+               max(l.updated_at) AS updated_at
+        FROM touched t JOIN link_health l ON l.nodes[1] = t.a AND l.nodes[2] = t.b
+        WHERE l.scope = 'inter_node' AND cardinality(l.nodes) = 2
+        GROUP BY t.a, t.b"""), {"since": since}))

@@ -234,7 +234,11 @@ class LinkHealth(Base):
     __table_args__ = (UniqueConstraint("group_key", "op", name="uq_link_health_group_op"),
                       Index("ix_link_health_updated_at", "updated_at"),
                       Index("ix_link_health_not_ok", "status",
-                            postgresql_where=text("status <> 'ok'")))
+                            postgresql_where=text("status <> 'ok'")),
+                      # One node pair's rows (services.monitor.fleet.node_pairs).
+                      Index("ix_link_health_pair", text("(nodes[1])"), text("(nodes[2])"),
+                            postgresql_where=text("scope = 'inter_node' AND "
+                                                  "cardinality(nodes) = 2")))
 
     id: Mapped[int] = mapped_column(primary_key=True)
     group_key: Mapped[str] = mapped_column(Text)
