@@ -180,7 +180,8 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
     if kind not in FAULT_KINDS:
         raise ValueError(f"{where}: kind must be one of {', '.join(FAULT_KINDS)}, got {kind!r}")
     allowed = fault_fields(kind)
-    unknown = sorted(set(f) - set(allowed))
+    # A drift on a fault that has no rate is refused below with its own reason.
+    unknown = sorted(set(f) - set(allowed) - ({"drift"} if kind not in RATE_KINDS else set()))
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)} for a {kind} fault; "
                          f"it takes {', '.join(allowed)}")
