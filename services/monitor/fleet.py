@@ -110,9 +110,11 @@ class _PairMap:
 # The whole map is a scan of every node pair's link rows (2.5 s with all 523,776 pairs of
 # 1024 nodes probed); a cycle updates a few thousand, read by their updated_at index.
 PAIR_MAP_REBUILD_S = 600.0
-# Re-read this much before the newest update seen: a batch whose transaction began before
-# the last read but committed after it stamps its rows earlier than they became visible.
-PAIR_MAP_OVERLAP = timedelta(minutes=2)
+# Re-read this much before the newest update seen: batches stamp their rows with their
+# newest measurement's time, so two scheduler batches stored close together may land a
+# little out of order. One that arrives later still (shipped from a spool after an outage)
+# shows at the next whole rebuild.
+PAIR_MAP_OVERLAP = timedelta(seconds=10)
 _pair_maps: dict[str, _PairMap] = {}
 _pair_lock = threading.Lock()
 
