@@ -231,6 +231,13 @@ def test_an_address_where_nothing_listens_is_refused_with_how_to_start_ray(env) 
     assert time.monotonic() - started < 120  # not Ray's minutes-long wait (the timeout)
 
 
+def test_auto_pointing_at_a_head_that_is_gone_is_refused_the_same_way(env) -> None:
+    gone = f"127.0.0.1:{free_port()}"
+    r = cli("probe", "--address", "auto", env={**env, "RAY_ADDRESS": gone}, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert f"nothing answers at --address auto ({gone})" in r.stderr
+
+
 def test_an_injected_fault_outside_the_cluster_is_refused_before_it_starts(env) -> None:
     r = cli("probe", "--local", "2", "--inject", '{"kind": "slow", "node": "node-007"}', env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1

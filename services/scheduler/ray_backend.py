@@ -516,14 +516,38 @@ class RayBackend:
         self.close()
 
 
+# Where a Ray head started with `ray start --head` on this machine writes its address, and
+# so where Ray's own "auto" looks after RAY_ADDRESS.
+RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
+
+
+def _auto_address() -> str | None:
+    """The address ``--address auto`` resolves to, as Ray resolves it: RAY_ADDRESS, else the
+    address the newest local head wrote; None when neither says."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    try:
+        return RAY_CURRENT_CLUSTER.read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _check_listening(address: str, hint: str, timeout_s: float = 5.0) -> None:
     """A HOST:PORT address where nothing listens is refused at once: Ray itself would wait
-    minutes for its control store before giving up."""
+    minutes for its control store before giving up. ``auto`` is checked where it points
+    (a head that has gone leaves its address behind)."""
+    named = address
+    if address == "auto":
+        resolved = _auto_address()
+        if resolved is None:
+            return  # nothing to check: Ray says at once that it found no cluster
+        named = f"auto ({resolved})"
+        address = resolved
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address:
-        return  # "auto", a ray:// client address: Ray's own lookup says what is wrong
+        return  # a ray:// client address: Ray's own connection says what is wrong
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise ProbeSetupError(f"nothing answers at --address {address} ({exc.strerror or exc}): "
+        raise ProbeSetupError(f"nothing answers at --address {named} ({exc.strerror or exc}): "
                               f"{hint}") from None
