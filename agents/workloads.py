@@ -173,6 +173,11 @@ class JobLayout:
     def to_dict(self) -> dict[str, int | None]:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, int | None]) -> JobLayout:
+        """``to_dict`` undone; an unset degree takes its default (pp 1)."""
+        return cls(tp=d.get("tp"), pp=d.get("pp") or 1, dp=d.get("dp"))
+
 
 def disjoint_rounds(groups: Sequence[tuple[str, ...]]) -> list[list[tuple[str, ...]]]:
     """Groups packed greedily into rounds whose groups share no rank (pipeline pairs

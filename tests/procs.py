@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from services.cli.api_process import free_port, start_api, stop
 
-__all__ = ["cli", "free_port", "start_server", "stop_server"]
+__all__ = ["api_env", "cli", "free_port", "start_server", "stop_server"]
+
+
+def api_env(database_url: str, state_dir: Path, token: str) -> dict[str, str]:
+    """The environment of a real API process and the CLI that talks to it: its database,
+    a free port, ``token`` as the bootstrap admin token and the one the CLI sends."""
+    return {**os.environ, "RINGWATCH_DATABASE_URL": database_url,
+            "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}", "RINGWATCH_TOKEN": token,
+            "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": token, "RINGWATCH_STATE_DIR": str(state_dir)}
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:

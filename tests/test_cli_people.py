@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.api_fixtures import fleet_batch
-from tests.procs import cli, free_port, start_server, stop_server
+from tests.procs import api_env, cli, start_server, stop_server
 
 ADMIN = "rw_people_" + uuid.uuid4().hex
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -24,9 +24,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 @pytest.fixture
 def server(database_url, clean_db, tmp_path):
-    env = {**os.environ, "RINGWATCH_DATABASE_URL": database_url,
-           "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}", "RINGWATCH_TOKEN": ADMIN,
-           "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": ADMIN, "RINGWATCH_STATE_DIR": str(tmp_path)}
+    env = api_env(database_url, tmp_path, ADMIN)
     proc = start_server(env)
     yield env
     stop_server(proc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,16 +17,14 @@ from services.scheduler.api_client import SchedulerApi
 from services.scheduler.cycle import ProbeOptions, serve_preflight
 from services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
-from tests.procs import free_port, start_server, stop_server
+from tests.procs import api_env, start_server, stop_server
 
 ADMIN = "rw_sched_" + uuid.uuid4().hex
 
 
 @pytest.fixture
 def server(database_url, clean_db, tmp_path):
-    env = {**os.environ, "RINGWATCH_DATABASE_URL": database_url,
-           "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}", "RINGWATCH_TOKEN": ADMIN,
-           "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": ADMIN, "RINGWATCH_STATE_DIR": str(tmp_path)}
+    env = api_env(database_url, tmp_path, ADMIN)
     proc = start_server(env)
     yield env
     stop_server(proc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -12,17 +11,14 @@ import pytest
 
 from services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
-from tests.procs import cli, free_port, start_server, stop_server
+from tests.procs import api_env, cli, free_port, start_server, stop_server
 
 ADMIN = "rw_admin_" + uuid.uuid4().hex
 
 
 @pytest.fixture
 def env(database_url: str, clean_db, tmp_path: Path) -> dict[str, str]:
-    port = free_port()
-    return {**os.environ, "RINGWATCH_DATABASE_URL": database_url,
-            "RINGWATCH_API_URL": f"http://127.0.0.1:{port}", "RINGWATCH_TOKEN": ADMIN,
-            "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": ADMIN, "RINGWATCH_STATE_DIR": str(tmp_path)}
+    return api_env(database_url, tmp_path, ADMIN)
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsD
     ran (docs/workloads.md). A layout that cannot fit the nodes' GPUs is a 422.
     A token may have RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN requests waiting at once
     (429 with Retry-After beyond)."""
-    job = JobLayout(tp=body.tp, pp=body.pp or 1, dp=body.dp)
+    job = JobLayout.from_dict(body.model_dump(include={"tp", "pp", "dp"}))
     out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url,
                                   confirm=body.confirm, token_id=who.token_id,
                                   max_waiting=settings.max_pending_preflights_per_token,

@@ -88,11 +88,12 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
                          address=args.address, injected=injected,
                          temp_dir=get_settings().state_dir / "ray", progress=progress,
                          repeats=_repeats(args, name), cuda_graph=getattr(args, "cuda_graph", True))
-    try:
-        _check_injected(injected, {(r.node, r.local_index) for r in backend.ranks()})
-    except CliError:
-        backend.close()
-        raise
+    if args.address:  # a joined cluster's ranks are known once it is joined
+        try:
+            _check_injected(injected, {(r.node, r.local_index) for r in backend.ranks()})
+        except CliError:
+            backend.close()
+            raise
     return backend
 
 

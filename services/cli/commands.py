@@ -458,7 +458,15 @@ def _job_layout(args: argparse.Namespace):
     bad = [f"--{k} {v}" for k, v in given.items() if v < 1]
     if bad:
         raise CliError(f"{', '.join(bad)}: parallel degrees are >= 1")
-    return JobLayout(tp=given.get("tp"), pp=given.get("pp", 1), dp=given.get("dp"))
+    return JobLayout.from_dict(given)
+
+
+def _require_reader_token(settings: Any) -> None:
+    """Commands that ask the API say so when there is no token to ask with (an empty one
+    would reach the HTTP library as a malformed header)."""
+    if not settings.token:
+        raise CliError(f"RINGWATCH_TOKEN is not set: set it to a reader token for the API at "
+                       f"{settings.api_url} (ringwatch token create --role reader)")
 
 
 def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
@@ -466,9 +474,7 @@ def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
     """Ask the API; while a scheduler probes, poll with progress until the verdict is in.
     ``workload``: the profile and the job's tp/pp/dp (a scheduler then always probes)."""
     settings = get_settings()
-    if not settings.token:
-        raise CliError(f"RINGWATCH_TOKEN is not set: set it to a reader token for the API at "
-                       f"{settings.api_url} (ringwatch token create --role reader)")
+    _require_reader_token(settings)
     headers = {"Authorization": f"Bearer {settings.token}"}
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=settings.api_url, headers=headers, timeout=60) as client:
@@ -509,9 +515,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from services.cli import status
 
     settings = get_settings()
-    if not settings.token:
-        raise CliError(f"RINGWATCH_TOKEN is not set: set it to a reader token for the API at "
-                       f"{settings.api_url} (ringwatch token create --role reader)")
+    _require_reader_token(settings)
     with httpx.Client(base_url=settings.api_url, timeout=30,
                       headers={"Authorization": f"Bearer {settings.token}"}) as client:
         fleet = status.fetch(client)

@@ -107,8 +107,9 @@ class _PairMap:
     mark: tuple[int, int] = (0, 0)
 
 
-# The whole map is a scan of every node pair's link rows (2.5 s with all 523,776 pairs of
-# 1024 nodes probed); a cycle updates a few thousand, read by their updated_at index.
+# The whole map is a scan of every node pair's link rows (seconds with all 523,776 pairs of
+# 1024 nodes probed: bench.run ui); a cycle updates a few thousand, found by their
+# updated_at index.
 PAIR_MAP_REBUILD_S = 600.0
 # Re-read this much before the newest update seen: batches stamp their rows with their
 # newest measurement's time, so two scheduler batches stored close together may land a

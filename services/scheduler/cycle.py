@@ -140,12 +140,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
                         warmup=options.warmup, iters=options.iters, redop=options.redop),
             progress)
         summary["ok"] = not summary["findings"]
-        run.rounds += job_run.rounds
-        run.fabric_s += job_run.fabric_s
-        run.measurements += job_run.measurements
-        run.probe_findings += job_run.probe_findings
-        for m, seconds in job_run.busy_s.items():
-            run.busy_s[m] = run.busy_s.get(m, 0.0) + seconds
+        run.absorb(job_run)
     after = read() if read else {}
     nvml, snapshots = _counter_findings(before, after)
     return CycleResult(
@@ -253,12 +248,7 @@ class DutyCycle:
         return owed
 
     def fractions(self) -> dict[str, float]:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
-        per_node: dict[str, float] = {}
-        for member, seconds in self.busy_s.items():
-            node = member.split("/")[0]
-            per_node[node] = max(per_node.get(node, 0.0), seconds / elapsed)
-        return {n: round(v, 6) for n, v in sorted(per_node.items())}
+        return shares(self.busy_s, time.monotonic() - self.started)
 
 
 class Lease:
@@ -291,7 +281,8 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     if missing:
         api.complete_preflight(req["id"], error=f"nodes not in this cluster: {', '.join(missing)}")
         return True
-    profile, job = req.get("profile"), _job_of(req.get("job"))
+    profile = req.get("profile")
+    job = JobLayout.from_dict(req["job"]) if req.get("job") else None
     if progress:
         progress(f"preflight {req['id'][:8]}: probing {len(req['nodes'])} node(s)"
                  + (f" as a {profile} job" if profile else ""))
@@ -327,7 +318,7 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     return True
 
 
-def _shares(busy_s: dict[str, float], period_s: float) -> dict[str, float]:
+def shares(busy_s: dict[str, float], period_s: float) -> dict[str, float]:
     """Each node's busiest rank's seconds in groups, as a share of ``period_s``."""
     per_node: dict[str, float] = {}
     for member_name, seconds in busy_s.items():
@@ -355,13 +346,6 @@ def _workload_note(summary: dict[str, Any] | None) -> str:
     return (f", {summary['profile']} job groups: "
             + (f"{len(found)} workload finding(s) ({', '.join(sorted({f['kind'] for f in found}))})"
                if found else "ok"))
-
-
-def _job_of(given: dict[str, Any] | None) -> JobLayout | None:
-    """A request's parallel layout (``job``: tp, pp, dp; unset degrees take the defaults)."""
-    if not given:
-        return None
-    return JobLayout(tp=given.get("tp"), pp=given.get("pp") or 1, dp=given.get("dp"))
 
 
 def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
@@ -398,7 +382,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 # each node spent since the scheduler started.
                 period = cycle.wall_time_s + max(wait, floor)
                 share = held / max(period, 1e-9)
-                cycle.duty_cycle = so_far or _shares(cycle.busy_s, period)
+                cycle.duty_cycle = so_far or shares(cycle.busy_s, period)
                 batch = cycle.to_batch()
                 left = shipper.ship(batch)
                 cycles += 1

@@ -78,6 +78,15 @@ class Rounds:
         self.measurements += result.measurements
         self.probe_findings += result.findings
 
+    def absorb(self, other: Rounds) -> None:
+        """Count ``other``'s rounds (another phase of the same check) as this one's."""
+        self.rounds += other.rounds
+        self.fabric_s += other.fabric_s
+        self.measurements += other.measurements
+        self.probe_findings += other.probe_findings
+        for m, seconds in other.busy_s.items():
+            self.busy_s[m] = self.busy_s.get(m, 0.0) + seconds
+
 
 @dataclass
 class AdaptiveRun(Rounds):
@@ -197,36 +206,31 @@ def check(
     shape = shaped(fabric_ops(work, ops) if work else ops, sizes)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
                        max_rounds=max_rounds, progress=progress, label=label, history=history)
-    measured = list(run.measurements)
-    busy = dict(run.busy_s)
     if work is None or job is None:
-        return Checked(verdict_of(run, backend.name, list(layout)), measured,
-                       run.probe_findings, busy)
+        return Checked(verdict_of(run, backend.name, list(layout)), run.measurements,
+                       run.probe_findings, run.busy_s)
     job_run, summary = run_job(backend, work, job, layout, ranks,
                                shaped(work.ops, work.sizes), progress)
-    # What the job's groups showed of the ranks themselves (a hang, wrong data, an error)
-    # is a finding like any other; their speed is the workload section's.
-    run.judgement = replace(run.judgement,
-                            findings=run.judgement.findings + job_run.probe_findings)
-    run.rounds += job_run.rounds
-    run.fabric_s += job_run.fabric_s
-    for m, seconds in job_run.busy_s.items():
-        busy[m] = busy.get(m, 0.0) + seconds
     # The identity on the fabric check's own groups too (fsdp runs all three ops there):
-    # a node's AllReduce off its halves is named by its intra-node group.
+    # a node's AllReduce off its halves is named by its intra-node group. Taken before the
+    # job's measurements join the run (their identity is judge_job's).
     if work.identity_sizes:
         table, off = identity(run.measurements, {m.group: m.scope for m in run.measurements},
                               shape.sizes)
         summary["identity"] = table + summary["identity"]
         summary["findings"] = [f.to_dict() for f in off] + summary["findings"]
+    run.absorb(job_run)
+    # What the job's groups showed of the ranks themselves (a hang, wrong data, an error)
+    # is a finding like any other; their speed is the workload section's.
+    run.judgement = replace(run.judgement,
+                            findings=run.judgement.findings + job_run.probe_findings)
     verdict = verdict_of(run, backend.name, list(layout))
     # The job asked whether its traffic runs well here: a communicator slower than its
     # peers, or an AllReduce off its halves, says no even where no link is to blame.
     summary["ok"] = not summary["findings"]
     verdict["healthy"] = verdict["healthy"] and summary["ok"]
     verdict["workload"] = summary
-    return Checked(verdict, measured + job_run.measurements,
-                   run.probe_findings + job_run.probe_findings, busy)
+    return Checked(verdict, run.measurements, run.probe_findings, run.busy_s)
 
 
 def resolve_job(job: JobLayout | None, layout: Mapping[str, Sequence[int]]) -> JobLayout:
