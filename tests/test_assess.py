@@ -14,6 +14,7 @@ from services.analyzer.assess import (
     leave_one_out_quantile,
     link_key,
     own_normal,
+    weighted_leave_one_out_quantile,
 )
 from services.analyzer.localize import group_verdicts
 
@@ -125,3 +126,29 @@ def test_leave_one_out_quantile_matches_numpy(values, q):
     for i in range(v.size):
         want = np.quantile(np.delete(v, i), q)
         assert abs(got[i] - want) <= 1e-9 * max(1.0, abs(want))
+
+
+def test_a_node_re_paired_many_times_does_not_drag_its_peers_centre_down():
+    # Eight healthy node pairs, and a slow NIC on node-040 that the check re-paired with
+    # nine partners: more slow pairs than healthy ones.
+    healthy = [meas(pair(2 * i, 2 * i + 1), 100.0) for i in range(8)]
+    slow = [meas(pair(40, 41 + i), 80.0) for i in range(9)]
+    out = assess(healthy + slow)
+    # Each node counts about once: node-040's nine pairs weigh as much as one.
+    assert {a.expected_gbs for a in out} == {100.0}
+    assert all(a.ratio == 0.8 for a in out[8:])
+    # Unweighted, the slow pairs' median peer would be halfway between.
+    values = np.array([m.busbw_gbs for m in [*healthy, *slow]])
+    assert leave_one_out_quantile(values, 0.5)[-1] == 90.0
+
+
+@given(st.lists(st.floats(1.0, 100.0), min_size=2, max_size=30), st.floats(0.0, 1.0))
+def test_the_weighted_leave_one_out_quantile_with_equal_weights_is_a_quantile_of_the_rest(
+        values, q):
+    v = np.array(values)
+    got = weighted_leave_one_out_quantile(v, np.ones(v.size), q)
+    for i in range(v.size):
+        rest = np.sort(np.delete(v, i))
+        # The smallest of the others whose share of them, counted from below, reaches q.
+        k = max(int(np.ceil(q * rest.size - 1e-9)) - 1, 0)
+        assert got[i] == rest[k]

@@ -3,6 +3,7 @@ on seeded noise so each rate below is the same every run."""
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -152,6 +153,21 @@ def test_a_group_its_lasting_offset_keeps_undecided_stops_before_its_repeats_run
     # Under 8 % noise the mean of two may yet move either way: measured again.
     early = weigh([0.93, 0.95], noise=0.08, variation=0.03, centre_se=0.0, w=W)
     assert early.decision == UNDECIDED and early.pending
+    # Five at 3.5 % under, under 8 % noise, lean healthy without reaching the healthy bound;
+    # fifteen repeats more could not carry their mean to the slow one: cleared now, not
+    # after all twenty.
+    low_end = weigh([0.965] * 5, noise=0.08, variation=0.03, centre_se=0.0, w=W,
+                    early_clear=True)
+    assert low_end.llr > W.lower and low_end.decision == HEALTHY and not low_end.pending
+    # A node pair cleared proves both its NICs, and a union of many paths is slowed by a
+    # slow path far less than the path's loss: the same five readings leave either
+    # measured on while the healthy bound is in reach.
+    vouching = weigh([0.965] * 5, noise=0.08, variation=0.03, centre_se=0.0, w=W)
+    assert vouching.decision == UNDECIDED and vouching.pending
+    # Two that lean healthy by a hair leave the slow bound in reach: measured on.
+    unsure = weigh([0.98, 0.92], noise=0.08, variation=0.03, centre_se=0.0, w=W,
+                   early_clear=True)
+    assert unsure.llr <= 0 and unsure.decision == UNDECIDED and unsure.pending
     # The log-likelihood ratio says which way the evidence leans.
     assert slow_side.llr > 0 > stuck.llr
 
@@ -208,3 +224,26 @@ def test_a_union_is_expected_at_its_slowest_path() -> None:
     # 1024 nodes: half a million paths, the least of them about 4.8 sigmas down.
     assert shares[-1] == pytest.approx(np.exp(-0.03 * 4.8), rel=0.01)
     assert slowest_path_share(64, 0.0) == 1.0
+
+
+def test_the_noise_is_measured_from_repeats_the_first_reading_did_not_select() -> None:
+    from services.analyzer.localize import group_verdicts, measured_noise
+
+    rng = np.random.default_rng(5)
+    # 200 links under 8 % noise, 3 % apart for good. A check repeats the ones whose first
+    # reading was far from the rest (a quarter of them), three times more each.
+    offsets = 1 + rng.normal(0, 0.03, 200)
+    firsts = offsets * np.exp(rng.normal(0, 0.08, 200))
+    far = np.argsort(np.abs(np.log(firsts)))[-50:]
+    ms = [intra_group(n, 100 * f) for n, f in enumerate(firsts)]
+    ms += [intra_group(int(n), 100 * offsets[n] * math.exp(rng.normal(0, 0.08)))
+           for n in far for _ in range(3)]
+    noise = measured_noise(group_verdicts(assess(ms), W).values())["allreduce"]
+    # The repeats' own scatter: 8 %, not the far first readings' distance from them.
+    assert 0.065 < noise < 0.09
+    # Counted in, those first readings would have read the noise a fifth larger.
+    with_firsts = [np.log([f * 100, *(100 * offsets[n] * np.exp(rng.normal(0, 0.08, 3)))])
+                   for n, f in zip(far, firsts[far], strict=True)]
+    pooled = math.sqrt(sum(((x - x.mean()) ** 2).sum() for x in with_firsts)
+                       / sum(x.size - 1 for x in with_firsts))
+    assert pooled > 1.15 * noise

@@ -350,3 +350,30 @@ def test_a_few_past_values_that_agree_by_chance_are_not_trusted_past_the_noise()
     assert out.source == "history" and out.expected_gbs == pytest.approx(105.0)
     assert out.spread > 0.04
     assert out.centre_se > 1.2 * 0.04 / math.sqrt(5)
+
+
+def test_a_pair_slow_on_one_op_only_is_not_named_a_path():
+    rng = random.Random(11)
+    healthy = {(2 * i, 2 * i + 1): 100.0 * (1 + rng.uniform(-0.03, 0.03)) for i in range(20)}
+    healthy |= {(40, 41): 100.0, (44, 45): 100.0}
+
+    def both_ops(pairs: dict[tuple[int, int], float]) -> list[Measurement]:
+        ms = measured_pairs(pairs, rng)
+        return ms + [dataclasses.replace(m, op="alltoall") for m in measured_pairs(pairs, rng)]
+
+    def at(a: int, b: int, op: str, busbw: float) -> Measurement:
+        return dataclasses.replace(node_pair(a, b, busbw), op=op)
+
+    # AllReduce read 20 % under three times on the pair; AllToAll, over the same path,
+    # read as its peers do: a rare run of one op's noise, not a path.
+    one_op = [at(40, 44, "allreduce", 80.0) for _ in range(3)]
+    one_op += [at(40, 44, "alltoall", busbw) for busbw in (98.0, 101.0, 99.0)]
+    j = judge(both_ops(healthy) + one_op, [], thresholds=SIM)
+    pair = next(v for v in j.verdicts.values() if set(v.nodes) == {"node-040", "node-044"})
+    assert pair.decisions["allreduce"].degraded
+    assert "net_path_degraded" not in {f.kind for f in j.findings}
+    # Both ops 20 % under: the path.
+    slow = [at(40, 44, op, 80.0) for op in ("allreduce", "alltoall") for _ in range(3)]
+    j = judge(both_ops(healthy) + slow, [], thresholds=SIM)
+    assert [f.nodes for f in j.findings if f.kind == "net_path_degraded"] == [
+        ["node-040", "node-044"]]

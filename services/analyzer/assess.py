@@ -14,7 +14,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from agents.spec import Measurement
+from agents.spec import Measurement, nodes_of
 from agents.spec import series_op as spec_series_op
 from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing
 
@@ -165,6 +165,45 @@ def leave_one_out_quantile(values: np.ndarray, q: float) -> np.ndarray:
     return v_lo + frac * (v_hi - v_lo)
 
 
+def weighted_leave_one_out_quantile(values: np.ndarray, weights: np.ndarray,
+                                    q: float) -> np.ndarray:
+    """For each value, the weighted q-quantile of all the others: the smallest value whose
+    share of the others' weight, counted from below, reaches q."""
+    k = values.size
+    if k < 2:
+        return np.full(k, np.nan)
+    order = np.argsort(values, kind="stable")
+    s, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    total = cum[-1]
+    out_sorted = np.empty(k)
+    for r in range(k):
+        target = q * (total - w[r])
+        j = int(np.searchsorted(cum, target, side="left"))
+        if j >= r:
+            # Past the one left out: the others' running weight is short of it by w[r].
+            j = max(int(np.searchsorted(cum, target + w[r], side="left")), r + 1)
+            j = j if j < k else r - 1
+        out_sorted[r] = s[j]
+    out = np.empty(k)
+    out[order] = out_sorted
+    return out
+
+
+def node_weights(groups: Sequence[tuple[str, ...]]) -> np.ndarray:
+    """Each group's weight among its peers: one over the number of peer groups its busiest
+    node is in. A check re-pairs a suspect node with partner after partner, and in a small
+    fleet those pairs can be a third of all the node pairs; weighted so, each node counts
+    about once, and a slow NIC's many pairs do not drag the centre its pairs are judged
+    against down to them."""
+    degree: dict[str, int] = defaultdict(int)
+    nodes = [set(nodes_of(g)) for g in groups]
+    for ns in nodes:
+        for n in ns:
+            degree[n] += 1
+    return np.array([1.0 / max((degree[n] for n in ns), default=1) for ns in nodes])
+
+
 def judged_flags(measurements: Sequence[Measurement]) -> list[bool]:
     """True for the largest size each group ran an op at: smaller sizes are latency-bound."""
     largest: dict[tuple[str, str, tuple[str, ...]], int] = {}
@@ -200,7 +239,10 @@ def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds
         few = len(idx) - 1 < t.median_peers
         q = t.peer_quantile if few else 0.5
         spread = _relative_spread(values)
-        for ix, e in zip(idx, leave_one_out_quantile(values, q), strict=True):
+        weights = node_weights(list(groups))
+        centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
+                   else weighted_leave_one_out_quantile(values, weights, q))
+        for ix, e in zip(idx, centres, strict=True):
             if np.isfinite(e) and e > 0:
                 centre = PeerCentre(float(e), spread, len(idx) - 1)
                 for i in ix:

@@ -118,9 +118,9 @@ class Weighing:
     # How far below its peers a link's own normal may sit and still be its normal, in
     # between-link standard deviations (assess._choose).
     band_z: float = 2.5
-    # Futility: a group stops being re-measured once no plausible mean (its own within
-    # this many standard errors of the noise) could pass either bound by ``max_repeats``:
-    # its lasting offset, not the noise, is what keeps it undecided.
+    # Futility: a group stops being re-measured once neither bound lies within this many
+    # standard deviations of the mean its repeats so far predict at ``max_repeats``: its
+    # lasting offset, not the noise, is what keeps it undecided.
     futility_z: float = 2.0
     # A group whose verdict only steers the plan (the world group, the path search's
     # unions, an intra-node group) is followed up instead of re-measured once its
@@ -207,7 +207,7 @@ def by_majority(bad: Sequence[bool], w: Weighing) -> Decision:
 
 
 def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se: float,
-          w: Weighing, futility: bool = True) -> Decision:
+          w: Weighing, futility: bool = True, early_clear: bool = False) -> Decision:
     """Decide on a group's ratios to its expectation: healthy, degraded, or not yet.
 
     The mean ``m`` of the n log ratios is normal about ``log(1 - loss)`` with variance
@@ -219,7 +219,12 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     whose lasting offset alone could explain its mean is never decided degraded, however
     often it is measured: it stays undecided (a suspect) when its repeats run out, or as
     soon as no plausible mean could pass either bound by then (``futility``; off while the
-    variance itself is a stand-in that repeats will sharpen).
+    variance itself is a stand-in that repeats will sharpen). ``early_clear``: one leaning
+    healthy also stops, cleared, once the slow bound alone is out of reach: for one link,
+    on which a loss shows in full (a GPU pair; a node pair on enough readings, since
+    cleared it proves both its NICs); never for a group that runs at its slowest of many
+    edges (a node's intra-node ring, a union of paths), a few percent under its
+    expectation when one edge of it is 15 % slow.
     """
     n = len(ratios)
     if n == 0:
@@ -231,13 +236,23 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     llr = _llr(m, s2, w)
     exhausted = n >= w.max_repeats
     if futility and not exhausted and w.lower < llr <= 0:
-        # Leaning healthy: would more repeats decide it? Only the noise term shrinks; the
-        # mean may yet move by a few of its standard errors (llr falls as m rises). One
-        # leaning slow is measured on: a loss that is there shows itself with repeats.
-        s2_end = floor + noise ** 2 / w.max_repeats
-        reach = w.futility_z * noise / math.sqrt(n)
-        exhausted = (_llr(m - reach, s2_end, w) < w.upper
-                     and _llr(m + reach, s2_end, w) > w.lower)
+        # Leaning healthy: would the repeats left decide it? Only the noise term shrinks.
+        big_n = w.max_repeats
+        s2_end = floor + noise ** 2 / big_n
+        if early_clear:
+            # The mean they would end at is predicted by the repeats so far (its spread
+            # shrinks to 0 at the last repeat); if the slow bound is not within
+            # ``futility_z`` of that spread, no loss can show: cleared now, as it would
+            # be when its repeats ran out.
+            reach = w.futility_z * noise * math.sqrt((big_n - n) / (n * big_n))
+            exhausted = _llr(m - reach, s2_end, w) < w.upper
+        else:
+            # Stopped only where no plausible mean (its own within ``futility_z``
+            # standard errors) could pass either bound by the last repeat. One leaning
+            # slow is measured on: a loss that is there shows itself with repeats.
+            reach = w.futility_z * noise / math.sqrt(n)
+            exhausted = (_llr(m - reach, s2_end, w) < w.upper
+                         and _llr(m + reach, s2_end, w) > w.lower)
     # No repeat would decide an exhausted group that is more likely healthy than not:
     # nothing to follow up.
     decision = _decide(llr, w, healthy_lean=exhausted)

@@ -85,7 +85,15 @@ class GroupVerdict:
         else:
             variation = self.lasting_variation(live)
         return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
-                     centre_se=centre_se, w=self.weighing, futility=measured)
+                     centre_se=centre_se, w=self.weighing, futility=measured,
+                     early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS)
+
+    @property
+    def is_one_link(self) -> bool:
+        """A GPU pair or a node pair: a fault on it shows in full. A node's intra-node ring
+        and a union of many paths run at their slowest edge, so a fault on one of those
+        takes only part of its loss off the group."""
+        return len(self.members) == 2 or (self.scope == "inter_node" and len(self.nodes) == 2)
 
     def lasting_variation(self, live: list[Assessment]) -> float:
         """How far a healthy group like this one sits from its expectation for good: the
@@ -212,12 +220,17 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
 
 
 def measured_noise(verdicts: Iterable[GroupVerdict]) -> dict[str, float]:
-    """Per op, the noise of one measurement, pooled over the groups measured more than once."""
+    """Per op, the noise of one measurement, pooled over the groups measured more than once.
+
+    A group's first reading is what decided whether it was measured again (one far from
+    its expectation is repeated, one near it may be cleared at once), so it is left out
+    where the group has two more: their scatter is not selected on."""
     series: dict[str, list[list[float]]] = defaultdict(list)
     for v in verdicts:
         for op, items in v.by_op.items():
             if len(items) >= 2:
-                series[op].append([a.measurement.busbw_gbs for a in items])
+                kept = items[1:] if len(items) >= 3 else items
+                series[op].append([a.measurement.busbw_gbs for a in kept])
     out = {}
     for op, values in series.items():
         sigma = pooled_noise(values)
@@ -370,6 +383,13 @@ def _two_node(verdicts: dict[GroupKey, GroupVerdict], blamed: set[str]) -> list[
 # A node pair's lasting offset from its peers is partly each end's own (its NIC) and partly
 # the rest (the partner's NIC, the path): the share of its variance taken as the rest.
 OWN_SHARE_OTHER = 0.5
+# A link is cleared before its healthy bound (once a loss is out of reach,
+# ``evidence.weigh``'s ``early_clear``) only on this many readings. A node pair cleared
+# proves both its NICs, and one lucky reading must not prove a slow NIC; and the run's
+# noise is measured from the groups it repeats: were those only the ones whose first
+# reading was far off, the noise would read high, the between-link variation low, and
+# healthy links at the low end of the spread would be decided slow.
+EARLY_CLEAR_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -536,9 +556,34 @@ def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
     for v in pairs:
         if not v.bad or doubtful.intersection(v.nodes):
             continue
-        if all(_proven_without(n, v, of_node[n]) for n in v.nodes):
+        if all(_proven_without(n, v, of_node[n]) for n in v.nodes) and _on_every_op(v):
             out.append(v)
     return out
+
+
+def _on_every_op(slow: GroupVerdict) -> bool:
+    """Slow on every op it ran, weighed together: a slow path carries all of a pair's
+    traffic, so it slows each op the pair ran, not one. In a large check the pairs are many
+    and each op of each is weighed on its own, so now and then one op of one pair reads
+    slow enough to pass the bound by chance; the path is named only if the ops' mean
+    shortfall passes it too (the pair's lasting offset counted once, each op's noise its
+    own)."""
+    if not slow.weighing.sequential:
+        return True
+    means, noise_terms, floors = [], [], []
+    for op in sorted(slow.decisions):
+        x = _pair_mean(slow, op)
+        if x is None:
+            continue
+        means.append(x.mean)
+        noise_terms.append(x.own_variance - OWN_SHARE_OTHER * x.variation ** 2)
+        floors.append(x.variation ** 2 + x.centre_se ** 2)
+    if len(means) < 2:
+        return True
+    k = len(means)
+    s2 = max(floors) + sum(noise_terms) / k ** 2
+    repeats = sum(d.repeats for d in slow.decisions.values())
+    return weigh_mean(sum(means) / k, s2, repeats, slow.weighing).degraded
 
 
 def _proven_without(node: str, slow: GroupVerdict, groups: list[GroupVerdict]) -> bool:

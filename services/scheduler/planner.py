@@ -240,6 +240,8 @@ class AdaptivePlanner:
         self.world: GroupSpec | None = None
         self.active: list[_Issued] = []
         self.search_started = False
+        # The world group was slow (or undecided) and the path search ran.
+        self.searched = False
 
     def next_round(self, verdicts: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """The next round's groups; empty when preflight is done."""
@@ -295,7 +297,9 @@ class AdaptivePlanner:
             groups = self._search(v)
             if groups:
                 return groups
-            self.phase, self.repairs = "confirm", 0
+            # What the search found gets its own re-pair rounds; a fleet whose world group
+            # was cleared has nothing new to confirm (its NICs had their re-pair rounds).
+            self.phase, self.repairs = "confirm", 0 if self.searched else MAX_REPAIR_ROUNDS
         if self.phase == "confirm":
             groups = self._repair(v, blamed) if self.repairs < MAX_REPAIR_ROUNDS else []
             self.repairs += 1
@@ -417,6 +421,7 @@ class AdaptivePlanner:
             self.search_started = True
             if not _suspect(v, "world", self.world.members):
                 return []
+            self.searched = True
             live = tuple(sorted(nodes_of_members(self.world.members)))
             self.active = [_Issued(("within", live, ()))]
         self.active = [a for item in self.active for a in self._advance(item, v)]
