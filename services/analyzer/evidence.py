@@ -118,9 +118,10 @@ class Weighing:
     # How far below its peers a link's own normal may sit and still be its normal, in
     # between-link standard deviations (assess._choose).
     band_z: float = 2.5
-    # Futility: a group stops being re-measured once neither bound lies within this many
-    # standard deviations of the mean its repeats so far predict at ``max_repeats``: its
-    # lasting offset, not the noise, is what keeps it undecided.
+    # Futility: a group leaning healthy stops being re-measured once no mean within this
+    # many standard errors of its own could pass either bound by ``max_repeats`` (its
+    # lasting offset, not the noise, keeps it undecided); one link, once the slow bound is
+    # not within this many spreads of the mean its repeats predict (``weigh``).
     futility_z: float = 2.0
     # A group whose verdict only steers the plan (the world group, the path search's
     # unions, an intra-node group) is followed up instead of re-measured once its
