@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from services.cli.api_process import free_port, start_api, stop
 
-__all__ = ["api_env", "cli", "free_port", "start_server", "stop_server"]
+__all__ = ["api_env", "cli", "free_port", "running_api", "start_server", "stop_server"]
 
 
 def api_env(database_url: str, state_dir: Path, token: str) -> dict[str, str]:
@@ -32,3 +34,15 @@ def start_server(env: dict[str, str], notifier: bool = False) -> subprocess.Pope
 
 def stop_server(proc: subprocess.Popen) -> None:
     stop(proc)
+
+
+@contextmanager
+def running_api(database_url: str, state_dir: Path, token: str) -> Iterator[dict[str, str]]:
+    """A real API process on ``api_env``'s environment, stopped on leaving; yields that
+    environment (for the CLI and for HTTP clients alike)."""
+    env = api_env(database_url, state_dir, token)
+    proc = start_server(env)
+    try:
+        yield env
+    finally:
+        stop_server(proc)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.api_fixtures import fleet_batch
-from tests.procs import api_env, cli, start_server, stop_server
+from tests.procs import cli, running_api
 
 ADMIN = "rw_people_" + uuid.uuid4().hex
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -24,10 +24,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 @pytest.fixture
 def server(database_url, clean_db, tmp_path):
-    env = api_env(database_url, tmp_path, ADMIN)
-    proc = start_server(env)
-    yield env
-    stop_server(proc)
+    with running_api(database_url, tmp_path, ADMIN) as env:
+        yield env
 
 
 def on_a_terminal(args: list[str], env: dict[str, str], timeout: float = 120) -> tuple[int, str]:

@@ -17,17 +17,15 @@ from services.scheduler.api_client import SchedulerApi
 from services.scheduler.cycle import ProbeOptions, serve_preflight
 from services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
-from tests.procs import api_env, start_server, stop_server
+from tests.procs import running_api
 
 ADMIN = "rw_sched_" + uuid.uuid4().hex
 
 
 @pytest.fixture
 def server(database_url, clean_db, tmp_path):
-    env = api_env(database_url, tmp_path, ADMIN)
-    proc = start_server(env)
-    yield env
-    stop_server(proc)
+    with running_api(database_url, tmp_path, ADMIN) as env:
+        yield env
 
 
 NODES = ["node-000", "node-001", "node-002", "node-003"]

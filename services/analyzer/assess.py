@@ -175,18 +175,16 @@ def weighted_leave_one_out_quantile(values: np.ndarray, weights: np.ndarray,
     order = np.argsort(values, kind="stable")
     s, w = values[order], weights[order]
     cum = np.cumsum(w)
-    total = cum[-1]
-    out_sorted = np.empty(k)
-    for r in range(k):
-        target = q * (total - w[r])
-        j = int(np.searchsorted(cum, target, side="left"))
-        if j >= r:
-            # Past the one left out: the others' running weight is short of it by w[r].
-            j = max(int(np.searchsorted(cum, target + w[r], side="left")), r + 1)
-            j = j if j < k else r - 1
-        out_sorted[r] = s[j]
+    rank = np.arange(k)
+    target = q * (cum[-1] - w)
+    j = np.searchsorted(cum, target, side="left")
+    # At or past the one left out, the others' running weight is short of ``cum`` by its
+    # weight: look again for the target plus that weight, beyond it.
+    past = np.maximum(np.searchsorted(cum, target + w, side="left"), rank + 1)
+    j = np.where(j >= rank, past, j)
+    j = np.where(j < k, j, rank - 1)
     out = np.empty(k)
-    out[order] = out_sorted
+    out[order] = s[j]
     return out
 
 
