@@ -202,6 +202,12 @@ class Measurement:
         return nodes_of(self.members)
 
     @cached_property
+    def series(self) -> str:
+        """``series_op`` of its op and algorithm: the series it belongs to, worked out once
+        (as ``nodes``)."""
+        return series_op(self.op, self.algo)
+
+    @cached_property
     def group(self) -> tuple[str, ...]:
         """``members`` sorted: the group's identity whatever the ring order, worked out
         once (as ``nodes``)."""

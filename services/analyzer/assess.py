@@ -9,13 +9,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import numpy as np
 
 from agents.spec import Measurement, nodes_of
-from agents.spec import series_op as spec_series_op
 from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
@@ -112,7 +111,7 @@ class Baseline:
 def series_op(m: Measurement) -> str:
     """The op as a series names it: an AllReduce told to use one algorithm ("ring",
     "tree") is a series apart from NCCL's own choice, with peers of its own."""
-    return spec_series_op(m.op, m.algo)
+    return m.series
 
 
 def peer_key(m: Measurement) -> PeerKey:
@@ -202,15 +201,6 @@ def node_weights(groups: Sequence[tuple[str, ...]]) -> np.ndarray:
     return np.array([1.0 / max((degree[n] for n in ns), default=1) for ns in nodes])
 
 
-def judged_flags(measurements: Sequence[Measurement]) -> list[bool]:
-    """True for the largest size each group ran an op at: smaller sizes are latency-bound."""
-    largest: dict[tuple[str, str, tuple[str, ...]], int] = {}
-    for m in measurements:
-        key = (series_op(m), m.scope, m.group)
-        largest[key] = max(largest.get(key, 0), m.size_bytes)
-    return [m.size_bytes == largest[(series_op(m), m.scope, m.group)] for m in measurements]
-
-
 @dataclass(frozen=True)
 class PeerCentre:
     """What a measurement's peers say: their centre, their relative spread, how many."""
@@ -220,32 +210,22 @@ class PeerCentre:
     count: int
 
 
-def _peer_expectations(measurements: Sequence[Measurement], t: Thresholds
-                       ) -> list[PeerCentre | None]:
-    """Each measurement's peers: the other groups (not measurements: a group measured
-    again because it looked slow must not pull its peers' centre down) that did the same
-    work. A group's value is the geometric mean of its measurements."""
-    by_key: dict[PeerKey, dict[tuple[str, ...], list[int]]] = defaultdict(dict)
-    for i, m in enumerate(measurements):
-        by_key[peer_key(m)].setdefault(m.group, []).append(i)
-    out: list[PeerCentre | None] = [None] * len(measurements)
-    for groups in by_key.values():
-        if len(groups) - 1 < max(t.min_peers, 1):
-            continue
-        idx = list(groups.values())
-        values = np.array([_group_value([measurements[i].busbw_gbs for i in ix]) for ix in idx])
-        few = len(idx) - 1 < t.median_peers
-        q = t.peer_quantile if few else 0.5
-        spread = _relative_spread(values)
-        weights = node_weights(list(groups))
-        centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
-                   else weighted_leave_one_out_quantile(values, weights, q))
-        for ix, e in zip(idx, centres, strict=True):
-            if np.isfinite(e) and e > 0:
-                centre = PeerCentre(float(e), spread, len(idx) - 1)
-                for i in ix:
-                    out[i] = centre
-    return out
+def _centres(measurements: Sequence[Measurement], groups: Mapping[tuple[str, ...], list[int]],
+             t: Thresholds) -> list[PeerCentre | None]:
+    """The peer centre of each group of one peer key (``groups``: each group's measurement
+    indices), in ``groups``' order."""
+    if len(groups) - 1 < max(t.min_peers, 1):
+        return [None] * len(groups)
+    idx = list(groups.values())
+    values = np.array([_group_value([measurements[i].busbw_gbs for i in ix]) for ix in idx])
+    few = len(idx) - 1 < t.median_peers
+    q = t.peer_quantile if few else 0.5
+    spread = _relative_spread(values)
+    weights = node_weights(list(groups))
+    centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
+               else weighted_leave_one_out_quantile(values, weights, q))
+    return [PeerCentre(float(e), spread, len(idx) - 1) if np.isfinite(e) and e > 0 else None
+            for e in centres]
 
 
 def _group_value(busbw: list[float]) -> float:
@@ -330,25 +310,6 @@ def _is_union(m: Measurement) -> bool:
     return m.scope in ("inter_node", "world") and len(m.nodes) > 2
 
 
-def _path_efficiency(ms: Sequence[Measurement], presets: Sequence[float | None]
-                     ) -> dict[tuple[str, int, str], float]:
-    """The share of its hardware model a healthy node pair reaches in this run: the node
-    pairs' median, per (op, size, dtype); none where fewer than three pairs ran. Each
-    pair counts once, by its first measurement: the repeats a check takes are of pairs that
-    looked slow, and counted in they pull the median down (which hid a path 15 % slow from
-    the world group)."""
-    shares: dict[tuple[str, int, str], list[float]] = defaultdict(list)
-    seen: set[tuple[str, int, str, tuple[str, ...]]] = set()
-    for m, preset in zip(ms, presets, strict=True):
-        if (m.scope == "inter_node" and preset and m.busbw_gbs > 0
-                and len(m.nodes) == 2):
-            key = (series_op(m), m.size_bytes, m.dtype, m.group)
-            if key not in seen:
-                seen.add(key)
-                shares[key[:3]].append(m.busbw_gbs / preset)
-    return {key: float(np.median(v)) for key, v in shares.items() if len(v) >= 3}
-
-
 def slowest_path_share(nodes: int, variation: float) -> float:
     """Where a healthy group of ``nodes`` nodes runs, as a share of its median node pair: it
     loads every path between its nodes and runs at the slowest, the expected least of
@@ -358,41 +319,158 @@ def slowest_path_share(nodes: int, variation: float) -> float:
     return math.exp(-variation * NormalDist().inv_cdf(1.0 - 1.0 / (paths + 1)))
 
 
+@dataclass
+class AssessCache:
+    """What ``assess`` worked out for a list of measurements that only grows: a check's,
+    judged again after every round. Handed back in, the next call works out only what the
+    new measurements can change (the peer centres of the kinds they joined, the largest
+    size of their groups, the node pairs' share of the model) and returns the very same
+    ``Assessment`` for every measurement whose inputs are unchanged. The result is the
+    same as without it; a list that did not grow from the last one, or other thresholds,
+    model or history, start it afresh."""
+
+    thresholds: Thresholds | None = None
+    expected: Expected | None = None
+    history: Mapping[LinkKey, Sequence[float]] | None = None
+    measurements: list[Measurement] = field(default_factory=list)
+    # Per measurement: its peer key, the key its judged size is taken under, its model
+    # figure and its own normal.
+    peer_keys: list[PeerKey] = field(default_factory=list)
+    size_keys: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)
+    presets: list[float | None] = field(default_factory=list)
+    normals: list[Baseline | None] = field(default_factory=list)
+    groups: dict[PeerKey, dict[tuple[str, ...], list[int]]] = field(
+        default_factory=lambda: defaultdict(dict))
+    # Peer keys that got a measurement since their centres were worked out.
+    stale: set[PeerKey] = field(default_factory=set)
+    centres: dict[PeerKey, dict[tuple[str, ...], PeerCentre | None]] = field(default_factory=dict)
+    largest: dict[tuple[str, str, tuple[str, ...]], int] = field(default_factory=dict)
+    shares: dict[tuple[str, int, str], list[float]] = field(
+        default_factory=lambda: defaultdict(list))
+    share_seen: set[tuple[str, int, str, tuple[str, ...]]] = field(default_factory=set)
+    # Each size key's measurements (their judged flag follows its largest size), and the
+    # measurements of groups of more than two nodes (judged by the node pairs' share).
+    by_size: dict[tuple[str, str, tuple[str, ...]], list[int]] = field(
+        default_factory=lambda: defaultdict(list))
+    unions: list[int] = field(default_factory=list)
+    # The measurements whose inputs may have changed since the last call.
+    dirty: set[int] = field(default_factory=set)
+    made: list[tuple[tuple[object, ...], Assessment]] = field(default_factory=list)
+
+    def fits(self, ms: Sequence[Measurement], t: Thresholds, expected: Expected | None,
+             history: Mapping[LinkKey, Sequence[float]] | None) -> bool:
+        """``ms`` extends the list last judged, under the same settings."""
+        n = len(self.measurements)
+        return (self.thresholds is t and self.expected is expected and self.history is history
+                and len(ms) >= n and (n == 0 or ms[n - 1] is self.measurements[-1]))
+
+    def restart(self, t: Thresholds, expected: Expected | None,
+                history: Mapping[LinkKey, Sequence[float]] | None) -> None:
+        vars(self).update(vars(AssessCache(t, expected, history)))
+
+    def extend(self, new: Sequence[Measurement], t: Thresholds) -> None:
+        """Take in measurements added to the list: each one's keys, model figure and own
+        normal; the largest size its group ran; a node pair's first measurement of each
+        op and size as its share of the model (the repeats a check takes are of pairs that
+        looked slow, and counted in they pull the median down, which hid a path 15 % slow
+        from the world group)."""
+        start = len(self.measurements)
+        self.measurements.extend(new)
+        expected, history = self.expected, self.history
+        for i, m in enumerate(new, start):
+            key = peer_key(m)
+            self.peer_keys.append(key)
+            self.groups[key].setdefault(m.group, []).append(i)
+            self.stale.add(key)
+            size_key = (key[0], m.scope, m.group)
+            self.size_keys.append(size_key)
+            self.by_size[size_key].append(i)
+            if m.size_bytes > self.largest.get(size_key, 0):
+                self.largest[size_key] = m.size_bytes
+                self.dirty.update(self.by_size[size_key])
+            self.dirty.add(i)
+            if _is_union(m):
+                self.unions.append(i)
+            preset = expected(m) if expected is not None else None
+            self.presets.append(preset)
+            past = history.get(link_key(m)) if history else None
+            self.normals.append(own_normal(past, t) if past else None)
+            if m.scope == "inter_node" and preset and m.busbw_gbs > 0 and len(m.nodes) == 2:
+                seen = (key[0], m.size_bytes, m.dtype, m.group)
+                if seen not in self.share_seen:
+                    self.share_seen.add(seen)
+                    self.shares[seen[:3]].append(m.busbw_gbs / preset)
+
+    def refresh_centres(self, t: Thresholds) -> None:
+        """The peer centres (``_centres``) of the kinds that got a measurement since they
+        were worked out; their measurements are to be assessed again."""
+        ms = self.measurements
+        for key in self.stale:
+            groups = self.groups[key]
+            self.centres[key] = dict(zip(groups, _centres(ms, groups, t), strict=True))
+            for ix in groups.values():
+                self.dirty.update(ix)
+        self.stale.clear()
+
+    def path_efficiency(self) -> dict[tuple[str, int, str], float]:
+        """The share of its hardware model a healthy node pair reaches in this run: the
+        node pairs' median per (op, size, dtype), each pair by its first measurement; none
+        where fewer than three pairs ran."""
+        return {key: float(np.median(v)) for key, v in self.shares.items() if len(v) >= 3}
+
+
 def assess(
     measurements: Iterable[Measurement],
     thresholds: Thresholds = Thresholds(),
     expected: Expected | None = None,
     history: Mapping[LinkKey, Sequence[float]] | None = None,
+    cache: AssessCache | None = None,
 ) -> list[Assessment]:
     """One Assessment per measurement, in order.
 
     ``expected`` is a hardware preset (busbw in GB/s or None); ``history`` maps a
-    ``link_key`` to that link's past busbw values, oldest first.
+    ``link_key`` to that link's past busbw values, oldest first. ``cache``: the same
+    object on every call for a list that only grows (``AssessCache``).
     """
     ms = list(measurements)
     t = thresholds
-    peers = _peer_expectations(ms, t)
-    judged = judged_flags(ms)
-    presets = [expected(m) if expected is not None else None for m in ms]
-    paths = _path_efficiency(ms, presets)
-    out: list[Assessment] = []
-    for m, peer, is_judged, preset in zip(ms, peers, judged, presets, strict=True):
-        past = history.get(link_key(m)) if history else None
-        share = paths.get((series_op(m), m.size_bytes, m.dtype)) if preset and _is_union(m) else None
+    c = cache if cache is not None else AssessCache()
+    if not c.fits(ms, t, expected, history):
+        c.restart(t, expected, history)
+    c.extend(ms[len(c.measurements):], t)
+    c.refresh_centres(t)
+    paths = c.path_efficiency()
+    c.dirty.update(c.unions)
+    for i in sorted(c.dirty):
+        m, preset = ms[i], c.presets[i]
+        peer = c.centres[c.peer_keys[i]][m.group]
+        is_judged = m.size_bytes == c.largest[c.size_keys[i]]
+        share = paths.get((c.peer_keys[i][0], m.size_bytes, m.dtype)) if preset and _is_union(m) else None
         union = (preset * share * slowest_path_share(len(m.nodes), t.weighing.variation_prior)
                  if preset and share is not None else None)
-        c = _choose(peer, own_normal(past, t) if past else None, preset, t, union)
-        value, source = c.value, c.source
-        ratio = m.busbw_gbs / value if value else None
-        bad = is_judged and ratio is not None and ratio < t.degraded_ratio
-        rated = m.rated_gbs
-        if is_judged and not bad and rated and m.busbw_gbs < t.rated_floor * rated:
-            # Peers and history may all be slow alike: the hardware's rating is not.
-            value, source, ratio, bad = rated, "rated", m.busbw_gbs / rated, True
-        out.append(Assessment(
-            measurement=m, expected_gbs=value, ratio=ratio, bad=bad,
-            source=source if is_judged else "latency",
-            severity=t.severity(ratio) if bad and ratio is not None else None,
-            judged=is_judged, spread=c.spread, centre_se=c.centre_se, variation=c.variation,
-        ))
-    return out
+        inputs = (peer, is_judged, union)
+        if i < len(c.made) and c.made[i][0] == inputs:
+            continue
+        a = _assessment(m, t, _choose(peer, c.normals[i], preset, t, union), is_judged)
+        if i < len(c.made):
+            c.made[i] = (inputs, a)
+        else:
+            c.made.append((inputs, a))
+    c.dirty.clear()
+    return [a for _, a in c.made]
+
+
+def _assessment(m: Measurement, t: Thresholds, c: Chosen, is_judged: bool) -> Assessment:
+    value, source = c.value, c.source
+    ratio = m.busbw_gbs / value if value else None
+    bad = is_judged and ratio is not None and ratio < t.degraded_ratio
+    rated = m.rated_gbs
+    if is_judged and not bad and rated and m.busbw_gbs < t.rated_floor * rated:
+        # Peers and history may all be slow alike: the hardware's rating is not.
+        value, source, ratio, bad = rated, "rated", m.busbw_gbs / rated, True
+    return Assessment(
+        measurement=m, expected_gbs=value, ratio=ratio, bad=bad,
+        source=source if is_judged else "latency",
+        severity=t.severity(ratio) if bad and ratio is not None else None,
+        judged=is_judged, spread=c.spread, centre_se=c.centre_se, variation=c.variation,
+    )

@@ -145,17 +145,24 @@ class Weighing:
         return math.log(self.miss / (1 - self.false_alarm))
 
 
+def noise_terms(values: Sequence[float]) -> tuple[float, int]:
+    """One group's repeats as evidence of the noise: the squared deviations of their log
+    values about their own mean (a fault or a slow link moves a group's mean, never its
+    scatter), and their degrees of freedom; (0, 0) for fewer than two positive values."""
+    logs = np.log(np.asarray([v for v in values if v > 0], dtype=float))
+    if logs.size < 2:
+        return 0.0, 0
+    return float(((logs - logs.mean()) ** 2).sum()), int(logs.size) - 1
+
+
 def pooled_noise(series: Sequence[Sequence[float]], min_pairs: int = 8) -> float | None:
-    """The per-measurement relative noise, pooled over groups measured more than once: the
-    spread of each group's log values about their own mean (a fault or a slow link moves a
-    group's mean, never its scatter). None with fewer than ``min_pairs`` degrees of
-    freedom."""
+    """The per-measurement relative noise, pooled over groups measured more than once
+    (``noise_terms``). None with fewer than ``min_pairs`` degrees of freedom."""
     ss, dof = 0.0, 0
     for values in series:
-        logs = np.log(np.asarray([v for v in values if v > 0], dtype=float))
-        if logs.size >= 2:
-            ss += float(((logs - logs.mean()) ** 2).sum())
-            dof += logs.size - 1
+        x, d = noise_terms(values)
+        ss += x
+        dof += d
     if dof < min_pairs:
         return None
     return math.sqrt(ss / dof)
@@ -228,10 +235,17 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     expectation when one edge of it is 15 % slow.
     """
     n = len(ratios)
+    m = sum(math.log(max(r, 1e-9)) for r in ratios) / n if n else 0.0
+    return weigh_log_mean(m, n, noise=noise, variation=variation, centre_se=centre_se, w=w,
+                          futility=futility, early_clear=early_clear)
+
+
+def weigh_log_mean(m: float, n: int, *, noise: float, variation: float, centre_se: float,
+                   w: Weighing, futility: bool = True, early_clear: bool = False) -> Decision:
+    """``weigh`` of ``n`` ratios whose logs have mean ``m``."""
     if n == 0:
         return Decision(UNDECIDED, 0.5, 0, 1.0, 0.0, False)
     noise = max(noise, 1e-6)
-    m = sum(math.log(max(r, 1e-9)) for r in ratios) / n
     floor = variation ** 2 + centre_se ** 2
     s2 = floor + noise ** 2 / n
     llr = _llr(m, s2, w)

@@ -11,16 +11,41 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agents.spec import Finding, Measurement, RankInfo
-from services.analyzer.assess import Assessment, Expected, LinkKey, Thresholds, assess
+from services.analyzer.assess import (
+    AssessCache,
+    Assessment,
+    Expected,
+    LinkKey,
+    Thresholds,
+    assess,
+)
 from services.analyzer.faults import Coverage
 from services.analyzer.inventory import inventory_findings
-from services.analyzer.localize import GroupKey, GroupVerdict, group_verdicts, localize
+from services.analyzer.localize import (
+    GroupKey,
+    GroupVerdict,
+    SummaryCache,
+    group_verdicts,
+    localize,
+)
 from services.analyzer.shortfall import fleet_shortfall
 
 
 def preset_of(m: Measurement) -> float | None:
     """The sender's hardware-model figure carried on the measurement (None where it had none)."""
     return m.preset_gbs
+
+
+@dataclass
+class JudgeCache:
+    """What ``judge`` keeps between calls on a list of measurements that only grows (a
+    check judging everything again after every round): each measurement's assessment
+    (``AssessCache``) and each group's summary of its assessments (``OpSummary``). Only
+    what the new measurements change is worked out again; the judgement is the same as
+    without it."""
+
+    assess: AssessCache = field(default_factory=AssessCache)
+    summaries: SummaryCache = field(default_factory=dict)
 
 
 @dataclass
@@ -48,18 +73,23 @@ def judge(
     thresholds: Thresholds,
     expected: Expected | None = None,
     history: Mapping[LinkKey, Sequence[float]] | None = None,
+    cache: JudgeCache | None = None,
 ) -> Judgement:
     """Assess every measurement (peers first, the link's own history next, the hardware
     model as a floor), fold them per group and localize: GPU pair, GPU, node, NIC, path.
 
     ``nodes``: limit the findings to these nodes (all when empty). ``expected``: a hardware
-    model; by default the figure each measurement carries (``preset_gbs``).
+    model; by default the figure each measurement carries (``preset_gbs``). ``cache``: one
+    ``JudgeCache`` kept across calls whose measurements only grow (a check judging again
+    after every round); the judgement is the same without it.
     """
     rank_list = list(ranks or [])
-    assessed = assess(list(measurements), thresholds, expected or preset_of, history)
+    assessed = assess(list(measurements), thresholds, expected or preset_of, history,
+                      cache.assess if cache is not None else None)
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
     assessments, fleet = fleet_shortfall(assessed)
-    verdicts = group_verdicts(assessments, thresholds.weighing)
+    verdicts = group_verdicts(assessments, thresholds.weighing,
+                              cache.summaries if cache is not None else None)
     findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)
     wanted = set(nodes)
     findings += [f for f in inventory_findings(rank_list) if not wanted or f.node in wanted]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -23,8 +23,8 @@ from services.analyzer.evidence import (
     Decision,
     Weighing,
     by_majority,
-    pooled_noise,
-    weigh,
+    noise_terms,
+    weigh_log_mean,
     weigh_mean,
 )
 
@@ -43,6 +43,57 @@ MIN_VARIATION_GROUPS = 30
 MAD_VARIANCE_EFFICIENCY = 0.37
 
 
+@dataclass(frozen=True)
+class OpSummary:
+    """What one op of one group's assessments say whatever the run's noise, worked out
+    once for the assessments it was made from (``items``): a check judges every group
+    again after every round, and most groups' assessments have not changed."""
+
+    items: tuple[Assessment, ...]
+    # The assessments not explained by a fleet-wide shortfall, and their figures: the mean
+    # log ratio and the medians of what their expectations carry.
+    live: tuple[Assessment, ...]
+    log_mean: float
+    spread: float
+    centre_se: float
+    variation: float
+    all_peers: bool
+    rated: bool
+    # Every live assessment has a ratio above 0.
+    positive: bool
+    # This group's part of the run's noise (``measured_noise``): the squared deviations of
+    # its log busbw from their mean and their degrees of freedom (0: not counted).
+    noise_ss: float
+    noise_dof: int
+
+    def fits(self, items: list[Assessment]) -> bool:
+        return len(items) == len(self.items) and all(
+            a is b for a, b in zip(items, self.items, strict=True))
+
+
+def summarize(items: list[Assessment]) -> OpSummary:
+    live = tuple(a for a in items if not a.explained)
+    n = len(live)
+    ss, dof = 0.0, 0
+    if len(items) >= 2:
+        kept = items[1:] if len(items) >= 3 else items
+        ss, dof = noise_terms([a.measurement.busbw_gbs for a in kept])
+    return OpSummary(
+        items=tuple(items), live=live,
+        log_mean=sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / n if n else 0.0,
+        spread=_median([a.spread for a in live]) if n else 0.0,
+        centre_se=_median([a.centre_se for a in live]) if n else 0.0,
+        variation=_median([a.variation for a in live]) if n else 0.0,
+        all_peers=all(a.source == "peers" for a in live),
+        rated=any(a.source == "rated" for a in live),
+        positive=all(a.ratio for a in live), noise_ss=ss, noise_dof=dof)
+
+
+# Per group and op, its summary: kept by a caller that judges a growing list of
+# measurements again and again (``group_verdicts``' ``cache``).
+SummaryCache = dict[tuple[str, tuple[str, ...], str], OpSummary]
+
+
 @dataclass
 class GroupVerdict:
     """Every judged measurement of one group of ranks (possibly over several rounds), and
@@ -59,6 +110,15 @@ class GroupVerdict:
     noise: Mapping[str, float] = field(default_factory=dict)
     variation: Mapping[PeerKey, float] = field(default_factory=dict)
     _decisions: dict[str, Decision] | None = field(default=None, repr=False)
+    # ``_pair_mean`` by op: a node pair's evidence is asked for by both its ends' NICs, in
+    # every pass of the NIC and path rules.
+    _pair_means: dict[str, PairEvidence | None] = field(default_factory=dict, repr=False)
+    _summaries: SummaryCache = field(default_factory=dict, repr=False)
+    _checked: dict[str, OpSummary] = field(default_factory=dict, repr=False)
+    # Shared by the verdicts of one judgement: NIC decisions pooled over a set of them
+    # (``_pooled``), asked for again by each pass of the NIC and path rules.
+    _pooled: dict[tuple[int, ...], tuple[tuple[GroupVerdict, ...], Decision | None]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def decisions(self) -> dict[str, Decision]:
@@ -67,14 +127,26 @@ class GroupVerdict:
                                if any(not a.explained for a in items)}
         return self._decisions
 
+    def summary(self, op: str) -> OpSummary:
+        """``summarize`` of the op's assessments, from the cache where they are unchanged."""
+        items = self.by_op[op]
+        s = self._checked.get(op)
+        if s is not None and len(s.items) == len(items) and s.items[-1] is items[-1]:
+            return s  # checked in full when this verdict first asked (its lists only grow)
+        key = (self.scope, self.members, op)
+        s = self._summaries.get(key)
+        if s is None or not s.fits(items):
+            s = self._summaries[key] = summarize(items)
+        self._checked[op] = s
+        return s
+
     def _weigh(self, op: str, items: list[Assessment]) -> Decision:
-        live = [a for a in items if not a.explained]
-        if not self.weighing.sequential or any(a.source == "rated" for a in live):
+        s = self.summary(op)
+        live = s.live
+        if not self.weighing.sequential or s.rated:
             # Below the hardware's rated floor there is nothing subtle left to weigh.
             return by_majority([a.bad for a in live], self.weighing)
-        ratios = [a.ratio or 0.0 for a in live]
-        spread = max(statistics.median(a.spread for a in live), self.weighing.min_noise)
-        centre_se = statistics.median(a.centre_se for a in live)
+        spread = max(s.spread, self.weighing.min_noise)
         noise = self.noise.get(op)
         measured = noise is not None
         if noise is None:
@@ -83,10 +155,16 @@ class GroupVerdict:
             # is given no credit for averaging until the noise is measured.
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
-            variation = self.lasting_variation(live)
-        return weigh(ratios, noise=max(noise, self.weighing.min_noise), variation=variation,
-                     centre_se=centre_se, w=self.weighing, futility=measured,
-                     early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS)
+            variation = self._lasting(s)
+        return weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
+                              variation=variation, centre_se=s.centre_se, w=self.weighing,
+                              futility=measured,
+                              early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS)
+
+    def _lasting(self, s: OpSummary) -> float:
+        if s.all_peers:
+            return self.variation.get(peer_key(s.live[0].measurement), s.variation)
+        return s.variation
 
     @property
     def is_one_link(self) -> bool:
@@ -99,7 +177,7 @@ class GroupVerdict:
         """How far a healthy group like this one sits from its expectation for good: the
         run's measured figure for its kind where it is judged by its peers and the run
         measured one, else what its assessments carry."""
-        variation = statistics.median(a.variation for a in live)
+        variation = _median([a.variation for a in live])
         if all(a.source == "peers" for a in live):
             variation = self.variation.get(peer_key(live[0].measurement), variation)
         return variation
@@ -150,20 +228,35 @@ class GroupVerdict:
         return min(rated, key=lambda a: a.ratio or 0.0) if rated else None
 
 
+def _median(values: list[float]) -> float:
+    """``statistics.median`` with the one- and two-value cases (most groups' repeats) done
+    directly: the judgement takes millions of these in a large check."""
+    n = len(values)
+    if n == 1:
+        return values[0]
+    if n == 2:
+        return (values[0] + values[1]) / 2
+    return statistics.median(values)
+
+
 @lru_cache(maxsize=1 << 16)
 def _nodes_of(members: tuple[str, ...]) -> tuple[str, ...]:
     # Cached: preflight re-judges the same (large) groups after every round.
     return tuple(sorted({split_member(x)[0] for x in members}))
 
 
-def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None = None
-                   ) -> dict[GroupKey, GroupVerdict]:
+def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None = None,
+                   cache: SummaryCache | None = None) -> dict[GroupKey, GroupVerdict]:
     """Judged assessments folded per group (scope and member set), each weighed with the
-    run's own measured noise."""
+    run's own measured noise. ``cache``: one dict kept across calls on a growing list of
+    measurements (a check's), where each group's ``OpSummary`` is kept; the verdicts are
+    the same without it."""
     w = weighing or Weighing()
+    summaries: SummaryCache = cache if cache is not None else {}
     out: dict[GroupKey, GroupVerdict] = {}
     noise: dict[str, float] = {}
     variation: dict[PeerKey, float] = {}
+    pooled: dict[tuple[int, ...], tuple[tuple[GroupVerdict, ...], Decision | None]] = {}
     for a in assessments:
         m = a.measurement
         if not a.judged or a.ratio is None:
@@ -172,7 +265,8 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         key = (m.scope, members)
         if key not in out:
             out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w,
-                                    noise=noise, variation=variation)
+                                    noise=noise, variation=variation, _summaries=summaries,
+                                    _pooled=pooled)
         out[key].by_op.setdefault(series_op(m), []).append(a)
     noise.update(measured_noise(out.values()))
     variation.update(measured_variation(out.values(), noise, w))
@@ -219,24 +313,24 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
     return out
 
 
-def measured_noise(verdicts: Iterable[GroupVerdict]) -> dict[str, float]:
-    """Per op, the noise of one measurement, pooled over the groups measured more than once.
+def measured_noise(verdicts: Iterable[GroupVerdict], min_dof: int = 8) -> dict[str, float]:
+    """Per op, the noise of one measurement, pooled over the groups measured more than once
+    (``evidence.noise_terms``); none for an op with fewer than ``min_dof`` degrees of
+    freedom.
 
     A group's first reading is what decided whether it was measured again (one far from
     its expectation is repeated, one near it may be cleared at once), so it is left out
     where the group has two more: their scatter is not selected on."""
-    series: dict[str, list[list[float]]] = defaultdict(list)
+    ss: dict[str, float] = defaultdict(float)
+    dof: dict[str, int] = defaultdict(int)
     for v in verdicts:
         for op, items in v.by_op.items():
             if len(items) >= 2:
-                kept = items[1:] if len(items) >= 3 else items
-                series[op].append([a.measurement.busbw_gbs for a in kept])
-    out = {}
-    for op, values in series.items():
-        sigma = pooled_noise(values)
-        if sigma is not None:
-            out[op] = sigma
-    return out
+                x = v.summary(op)
+                if x.noise_dof:
+                    ss[op] += x.noise_ss
+                    dof[op] += x.noise_dof
+    return {op: math.sqrt(ss[op] / d) for op, d in dof.items() if d >= min_dof}
 
 
 def p2p_link_types(ranks: Iterable[RankInfo] | None,
@@ -418,20 +512,47 @@ class PairEvidence(NamedTuple):
 def _pair_mean(v: GroupVerdict, op: str) -> PairEvidence | None:
     """One node pair's evidence on ``op``; None before the run has measured its noise (the
     mean of repeats can't be credited before then)."""
-    live = [a for a in v.by_op.get(op, []) if not a.explained and a.ratio]
+    if op not in v._pair_means:
+        v._pair_means[op] = _pair_evidence(v, op)
+    return v._pair_means[op]
+
+
+def _pair_evidence(v: GroupVerdict, op: str) -> PairEvidence | None:
     noise = v.noise.get(op)
-    if not live or noise is None:
+    if noise is None or op not in v.by_op:
+        return None
+    s = v.summary(op)
+    if not s.live:
+        return None
+    if s.positive:
+        live: Sequence[Assessment] = s.live
+        variation, centre_se, mean = v._lasting(s), s.centre_se, s.log_mean
+    else:
+        live = [a for a in s.live if a.ratio]
+        variation = v.lasting_variation(live)
+        centre_se = _median([a.centre_se for a in live]) if live else 0.0
+        mean = sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / max(len(live), 1)
+    if not live:
         return None
     n = len(live)
-    variation = v.lasting_variation(live)
     noise = max(noise, v.weighing.min_noise)
-    return PairEvidence(
-        mean=sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / n,
-        own_variance=OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / n,
-        centre_se=statistics.median(a.centre_se for a in live), variation=variation)
+    return PairEvidence(mean=mean, own_variance=OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / n,
+                        centre_se=centre_se, variation=variation)
 
 
 def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
+    """``_pool_nic``, once per set of groups of one judgement."""
+    if not groups:
+        return _pool_nic(groups, w)
+    memo = groups[0]._pooled
+    key = tuple(id(v) for v in groups)
+    hit = memo.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], groups, strict=True)):
+        hit = memo[key] = (tuple(groups), _pool_nic(groups, w))
+    return hit[1]
+
+
+def _pool_nic(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
     """The NIC's decision from these groups together, per op: a NIC loss slows every pair
     through it alike, while each pair's lasting offset (its partner's NIC, its path) and
     noise are its own and average down over partners. What does not average down: the
@@ -464,8 +585,8 @@ def _pool(means: list[PairEvidence], repeats: int, w: Weighing) -> Decision:
     centre's error and the node's own lasting offset added to its variance."""
     weight = sum(1.0 / x.own_variance for x in means)
     m = sum(x.mean / x.own_variance for x in means) / weight
-    centre_se = statistics.median(x.centre_se for x in means)
-    own = (1.0 - OWN_SHARE_OTHER) * statistics.median(x.variation for x in means) ** 2
+    centre_se = _median([x.centre_se for x in means])
+    own = (1.0 - OWN_SHARE_OTHER) * _median([x.variation for x in means]) ** 2
     return weigh_mean(m, 1.0 / weight + centre_se ** 2 + own, repeats, w)
 
 

@@ -33,6 +33,10 @@ def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], li
     NVLink first: a collective across nodes also runs over each node's NVLink, so where
     NVLink is short fleet-wide the slowness of those nodes' network groups is explained
     by it and does not count against the network."""
+    # Only a node whose every judged measurement is below can be short; fewer than two such
+    # nodes are no fleet (and a check asks this after every round of thousands of groups).
+    if len({n for a in assessments if _below(a) for n in a.measurement.nodes}) < 2:
+        return list(assessments), []
     judged: dict[str, dict[str, list[int]]] = {"nvlink": defaultdict(list),
                                               "network": defaultdict(list)}
     for i, a in enumerate(assessments):

@@ -19,7 +19,7 @@ from agents.collectives import default_sizes
 from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo, RoundResult
 from agents.workloads import JobLayout, Workload, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds
-from services.analyzer.judge import Judgement, judge
+from services.analyzer.judge import JudgeCache, Judgement, judge
 from services.analyzer.verdict import build_verdict
 from services.config import get_settings
 from services.scheduler.deadlines import group_deadline_s
@@ -129,9 +129,12 @@ def run_adaptive(
     model = expected or getattr(backend, "expected_busbw", None)
     node_profiles = {r.node: r.profile for r in mine}
 
+    # The measurements only grow from round to round: what was worked out for them is kept.
+    cache = JudgeCache()
+
     def judged(run: AdaptiveRun) -> Judgement:
         return judge(run.measurements, run.probe_findings, nodes, mine, thresholds=t,
-                     expected=model, history=history)
+                     expected=model, history=history, cache=cache)
 
     run = AdaptiveRun(judgement=judge([], [], nodes, mine, thresholds=t))
     planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds, rotation=rotation)
