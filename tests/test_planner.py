@@ -367,3 +367,37 @@ def test_confirm_rounds_follow_a_search_and_only_a_search():
     assert p.next_round(slow, set())  # the search's first unions
     p.active = []  # the search has run out of regions
     assert p.next_round(slow, set()) and repairs == ["confirm"]
+
+
+def _pair(members, **ratios):
+    """A node pair measured at these ratios per op (peers' centre 1, noise 3 % measured)."""
+    v = GroupVerdict("inter_node", tuple(sorted(members)), tuple(sorted(nodes_of(members))),
+                     noise={"allreduce": 0.03, "alltoall": 0.03})
+    for op, values in ratios.items():
+        v.by_op[op] = [Assessment(Measurement(op=op, scope="inter_node", members=list(members),
+                                              size_bytes=1, dtype="float32", warmup=1,
+                                              iters=1, time_us=1.0, algbw_gbs=r, busbw_gbs=r,
+                                              wrong=0),
+                                  1.0, r, r < 0.85, "peers", spread=0.03, variation=0.03)
+                       for r in values]
+    return v
+
+
+def test_a_pair_that_may_name_a_path_is_measured_on_its_undecided_op():
+    # node-000 and node-001 are each proven with another partner; their pair is decided
+    # slow on AllReduce and leans slow, undecided, on AllToAll. A path is named only when
+    # its ops are slow together, so the AllToAll is measured on (only it).
+    planner = AdaptivePlanner(layout(4, 2), ProbeShape(sizes=(1,)))
+    ranks = {n: [f"node-00{n}/0", f"node-00{n}/1"] for n in range(4)}
+    slow = _pair(ranks[0] + ranks[1], allreduce=[0.78] * 3, alltoall=[0.9])
+    fine = [_pair(ranks[0] + ranks[2], allreduce=[1.0] * 3, alltoall=[1.0] * 3),
+            _pair(ranks[1] + ranks[3], allreduce=[1.0] * 3, alltoall=[1.0] * 3)]
+    assert slow.bad and slow.pending_ops == ()
+    assert slow.decisions["alltoall"].pending and all(v.cleared for v in fine)
+    verdicts = {(v.scope, v.members): v for v in [slow, *fine]}
+    again = planner._repeats(verdicts, set())
+    assert [(g.members, g.ops) for g in again] == [(slow.members, ("alltoall",))]
+    # With node-001 proven nowhere else the pair is a question of its NIC, not a path:
+    # nothing more to measure on it here.
+    del verdicts[(fine[1].scope, fine[1].members)]
+    assert planner._repeats(verdicts, set()) == []

@@ -667,19 +667,19 @@ def _nic_fine(groups: list[GroupVerdict], pooled: Decision | None) -> bool:
 
 
 def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
+    """The paths to name: ``path_candidates`` slow on every op they ran (``_on_every_op``)."""
+    return [v for v in path_candidates(pairs) if _on_every_op(v)]
+
+
+def path_candidates(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
     """Slow node pairs whose two ends are each proven elsewhere (a pair of theirs cleared,
     or their other pairs together clear their NIC) and slow with no other partner: only
     then is the path, not an end's NIC, to blame. A node slow with two partners but not
     enough for its NIC stays a suspect, unnamed."""
     of_node = by_node(pairs)
     doubtful = {n for n, vs in of_node.items() if sum(v.bad for v in vs) >= 2}
-    out = []
-    for v in pairs:
-        if not v.bad or doubtful.intersection(v.nodes):
-            continue
-        if all(_proven_without(n, v, of_node[n]) for n in v.nodes) and _on_every_op(v):
-            out.append(v)
-    return out
+    return [v for v in pairs if v.bad and not doubtful.intersection(v.nodes)
+            and all(_proven_without(n, v, of_node[n]) for n in v.nodes)]
 
 
 def _on_every_op(slow: GroupVerdict) -> bool:

@@ -19,6 +19,7 @@ from services.analyzer.localize import (
     NicCase,
     by_node,
     nic_needs_more_partners,
+    path_candidates,
     proven_nodes,
     weigh_nics,
 )
@@ -309,10 +310,15 @@ class AdaptivePlanner:
         return []
 
     def _repeats(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        """Every group not yet decided, for its undecided ops at the judged size."""
+        """Every group not yet decided, for its undecided ops at the judged size; and a
+        node pair that may name a path, decided slow on one op, for its others: a path is
+        named only when its ops are slow together."""
         pending = []
+        paths = self._path_candidates(v, blamed)
         for (scope, members), x in sorted(v.items()):
             ops = x.pending_ops
+            if not ops and (scope, members) in paths:
+                ops = tuple(op for op, d in sorted(x.decisions.items()) if d.pending)
             if ops and _only_steers(scope, x) and all(
                     x.decisions[op].llr >= x.weighing.follow_up_llr for op in ops):
                 # Nothing is concluded from this group but where to look next, and what is
@@ -329,6 +335,16 @@ class AdaptivePlanner:
                                          deadline_s=self.shape.deadline_s,
                                          redop=self.shape.redop))
         return pending
+
+    def _path_candidates(self, v: Verdicts, blamed: set[str]) -> set[tuple[str, tuple[str, ...]]]:
+        """Slow node pairs with an op still undecided that the path rule could name
+        (``localize.path_candidates``)."""
+        pairs = [x for (scope, _), x in v.items()
+                 if scope == "inter_node" and len(x.nodes) == 2 and blamed.isdisjoint(x.nodes)]
+        if not any(x.bad and any(d.pending for d in x.decisions.values()) for x in pairs):
+            return set()
+        return {(x.scope, x.members) for x in path_candidates(pairs)
+                if any(d.pending for d in x.decisions.values())}
 
     def _first_pairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """GPU-pair round 1 on suspect nodes, beside one node-pair matching of the rest."""
