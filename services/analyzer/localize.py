@@ -72,6 +72,7 @@ class OpSummary:
 
 
 def summarize(items: list[Assessment]) -> OpSummary:
+    """The figures of one op of one group that do not depend on the run's noise."""
     live = tuple(a for a in items if not a.explained)
     n = len(live)
     ss, dof = 0.0, 0
@@ -123,7 +124,7 @@ class GroupVerdict:
     @property
     def decisions(self) -> dict[str, Decision]:
         if self._decisions is None:
-            self._decisions = {op: self._weigh(op, items) for op, items in self.by_op.items()
+            self._decisions = {op: self._weigh(op) for op, items in self.by_op.items()
                                if any(not a.explained for a in items)}
         return self._decisions
 
@@ -140,7 +141,7 @@ class GroupVerdict:
         self._checked[op] = s
         return s
 
-    def _weigh(self, op: str, items: list[Assessment]) -> Decision:
+    def _weigh(self, op: str) -> Decision:
         s = self.summary(op)
         live = s.live
         if not self.weighing.sequential or s.rated:
@@ -162,6 +163,7 @@ class GroupVerdict:
                               early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS)
 
     def _lasting(self, s: OpSummary) -> float:
+        """``lasting_variation`` of the summary's live assessments."""
         if s.all_peers:
             return self.variation.get(peer_key(s.live[0].measurement), s.variation)
         return s.variation
