@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -156,17 +156,11 @@ class GroupVerdict:
             # is given no credit for averaging until the noise is measured.
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
-            variation = self._lasting(s)
+            variation = self.lasting_variation(s)
         return weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
                               variation=variation, centre_se=s.centre_se, w=self.weighing,
                               futility=measured,
                               early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS)
-
-    def _lasting(self, s: OpSummary) -> float:
-        """``lasting_variation`` of the summary's live assessments."""
-        if s.all_peers:
-            return self.variation.get(peer_key(s.live[0].measurement), s.variation)
-        return s.variation
 
     @property
     def is_one_link(self) -> bool:
@@ -175,14 +169,13 @@ class GroupVerdict:
         takes only part of its loss off the group."""
         return len(self.members) == 2 or (self.scope == "inter_node" and len(self.nodes) == 2)
 
-    def lasting_variation(self, live: list[Assessment]) -> float:
+    def lasting_variation(self, s: OpSummary) -> float:
         """How far a healthy group like this one sits from its expectation for good: the
         run's measured figure for its kind where it is judged by its peers and the run
-        measured one, else what its assessments carry."""
-        variation = _median([a.variation for a in live])
-        if all(a.source == "peers" for a in live):
-            variation = self.variation.get(peer_key(live[0].measurement), variation)
-        return variation
+        measured one, else what its assessments carry (``s``: a summary of them)."""
+        if s.all_peers:
+            return self.variation.get(peer_key(s.live[0].measurement), s.variation)
+        return s.variation
 
     @property
     def bad(self) -> bool:
@@ -524,28 +517,21 @@ def _pair_evidence(v: GroupVerdict, op: str) -> PairEvidence | None:
     if noise is None or op not in v.by_op:
         return None
     s = v.summary(op)
+    if not s.positive:  # a reading of no busbw says nothing of its link's rate
+        s = summarize([a for a in s.live if a.ratio])
     if not s.live:
         return None
-    if s.positive:
-        live: Sequence[Assessment] = s.live
-        variation, centre_se, mean = v._lasting(s), s.centre_se, s.log_mean
-    else:
-        live = [a for a in s.live if a.ratio]
-        variation = v.lasting_variation(live)
-        centre_se = _median([a.centre_se for a in live]) if live else 0.0
-        mean = sum(math.log(max(a.ratio or 0.0, 1e-9)) for a in live) / max(len(live), 1)
-    if not live:
-        return None
-    n = len(live)
+    variation = v.lasting_variation(s)
     noise = max(noise, v.weighing.min_noise)
-    return PairEvidence(mean=mean, own_variance=OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / n,
-                        centre_se=centre_se, variation=variation)
+    return PairEvidence(mean=s.log_mean,
+                        own_variance=OWN_SHARE_OTHER * variation ** 2 + noise ** 2 / len(s.live),
+                        centre_se=s.centre_se, variation=variation)
 
 
 def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
     """``_pool_nic``, once per set of groups of one judgement."""
     if not groups:
-        return _pool_nic(groups, w)
+        return None
     memo = groups[0]._pooled
     key = tuple(id(v) for v in groups)
     hit = memo.get(key)
