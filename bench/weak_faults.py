@@ -6,6 +6,9 @@ per-link variation of 5 %, each through one ``run_preflight`` at default setting
 ``ringwatch preflight --fabric`` runs it. (Monitoring over cycles, through the real
 scheduler process, API and Postgres, is ``bench.monitoring``.)
 
+``--only small`` runs 25 more at 16-40 nodes (their own draw), where up to 8 faults make
+a dense fleet.
+
 Printed: recall by loss band, healthy nodes excluded, fault-free scenarios called healthy,
 the modeled preflight time at 1024 x 8, and a recall curve by loss (10-50 %) and noise
 (2-10 %). Then monitoring in the same regime, as it runs (``--only monitoring``): the real
@@ -104,6 +107,18 @@ def regime(rng: random.Random, n: int) -> list[dict[str, Any]]:
     for i in range(n):
         faults = 0 if i % 5 == 4 else rng.randint(1, 8)
         out.append(scenario(rng, node_count(rng), faults, noise=rng.uniform(0.05, 0.08),
+                            variation=0.05, loss=(0.12, 0.25)))
+    return out
+
+
+def small_fleets(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    """``n`` scenarios of the regime at 16-40 nodes, where up to 8 faults make a dense
+    fleet: a few slow NICs there slow half its node pairs."""
+    out = []
+    for i in range(n):
+        nodes = rng.randint(16, 40)
+        faults = 0 if i % 5 == 4 else rng.randint(1, 8)
+        out.append(scenario(rng, nodes, faults, noise=rng.uniform(0.05, 0.08),
                             variation=0.05, loss=(0.12, 0.25)))
     return out
 
@@ -331,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.weak_faults", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=13)
-    p.add_argument("--only", choices=("preflight", "scale", "curve", "drift", "monitoring"))
+    p.add_argument("--only", choices=("preflight", "small", "scale", "curve", "drift",
+                                      "monitoring"))
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     started = time.perf_counter()
@@ -339,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only in (None, "preflight"):
         report("preflight (one check per scenario)", preflight(scenarios))
         bound()
+    if args.only in (None, "small"):
+        # Its own draw, so the scenarios after it are the same with or without it.
+        small = small_fleets(random.Random(args.seed + 1), 10 if args.quick else 25)
+        report("preflight, fleets of 16-40 nodes", preflight(small))
     if args.only in (None, "scale"):
         at_scale(rng, 1 if args.quick else 3)
     if args.only in (None, "drift"):

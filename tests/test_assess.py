@@ -10,9 +10,11 @@ from agents.spec import Measurement
 from services.analyzer.assess import (
     Thresholds,
     assess,
+    healthy_centres,
     history_baseline,
     leave_one_out_quantile,
     link_key,
+    node_weights,
     own_normal,
     weighted_leave_one_out_quantile,
 )
@@ -140,6 +142,48 @@ def test_a_node_re_paired_many_times_does_not_drag_its_peers_centre_down():
     # Unweighted, the slow pairs' median peer would be halfway between.
     values = np.array([m.busbw_gbs for m in [*healthy, *slow]])
     assert leave_one_out_quantile(values, 0.5)[-1] == 90.0
+
+
+def test_a_fleet_with_half_its_node_pairs_slow_judges_them_against_the_healthy_ones():
+    # Four slow NICs (18 % loss) in a fleet of 14 nodes, each re-paired with three
+    # partners and re-measured five times: twelve slow node pairs, five healthy ones.
+    rng = np.random.default_rng(7)
+    healthy = [meas(pair(2 * i, 2 * i + 1), 100.0 * rng.uniform(0.97, 1.03)) for i in range(5)]
+    slow = [meas(pair(20 + k, p), 82.0 * rng.uniform(0.98, 1.02) * rng.normal(1, 0.03))
+            for k in range(4) for p in (2 * k, 2 * k + 1, 9 - k) for _ in range(5)]
+    out = assess(healthy + slow)
+    # Every pair is judged against the healthy pairs' level, not a median of all of them.
+    assert all(96.0 <= (a.expected_gbs or 0.0) <= 104.0 for a in out)
+    assert all((a.ratio or 1.0) < 0.88 for a in out[5:])
+    # The weighted median of the pairs, which each node counts in about once, sits among
+    # the slow ones here: half the nodes' pairs run through a slow NIC.
+    groups = {tuple(m.members): m.busbw_gbs for m in healthy + slow}
+    median = weighted_leave_one_out_quantile(np.array(list(groups.values())),
+                                             node_weights(list(groups)), 0.5)
+    assert float(median[0]) < 90.0
+
+
+def test_a_few_slow_node_pairs_leave_the_median_of_them_all():
+    # One slow NIC among 30 node pairs: the median is robust to it, and kept.
+    rng = np.random.default_rng(11)
+    healthy = [meas(pair(2 * i, 2 * i + 1), 100.0 * rng.uniform(0.9, 1.1)) for i in range(29)]
+    out = assess([*healthy, meas(pair(70, 71), 75.0)])
+    values = np.array([m.busbw_gbs for m in healthy] + [75.0])
+    want = weighted_leave_one_out_quantile(values, np.ones(values.size), 0.5)
+    assert [a.expected_gbs for a in out] == list(want)
+
+
+@given(st.lists(st.floats(0.0, 0.09), min_size=9, max_size=40),
+       st.lists(st.floats(0.1, 1.0), min_size=40, max_size=40))
+def test_with_no_group_a_loss_below_the_others_the_centre_is_their_weighted_median(
+        offsets, weights):
+    # Every group within 9 % of every other: none can be slow by the 10 % a fault is
+    # sought from, and the mixture leaves the plain weighted median of the others.
+    x = np.exp(-np.array(offsets))
+    w = np.array(weights[:x.size])
+    centres, _, healthy = healthy_centres(x, w, np.full(x.size, 0.03), 0.10)
+    assert healthy == x.size
+    assert np.array_equal(centres, weighted_leave_one_out_quantile(x, w, 0.5))
 
 
 @given(st.lists(st.floats(1.0, 100.0), min_size=2, max_size=30), st.floats(0.0, 1.0))

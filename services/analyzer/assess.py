@@ -15,7 +15,7 @@ from statistics import NormalDist
 import numpy as np
 
 from agents.spec import Measurement, nodes_of
-from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing
+from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, pooled_noise
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]
@@ -187,6 +187,64 @@ def weighted_leave_one_out_quantile(values: np.ndarray, weights: np.ndarray,
     return out
 
 
+# The healthy centre's mixture (``healthy_centres``): the span of log ratio below the
+# centre over which it spreads the slow groups, and how many rounds of it at most.
+SLOW_SPAN = 1.0
+MIXTURE_ITERATIONS = 100
+# Up to this share of a kind's groups taken as slow, its centre is the plain (weighted)
+# median of them all.
+MEDIAN_SLOW_SHARE = 0.1
+
+
+def healthy_centres(values: np.ndarray, weights: np.ndarray, sd: np.ndarray,
+                    gap: float) -> tuple[np.ndarray, float, int]:
+    """For each group, the centre of the healthy ones among the others; with the healthy
+    ones' spread and how many there are.
+
+    The peers are a mixture: healthy groups, normal about the centre (each with its own
+    standard deviation ``sd``: its lasting offset and the noise of its mean), and slow
+    ones, anywhere from ``gap`` (the loss a fault is sought from) below it, evenly. Each
+    group's chance of being healthy weights it in the centre, a weighted median, worked
+    out again until it settles (expectation-maximization, started from the 75th
+    percentile, where the healthy groups are). A median of all the groups sits inside
+    the slow ones once they are many: a node pair is slow when either end's NIC is, and a
+    small fleet with a few slow NICs, whose pairs a check re-measures and re-pairs, can
+    have half its node pairs slow; the median then sat 8 % under the healthy pairs and
+    NICs of 14-22 % loss read only 12-15 % slow. A healthy group is never taken for a
+    slow one for sitting less than ``gap`` under the centre, so links a little slow for
+    good keep their weight; with no slow groups the centre is the weighted median of them
+    all. (``_centres`` keeps the median of all where few are slow.)"""
+    x = np.log(np.maximum(values, 1e-12))
+    c = _weighted_quantile(x, weights, 0.75)
+    healthy_share = 0.8
+    edge = math.log(1.0 - gap)
+    norm = sd * math.sqrt(2.0 * math.pi)
+    r = np.ones_like(x)
+    for _ in range(MIXTURE_ITERATIONS):
+        z = (x - c) / sd
+        h = healthy_share * np.exp(-0.5 * z * z) / norm
+        g = np.where(x <= c + edge, (1.0 - healthy_share) / SLOW_SPAN, 0.0)
+        r = h / np.maximum(h + g, 1e-300)
+        wr = weights * r
+        if wr.sum() <= 0:
+            break
+        healthy_share = min(max(float(wr.sum() / weights.sum()), 0.05), 0.999)
+        moved = _weighted_quantile(x, wr, 0.5)
+        if moved == c:
+            break
+        c = moved
+    wr = np.maximum(weights * r, 1e-12)
+    spread = math.sqrt(float((wr * (x - c) ** 2).sum() / wr.sum()))
+    # A median in logs is the median of the values: taken of them, it is one of them exactly.
+    return weighted_leave_one_out_quantile(values, wr, 0.5), spread, int((r > 0.5).sum())
+
+
+def _weighted_quantile(x: np.ndarray, w: np.ndarray, q: float) -> float:
+    order = np.argsort(x, kind="stable")
+    cum = np.cumsum(w[order])
+    return float(x[order][min(int(np.searchsorted(cum, q * cum[-1], side="left")), x.size - 1)])
+
+
 def node_weights(groups: Sequence[tuple[str, ...]]) -> np.ndarray:
     """Each group's weight among its peers: one over the number of peer groups its busiest
     node is in. A check re-pairs a suspect node with partner after partner, and in a small
@@ -222,8 +280,26 @@ def _centres(measurements: Sequence[Measurement], groups: Mapping[tuple[str, ...
     q = t.peer_quantile if few else 0.5
     spread = _relative_spread(values)
     weights = node_weights(list(groups))
-    centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
-               else weighted_leave_one_out_quantile(values, weights, q))
+    if few:
+        centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
+                   else weighted_leave_one_out_quantile(values, weights, q))
+        return [PeerCentre(float(e), spread, len(idx) - 1) if np.isfinite(e) and e > 0 else None
+                for e in centres]
+    # Each group's mean is off its centre by its lasting offset and the noise of its
+    # repeats; the noise is measured where groups were repeated, else the peers' spread
+    # stands in for it (wider: a group is then taken as healthy more readily).
+    noise = pooled_noise([[measurements[i].busbw_gbs for i in ix] for ix in idx])
+    noise = max(noise if noise is not None else spread, t.weighing.min_noise)
+    n = np.array([len(ix) for ix in idx], dtype=float)
+    sd = np.sqrt(t.weighing.variation_prior ** 2 + noise ** 2 / n)
+    centres, healthy_spread, healthy = healthy_centres(values, weights, sd, t.weighing.min_loss)
+    if healthy < (1.0 - MEDIAN_SLOW_SHARE) * len(idx):
+        return [PeerCentre(float(e), healthy_spread, max(healthy - 1, 1))
+                if np.isfinite(e) and e > 0 else None for e in centres]
+    # Few slow groups: the median of them all is robust to them, and it is what a large
+    # fleet's thousands of decisions were tuned against (the mixture, which leaves out the
+    # far tail of the noise too, sat a few tenths of a percent higher there).
+    centres = weighted_leave_one_out_quantile(values, weights, 0.5)
     return [PeerCentre(float(e), spread, len(idx) - 1) if np.isfinite(e) and e > 0 else None
             for e in centres]
 
