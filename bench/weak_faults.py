@@ -164,19 +164,22 @@ def report(name: str, t: Tally) -> None:
         print(f"    {count} healthy node(s) excluded of {nodes}: {which}")
 
 
-def ceiling(lo: float, hi: float, variation: float, w: Weighing, steps: int = 200) -> float:
+def ceiling(lo: float, hi: float, variation: float, w: Weighing, steps: int = 200,
+            terminal: bool = False) -> float:
     """The recall of faults of ``lo``-``hi`` loss that a check with unlimited repeats and an
     exact peers' centre would reach: the only uncertainty left is each link's lasting
     offset (uniform within +-``variation``, as the sim draws it), which the judgement weighs
     as a nuisance of ``w.variation_prior``. What no number of repeats can pass in a fresh
-    check, at these settings."""
+    check, at these settings. ``terminal``: a GPU pair's, decided on its last look
+    (``evidence.weigh``)."""
     hits = 0
     for i in range(steps):
         loss = lo + (hi - lo) * (i + 0.5) / steps
         for j in range(steps):
             offset = -variation + 2 * variation * (j + 0.5) / steps
-            d = weigh([(1 - loss) * (1 + offset)], noise=1e-6, variation=w.variation_prior,
-                      centre_se=0.0, w=w, futility=False)
+            d = weigh([(1 - loss) * (1 + offset)] * w.max_repeats, noise=1e-6,
+                      variation=w.variation_prior, centre_se=0.0, w=w, futility=False,
+                      terminal=terminal)
             hits += d.degraded
     return hits / steps ** 2
 
@@ -185,11 +188,13 @@ def bound(variation: float = 0.05) -> None:
     print(f"\nceiling of a fresh check (unlimited repeats, exact centre; a link's lasting offset "
           f"uniform within +-{variation:.0%}, weighed as a nuisance of sigma "
           f"{Weighing().variation_prior:.0%})")
-    print(f"  {'false alarm':>11} {'12-15 %':>8} {'>=15 %':>8}")
+    print(f"  {'false alarm':>11} {'link':>20} {'12-15 %':>8} {'>=15 %':>8}")
     for false_alarm in (Weighing().false_alarm, 1e-3):
         w = Weighing(false_alarm=false_alarm)
-        print(f"  {false_alarm:>11g} {ceiling(0.12, 0.15, variation, w):>8.3f} "
-              f"{ceiling(0.15, 0.25, variation, w):>8.3f}")
+        for link, terminal in (("node pair, path", False), ("GPU pair, last look", True)):
+            print(f"  {false_alarm:>11g} {link:>20} "
+                  f"{ceiling(0.12, 0.15, variation, w, terminal=terminal):>8.3f} "
+                  f"{ceiling(0.15, 0.25, variation, w, terminal=terminal):>8.3f}")
 
 
 def at_scale(rng: random.Random, draws: int) -> None:

@@ -172,6 +172,25 @@ def test_a_group_its_lasting_offset_keeps_undecided_stops_before_its_repeats_run
     assert slow_side.llr > 0 > stuck.llr
 
 
+def test_a_link_whose_repeats_ran_out_far_below_its_peers_is_decided_on_its_last_look() -> None:
+    # Twenty readings 13 % under, under 8 % noise: Wald's bound (4.24 deviations at the
+    # defaults) is not reached, but a healthy link's lasting offset sits this far down
+    # (4.0 deviations) less often than the false alarm allows: decided on the last look.
+    last = weigh([0.87] * W.max_repeats, noise=0.08, variation=0.03, centre_se=0.0, w=W,
+                 terminal=True)
+    assert last.llr < W.upper and last.decision == DEGRADED
+    # Without the last look (a union, an intra-node ring: only part of a loss shows there),
+    # or before the repeats ran out, it stays undecided.
+    assert weigh([0.87] * W.max_repeats, noise=0.08, variation=0.03, centre_se=0.0,
+                 w=W).decision == UNDECIDED
+    assert weigh([0.87] * (W.max_repeats - 1), noise=0.08, variation=0.03, centre_se=0.0,
+                 w=W, terminal=True).decision == UNDECIDED
+    # 10 % under is three deviations: a healthy link's offset can be there; undecided.
+    assert weigh([0.90] * W.max_repeats, noise=0.08, variation=0.03, centre_se=0.0, w=W,
+                 terminal=True).decision == UNDECIDED
+    assert W.terminal_z == pytest.approx(3.719, abs=1e-3)
+
+
 def test_one_measurement_in_the_far_tail_is_measured_again_before_it_is_a_fault() -> None:
     # A healthy path 5 % under its peers for good, caught by a 4-sigma draw of 7 % noise:
     # one measurement at 0.72 of its expectation. Its weighing alone passes the slow bound,

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -135,6 +136,12 @@ class Weighing:
     confirm_repeats: int = 2
 
     @property
+    def terminal_z(self) -> float:
+        """The one-sided normal quantile of ``false_alarm``: where a link whose repeats ran
+        out is decided degraded (``weigh``'s ``terminal``)."""
+        return NormalDist().inv_cdf(1.0 - self.false_alarm)
+
+    @property
     def upper(self) -> float:
         """Log-likelihood ratio at which "degraded" is decided."""
         return math.log((1 - self.miss) / self.false_alarm)
@@ -215,7 +222,8 @@ def by_majority(bad: Sequence[bool], w: Weighing) -> Decision:
 
 
 def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se: float,
-          w: Weighing, futility: bool = True, early_clear: bool = False) -> Decision:
+          w: Weighing, futility: bool = True, early_clear: bool = False,
+          terminal: bool = False) -> Decision:
     """Decide on a group's ratios to its expectation: healthy, degraded, or not yet.
 
     The mean ``m`` of the n log ratios is normal about ``log(1 - loss)`` with variance
@@ -233,15 +241,23 @@ def weigh(ratios: Sequence[float], *, noise: float, variation: float, centre_se:
     cleared it proves both its NICs); never for a group that runs at its slowest of many
     edges (a node's intra-node ring, a union of paths), a few percent under its
     expectation when one edge of it is 15 % slow.
+
+    ``terminal``: one link whose repeats ran out undecided is decided degraded when its mean
+    sits at least ``Weighing.terminal_z`` standard deviations below its expectation (a
+    fixed-sample test at ``false_alarm`` on its last look; Wald's bound before that asks
+    for more, to pay for the looks). The judgement asks it for GPU pairs: a node pair's
+    evidence is pooled over its ends' partners to tell a NIC from a path, and a pair
+    decided alone takes it out of that pooling.
     """
     n = len(ratios)
     m = sum(math.log(max(r, 1e-9)) for r in ratios) / n if n else 0.0
     return weigh_log_mean(m, n, noise=noise, variation=variation, centre_se=centre_se, w=w,
-                          futility=futility, early_clear=early_clear)
+                          futility=futility, early_clear=early_clear, terminal=terminal)
 
 
 def weigh_log_mean(m: float, n: int, *, noise: float, variation: float, centre_se: float,
-                   w: Weighing, futility: bool = True, early_clear: bool = False) -> Decision:
+                   w: Weighing, futility: bool = True, early_clear: bool = False,
+                   terminal: bool = False) -> Decision:
     """``weigh`` of ``n`` ratios whose logs have mean ``m``."""
     if n == 0:
         return Decision(UNDECIDED, 0.5, 0, 1.0, 0.0, False)
@@ -271,6 +287,9 @@ def weigh_log_mean(m: float, n: int, *, noise: float, variation: float, centre_s
     # No repeat would decide an exhausted group that is more likely healthy than not:
     # nothing to follow up.
     decision = _decide(llr, w, healthy_lean=exhausted)
+    if (terminal and decision == UNDECIDED and n >= w.max_repeats
+            and m <= -w.terminal_z * math.sqrt(s2)):
+        decision = DEGRADED
     return Decision(decision, _confidence(decision, llr), n, math.exp(m), math.sqrt(s2),
                     exhausted, provisional=decision == DEGRADED and n < w.confirm_repeats,
                     llr=llr)

@@ -160,7 +160,8 @@ class GroupVerdict:
         return weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
                               variation=variation, centre_se=s.centre_se, w=self.weighing,
                               futility=measured,
-                              early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS)
+                              early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
+                              terminal=len(self.members) == 2 and len(self.nodes) == 1)
 
     @property
     def is_one_link(self) -> bool:
