@@ -209,8 +209,8 @@ def healthy_centres(values: np.ndarray, weights: np.ndarray, sd: np.ndarray,
     percentile, where the healthy groups are). A median of all the groups sits inside
     the slow ones once they are many: a node pair is slow when either end's NIC is, and a
     small fleet with a few slow NICs, whose pairs a check re-measures and re-pairs, can
-    have half its node pairs slow; the median then sat 8 % under the healthy pairs and
-    NICs of 14-22 % loss read only 12-15 % slow. A healthy group is never taken for a
+    have half its node pairs slow, and its slow NICs then read only part of their loss
+    against the median. A healthy group is never taken for a
     slow one for sitting less than ``gap`` under the centre, so links a little slow for
     good keep their weight; with no slow groups the centre is the weighted median of them
     all. (``_centres`` keeps the median of all where few are slow.)"""
@@ -276,11 +276,10 @@ def _centres(measurements: Sequence[Measurement], groups: Mapping[tuple[str, ...
         return [None] * len(groups)
     idx = list(groups.values())
     values = np.array([_group_value([measurements[i].busbw_gbs for i in ix]) for ix in idx])
-    few = len(idx) - 1 < t.median_peers
-    q = t.peer_quantile if few else 0.5
     spread = _relative_spread(values)
     weights = node_weights(list(groups))
-    if few:
+    if len(idx) - 1 < t.median_peers:
+        q = t.peer_quantile
         centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
                    else weighted_leave_one_out_quantile(values, weights, q))
         return [PeerCentre(float(e), spread, len(idx) - 1) if np.isfinite(e) and e > 0 else None
