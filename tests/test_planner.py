@@ -351,7 +351,7 @@ def test_confirm_rounds_follow_a_search_and_only_a_search():
         p = AdaptivePlanner(nodes, ProbeShape(sizes=(1,)))
         p.phase = "world"
         # What a re-pair round would hold: a node still short of partners.
-        p._repair = lambda v, blamed: repairs.append(p.phase) or [  # type: ignore[method-assign]
+        p._repair = lambda v, blamed, busy=frozenset(): repairs.append(p.phase) or [  # type: ignore[method-assign]
             p._union_group(("node-000", "node-001"))]
         return p
 
@@ -401,3 +401,33 @@ def test_a_pair_that_may_name_a_path_is_measured_on_its_undecided_op():
     # nothing more to measure on it here.
     del verdicts[(fine[1].scope, fine[1].members)]
     assert planner._repeats(verdicts, set()) == []
+
+
+def test_a_node_is_re_paired_beside_a_tail_of_other_nodes_undecided_groups():
+    # node-000's one pair is slow: it needs another partner. node-001, -002 and -003 are
+    # proven; node-004 and node-005's pair is still undecided, two nodes of twenty (a tail
+    # of stragglers). The re-pair goes out beside that pair's repeat (in a large fleet a
+    # few groups measured to their cap would otherwise hold every re-pair back), and
+    # neither undecided end is used for it.
+    ranks = {n: [f"node-00{n}/0", f"node-00{n}/1"] for n in range(6)}
+    groups = [_pair(ranks[0] + ranks[2], allreduce=[0.7] * 3, alltoall=[0.7] * 3),
+              _pair(ranks[2] + ranks[3], allreduce=[1.0] * 3, alltoall=[1.0] * 3),
+              _pair(ranks[1] + ranks[3], allreduce=[1.0] * 3, alltoall=[1.0] * 3),
+              _pair(ranks[4] + ranks[5], allreduce=[1.0] * 3, alltoall=[0.9])]
+    assert groups[0].bad and groups[3].pending_ops == ("alltoall",)
+
+    def planned(n_nodes):
+        planner = AdaptivePlanner(layout(n_nodes, 2), ProbeShape(sizes=(1,)))
+        planner.phase = "repair"
+        verdicts = {(v.scope, v.members): v for v in groups}
+        return {(tuple(nodes_of(g.members)), g.ops) for g in planner.next_round(verdicts, set())}
+
+    got = planned(20)
+    assert {(("node-004", "node-005"), ("alltoall",)),
+            (("node-000", "node-001"), ("allreduce", "alltoall"))} <= got
+    assert [p for p, _ in got if {"node-004", "node-005"} & set(p)] == [("node-004", "node-005")]
+    # Two of six nodes undecided is no tail: the re-pairs wait for them.
+    assert planned(6) == {(("node-004", "node-005"), ("alltoall",))}
+    # Its own pair undecided, node-000 waits for it: nothing else is paired with it.
+    groups[0] = _pair(ranks[0] + ranks[2], allreduce=[0.9], alltoall=[0.9])
+    assert [p for p, _ in planned(20) if "node-000" in p] == [("node-000", "node-002")]

@@ -8,6 +8,7 @@ where that is slow, the search for the slow path.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -80,6 +81,10 @@ def world_group(nodes: Nodes, names: Sequence[str], shape: ProbeShape) -> GroupS
 # ("within"), or every pair with one node in ``a`` and one in ``b`` ("across").
 Region = tuple[str, tuple[str, ...], tuple[str, ...]]
 MAX_REPAIR_ROUNDS = 4
+# Re-pairs go on beside other nodes' repeats once at most this share of the nodes has a
+# group undecided: a tail of stragglers. While more are undecided (a small fleet dense
+# with faults) they wait, so that partners are chosen on everything the round can tell.
+STRAGGLER_SHARE = 0.1
 # A check's hard stop: with every group decided in at most ``Weighing.max_repeats``
 # measurements a plan ends well before it; reaching it means a plan that would not end.
 MAX_ROUNDS = 512
@@ -233,7 +238,8 @@ class AdaptivePlanner:
         self.phase = "intra"
         self.pair_rounds: list[list[GroupSpec]] = []
         self.matching_rounds: list[list[GroupSpec]] = []
-        self.repairs = 0
+        # Re-pairs per node in the current phase (re-pair, then confirm).
+        self.repaired: dict[str, int] = defaultdict(int)
         # Nodes paired by the fallback for fleets with no proven node (once each), and
         # every node pair issued so far (the fallback never repeats one).
         self.lonely_paired: set[str] = set()
@@ -265,6 +271,12 @@ class AdaptivePlanner:
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
         if repeats:
+            busy = {n for g in repeats for n in nodes_of_members(g.members)}
+            if self.phase == "repair" and len(busy) <= STRAGGLER_SHARE * len(self.nodes):
+                # Only a tail of groups is left undecided (in a large fleet, a few measured
+                # to their cap): the other nodes' re-pairs go on beside it instead of
+                # waiting up to ``max_repeats`` rounds for it, each time.
+                return pack(repeats + self._repair(v, blamed, busy))[0]
             return pack(repeats)[0]
         if self.phase == "intra":
             self.phase = "pairs"
@@ -277,7 +289,7 @@ class AdaptivePlanner:
             if groups:
                 return groups
         if self.phase == "repair":
-            groups = self._repairs(v, blamed)
+            groups = self._repair(v, blamed)
             if groups:
                 return groups
             self.phase = "world"
@@ -300,10 +312,10 @@ class AdaptivePlanner:
                 return groups
             # What the search found gets its own re-pair rounds; a fleet whose world group
             # was cleared has nothing new to confirm (its NICs had their re-pair rounds).
-            self.phase, self.repairs = "confirm", 0 if self.searched else MAX_REPAIR_ROUNDS
+            self.phase = "confirm"
+            self.repaired.clear()
         if self.phase == "confirm":
-            groups = self._repair(v, blamed) if self.repairs < MAX_REPAIR_ROUNDS else []
-            self.repairs += 1
+            groups = self._repair(v, blamed) if self.searched else []
             if groups:
                 return groups
             self.phase = "done"
@@ -367,35 +379,28 @@ class AdaptivePlanner:
         first = self.matching_rounds.pop(0) if self.matching_rounds else []
         return (self.pair_rounds.pop(0) if self.pair_rounds else []) + first
 
-    def _repairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        """A re-pair round, once the planned GPU-pair and node-pair rounds have run and
-        every group of theirs is decided."""
-        if self.repairs >= MAX_REPAIR_ROUNDS:
-            return []
-        repairs = self._repair(v, blamed)
-        if repairs:
-            self.repairs += 1
-        return repairs
-
-    def _repair(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
-        """Re-pair nodes that have no good node-pair result with nodes proven good, and
-        re-test slow pairs of two good nodes: a NIC is slow with every partner, a path
-        only between its two ends."""
+    def _repair(self, v: Verdicts, blamed: set[str],
+                busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
+        """Re-pair nodes that have no good node-pair result with nodes proven good (each
+        node at most ``MAX_REPAIR_ROUNDS`` times in a phase): a NIC is slow with every
+        partner, a path only between its two ends. ``busy``: nodes with a group still
+        being measured, neither re-paired nor partners this round."""
         live, two, results, nics = self._node_pairs(v, blamed)
         proven = proven_nodes(results, nics)
         good = sorted(proven)
-        used: set[str] = set()
+        used: set[str] = set(busy)
         groups = []
         free = [p for p in good if p not in used]
         lonely = []
         for n in sorted(live):
-            if n in good or n in used or not nic_needs_more_partners(n, results[n], proven,
-                                                                     nics.get(n)):
+            if (n in good or n in used or self.repaired[n] >= MAX_REPAIR_ROUNDS
+                    or not nic_needs_more_partners(n, results[n], proven, nics.get(n))):
                 continue
             partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
             if partner is not None:
                 free.remove(partner)
                 used |= {n, partner}
+                self.repaired[n] += 1
                 groups.append(pair_group(self.nodes, n, partner, self.shape))
             elif not results[n] and n not in self.lonely_paired:
                 lonely.append(n)
