@@ -80,7 +80,8 @@ def world_group(nodes: Nodes, names: Sequence[str], shape: ProbeShape) -> GroupS
 # A region of node pairs the path search still suspects: every pair inside ``a``
 # ("within"), or every pair with one node in ``a`` and one in ``b`` ("across").
 Region = tuple[str, tuple[str, ...], tuple[str, ...]]
-MAX_REPAIR_ROUNDS = 4
+# How many times one node is re-paired in a phase (re-pair, then confirm).
+MAX_REPAIRS_PER_NODE = 4
 # Re-pairs go on beside other nodes' repeats once at most this share of the nodes has a
 # group undecided: a tail of stragglers. While more are undecided (a small fleet dense
 # with faults) they wait, so that partners are chosen on everything the round can tell.
@@ -238,7 +239,7 @@ class AdaptivePlanner:
         self.phase = "intra"
         self.pair_rounds: list[list[GroupSpec]] = []
         self.matching_rounds: list[list[GroupSpec]] = []
-        # Re-pairs per node in the current phase (re-pair, then confirm).
+        # Re-pairs per node in the current phase.
         self.repaired: dict[str, int] = defaultdict(int)
         # Nodes paired by the fallback for fleets with no proven node (once each), and
         # every node pair issued so far (the fallback never repeats one).
@@ -271,8 +272,9 @@ class AdaptivePlanner:
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
         if repeats:
-            busy = {n for g in repeats for n in nodes_of_members(g.members)}
-            if self.phase == "repair" and len(busy) <= STRAGGLER_SHARE * len(self.nodes):
+            busy = ({n for g in repeats for n in nodes_of_members(g.members)}
+                    if self.phase == "repair" else set())
+            if busy and len(busy) <= STRAGGLER_SHARE * len(self.nodes):
                 # Only a tail of groups is left undecided (in a large fleet, a few measured
                 # to their cap): the other nodes' re-pairs go on beside it instead of
                 # waiting up to ``max_repeats`` rounds for it, each time.
@@ -382,7 +384,7 @@ class AdaptivePlanner:
     def _repair(self, v: Verdicts, blamed: set[str],
                 busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
         """Re-pair nodes that have no good node-pair result with nodes proven good (each
-        node at most ``MAX_REPAIR_ROUNDS`` times in a phase): a NIC is slow with every
+        node at most ``MAX_REPAIRS_PER_NODE`` times in a phase): a NIC is slow with every
         partner, a path only between its two ends. ``busy``: nodes with a group still
         being measured, neither re-paired nor partners this round."""
         live, two, results, nics = self._node_pairs(v, blamed)
@@ -393,7 +395,7 @@ class AdaptivePlanner:
         free = [p for p in good if p not in used]
         lonely = []
         for n in sorted(live):
-            if (n in good or n in used or self.repaired[n] >= MAX_REPAIR_ROUNDS
+            if (n in good or n in used or self.repaired[n] >= MAX_REPAIRS_PER_NODE
                     or not nic_needs_more_partners(n, results[n], proven, nics.get(n))):
                 continue
             partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
