@@ -107,8 +107,10 @@ def split(items: Sequence[T], parts: int) -> list[list[T]]:
 class SearchStep:
     """Unions of node sets to test, and which unions cover each smaller region.
 
-    A region can hold a slow pair only if every union covering it came out slow; those
-    regions are the next steps. Two-node unions end the search at a node pair.
+    A region stays a suspect while most of the unions covering it are (``kept``): a
+    region across two parts has one, which decides; one within a part has three, and one
+    of them cleared by an unlucky draw of the noise does not prune it. Those regions are
+    the next steps. Two-node unions end the search at a node pair.
     """
 
     unions: list[tuple[str, ...]]
@@ -136,6 +138,15 @@ def separated_split(items: Sequence[str], parts: int,
                 home[home.index(y)], other[other.index(spare)] = spare, y
                 break
     return [tuple(p) for p in out]
+
+
+def kept(slow: Sequence[bool]) -> bool:
+    """Whether a region stays a suspect, from the unions covering it: while more than half
+    of them are not cleared. Each union holding a slow pair is cleared now and then by the
+    noise (its test's miss rate); a region within a part, which three unions cover, is
+    lost only when two of them are, where requiring all three lost it when any one was.
+    A region across two parts has one union, which decides alone."""
+    return 2 * sum(slow) > len(slow)
 
 
 def search_step(region: Region, known: set[frozenset[str]] | None = None) -> SearchStep:
@@ -471,7 +482,8 @@ class AdaptivePlanner:
         if not item.done or item.step is None:
             return [item]
         slow = [self._union_bad(v, u) for u in item.step.unions]
-        return [_Issued(region) for region, idx in item.step.covers if all(slow[i] for i in idx)]
+        return [_Issued(region) for region, idx in item.step.covers
+                if kept([slow[i] for i in idx])]
 
     def _issue(self) -> list[GroupSpec]:
         used: set[str] = set()
