@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from agents.spec import Finding, Measurement, RankInfo
@@ -139,3 +141,41 @@ def test_findings_limited_to_requested_nodes():
     ms = [inter(0, 1, 100.0), inter(0, 2, 50.0), inter(1, 2, 52.0)]
     assert run(ms, nodes=[node(0), node(1)]) == []
     assert len(run(ms, nodes=[node(0), node(1), node(2)])) == 1
+
+
+def _first_readings(logs, centre_se=0.005):
+    """One node-pair group per log ratio, judged against its peers."""
+    from services.analyzer.assess import Assessment
+    from services.analyzer.localize import GroupVerdict
+
+    out = []
+    for i, x in enumerate(logs):
+        m = inter(2 * i, 2 * i + 1, 100.0)
+        v = GroupVerdict(m.scope, m.group, (node(2 * i), node(2 * i + 1)))
+        v.by_op["allreduce"] = [Assessment(m, 100.0, math.exp(x), False, "peers",
+                                           centre_se=centre_se)]
+        out.append(v)
+    return out
+
+
+def _spread(n, sd):
+    """n log ratios whose robust spread (MAD) is ``sd``, evenly over the normal's quantiles."""
+    from statistics import NormalDist
+
+    return [sd * NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+
+
+def test_a_scatter_low_by_chance_under_heavy_noise_leaves_the_prior_variation_standing():
+    from services.analyzer.evidence import Weighing
+    from services.analyzer.localize import measured_variation
+
+    # Noise 7.7 %: sixty first readings that scatter by 5.9 % (below the noise alone, as a
+    # low draw of sixty can) say nothing sure of a variation under the prior's 3 %.
+    w = Weighing()
+    out = measured_variation(_first_readings(_spread(60, 0.059)), {"allreduce": 0.077}, w)
+    assert out == {}
+    # Where the noise is slight, the same number of groups does show links more alike than
+    # the prior, and the run takes its own figure (the upper end of its estimate).
+    tight = measured_variation(_first_readings(_spread(60, 0.012)), {"allreduce": 0.01}, w)
+    (figure,) = tight.values()
+    assert w.min_variation <= figure < w.variation_prior

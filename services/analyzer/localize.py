@@ -281,7 +281,12 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
     what is left. The scatter is taken robustly (MAD: faults are outliers). Where the run
     shows the variation smaller than the prior beyond doubt (two standard errors), the
     upper end of its estimate is used; where larger beyond doubt, the estimate; else the
-    prior stands (under noise of several percent, one run cannot tell)."""
+    prior stands (under noise of several percent, one run cannot tell). The standard error
+    is the scatter's under the prior where that is the larger: a scatter that came out
+    low by chance must not vouch for its own precision: under noise of several percent,
+    a kind whose first readings happened to scatter well below what noise and prior give
+    would otherwise have its variation taken to the floor, and every pooled NIC decision
+    would then trust its pairs' means far past what they know."""
     firsts: dict[PeerKey, list[float]] = defaultdict(list)
     centre_se: dict[PeerKey, list[float]] = defaultdict(list)
     for v in verdicts:
@@ -300,8 +305,9 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
             continue
         centre = statistics.median(logs)
         total = (MAD_TO_SIGMA * statistics.median(abs(x - centre) for x in logs)) ** 2
-        var = total - sigma ** 2 - statistics.median(centre_se[key]) ** 2
-        se = total * math.sqrt(2.0 / (MAD_VARIANCE_EFFICIENCY * len(logs)))
+        known = sigma ** 2 + statistics.median(centre_se[key]) ** 2
+        var = total - known
+        se = max(total, known + prior) * math.sqrt(2.0 / (MAD_VARIANCE_EFFICIENCY * len(logs)))
         if var + 2 * se < prior:
             out[key] = math.sqrt(max(var + 2 * se, w.min_variation ** 2))
         elif var - 2 * se > prior:
