@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import pytest
 
 from agents.spec import Finding, Measurement, RankInfo
-from services.analyzer.assess import assess
-from services.analyzer.localize import localize
+from services.analyzer.assess import Assessment, assess
+from services.analyzer.evidence import Weighing
+from services.analyzer.localize import GroupVerdict, localize, measured_variation
 from services.analyzer.verdict import build_verdict
 
 G = 4  # ranks per node in these hand-made fleets
@@ -145,9 +147,6 @@ def test_findings_limited_to_requested_nodes():
 
 def _first_readings(logs, centre_se=0.005):
     """One node-pair group per log ratio, judged against its peers."""
-    from services.analyzer.assess import Assessment
-    from services.analyzer.localize import GroupVerdict
-
     out = []
     for i, x in enumerate(logs):
         m = inter(2 * i, 2 * i + 1, 100.0)
@@ -160,15 +159,10 @@ def _first_readings(logs, centre_se=0.005):
 
 def _spread(n, sd):
     """n log ratios whose robust spread (MAD) is ``sd``, evenly over the normal's quantiles."""
-    from statistics import NormalDist
-
     return [sd * NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
 
 
 def test_a_scatter_low_by_chance_under_heavy_noise_leaves_the_prior_variation_standing():
-    from services.analyzer.evidence import Weighing
-    from services.analyzer.localize import measured_variation
-
     # Noise 7.7 %: sixty first readings that scatter by 5.9 % (below the noise alone, as a
     # low draw of sixty can) say nothing sure of a variation under the prior's 3 %.
     w = Weighing()

@@ -282,10 +282,9 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
     shows the variation smaller than the prior beyond doubt (two standard errors), the
     upper end of its estimate is used; where larger beyond doubt, the estimate; else the
     prior stands (under noise of several percent, one run cannot tell). The standard error
-    is the scatter's under the prior where that is the larger: a scatter that came out
-    low by chance must not vouch for its own precision: under noise of several percent,
-    a kind whose first readings happened to scatter well below what noise and prior give
-    would otherwise have its variation taken to the floor, and every pooled NIC decision
+    is the scatter's under the prior where that is the larger, so a scatter that came out
+    low by chance does not vouch for its own precision: under noise of several percent it
+    would otherwise take its kind's variation to the floor, and every pooled NIC decision
     would then trust its pairs' means far past what they know."""
     firsts: dict[PeerKey, list[float]] = defaultdict(list)
     centre_se: dict[PeerKey, list[float]] = defaultdict(list)
