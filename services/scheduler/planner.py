@@ -282,6 +282,13 @@ class AdaptivePlanner:
             planned = ((self.pair_rounds.pop(0) if self.pair_rounds else [])
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
+        if repeats and self.phase == "search":
+            # The search goes on beside its repeats: a lead waits only for its own unions
+            # (``_advance``), not for another's, and each new union keeps off the nodes
+            # measured again this round.
+            pending = {(g.scope, g.members) for g in repeats}
+            busy = {n for g in repeats for n in nodes_of_members(g.members)}
+            return pack(repeats + self._search(v, blamed, pending, busy))[0]
         if repeats:
             busy = ({n for g in repeats for n in nodes_of_members(g.members)}
                     if self.phase == "repair" else set())
@@ -320,7 +327,7 @@ class AdaptivePlanner:
                 self.world = world_group(self.nodes, live, self.shape)
                 return [self.world]
         if self.phase == "search":
-            groups = self._search(v)
+            groups = self._search(v, blamed)
             if groups:
                 return groups
             # What the search found gets its own re-pair rounds; a fleet whose world group
@@ -448,45 +455,76 @@ class AdaptivePlanner:
         _, _, results, nics = self._node_pairs(v, blamed)
         return proven_nodes(results, nics)
 
-    def _search(self, v: Verdicts) -> list[GroupSpec]:
+    def _search(self, v: Verdicts, blamed: set[str],
+                pending: set[tuple[str, tuple[str, ...]]] | frozenset[tuple[str, tuple[str, ...]]]
+                = frozenset(), busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
+        """The search's next unions. ``pending``: groups still being measured (a lead
+        whose unions are among them waits); ``busy``: their nodes, which no new union
+        takes this round."""
         if self.world is None:
             return []
         if not self.search_started:
+            if (self.world.scope, tuple(sorted(self.world.members))) in pending:
+                return []
             self.search_started = True
             if not _suspect(v, "world", self.world.members):
                 return []
             self.searched = True
             live = tuple(sorted(nodes_of_members(self.world.members)))
             self.active = [_Issued(("within", live, ()))]
-        self.active = [a for item in self.active for a in self._advance(item, v)]
+        self.active = [a for item in self.active
+                       for a in self._advance(_without(item, blamed), v, pending)]
         known = _slow_pairs(v)
         for item in self.active:
             if item.step is None and not self._waits(item):
                 item.step = search_step(item.region, known)
-        return self._issue()
+        return self._issue(busy)
 
     def _waits(self, item: _Issued) -> bool:
         """An across region waits for pending smaller regions on its nodes (within ones,
         and across ones closer to a pair): a slow pair among its nodes makes every union
-        holding both ends slow until it is known, and then its split keeps them apart."""
+        holding both ends slow until it is known, and then its split keeps them apart. It
+        also waits for an earlier one of its size that shares nodes with it: a half slow
+        with both halves of the other side is most often one slow NIC, which would lead
+        every such region down to a pair with it, one after another; the first finds it,
+        and once it is blamed the others go on without it (``_without``)."""
         kind, a, b = item.region
         if kind != "across":
             return False
         mine = set(a) | set(b)
-        return any(not mine.isdisjoint(_region_nodes(o.region))
-                   and (o.region[0] == "within" or len(_region_nodes(o.region)) < len(mine))
-                   for o in self.active if o is not item)
+        before = True
+        for o in self.active:
+            if o is item:
+                before = False
+                continue
+            theirs = _region_nodes(o.region)
+            if mine.isdisjoint(theirs):
+                continue
+            if o.region[0] == "within" or len(theirs) < len(mine):
+                return True
+            if before and o.region[0] == "across" and len(theirs) == len(mine):
+                return True
+        return False
 
-    def _advance(self, item: _Issued, v: Verdicts) -> list[_Issued]:
-        """A step whose unions have all run becomes its still-suspect regions."""
+    def _advance(self, item: _Issued | None, v: Verdicts,
+                 pending: set[tuple[str, tuple[str, ...]]] | frozenset[tuple[str, tuple[str, ...]]]
+                 ) -> list[_Issued]:
+        """A step whose unions have all run and been decided (none still ``pending``)
+        becomes its still-suspect regions."""
+        if item is None:
+            return []
         if not item.done or item.step is None:
             return [item]
-        slow = [self._union_bad(v, u) for u in item.step.unions]
+        keys = [self._union_key(u) for u in item.step.unions]
+        if not pending.isdisjoint(keys):
+            return [item]
+        # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
+        slow = [_suspect(v, scope, members) for scope, members in keys]
         return [_Issued(region) for region, idx in item.step.covers
                 if kept([slow[i] for i in idx])]
 
-    def _issue(self) -> list[GroupSpec]:
-        used: set[str] = set()
+    def _issue(self, busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
+        used: set[str] = set(busy)
         groups = []
         for item in self.active:
             if item.step is None:
@@ -499,14 +537,14 @@ class AdaptivePlanner:
                 groups.append(self._union_group(union))
         return groups
 
+    def _union_key(self, union: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+        g = self._union_group(union)
+        return g.scope, tuple(sorted(g.members))
+
     def _union_group(self, union: tuple[str, ...]) -> GroupSpec:
         if len(union) == 2:
             return pair_group(self.nodes, union[0], union[1], self.shape)
         return self.union_shape.group("inter_node", node_members(self.nodes, union))
-
-    def _union_bad(self, v: Verdicts, union: tuple[str, ...]) -> bool:
-        # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
-        return _suspect(v, "inter_node", node_members(self.nodes, union))
 
 
 def _only_steers(scope: str, x: GroupVerdict) -> bool:
@@ -515,6 +553,20 @@ def _only_steers(scope: str, x: GroupVerdict) -> bool:
     ranks (an NVLink from its GPU pairs)."""
     return (scope == "world" or (scope == "inter_node" and len(x.nodes) > 2)
             or (scope == "intra_node" and len(x.members) > 2))
+
+
+def _without(item: _Issued, blamed: set[str]) -> _Issued | None:
+    """A lead without the nodes blamed since it was split: a slow NIC slows every union it
+    is in, and a path is named only between two proven ends. Its step is split again; a
+    region left without a node pair is dropped."""
+    kind, a, b = item.region
+    if blamed.isdisjoint(a) and blamed.isdisjoint(b):
+        return item
+    a = tuple(n for n in a if n not in blamed)
+    b = tuple(n for n in b if n not in blamed)
+    if (kind == "within" and len(a) < 2) or (kind == "across" and not (a and b)):
+        return None
+    return _Issued((kind, a, b))
 
 
 def _region_nodes(region: Region) -> set[str]:
