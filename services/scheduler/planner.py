@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from agents.matchings import circle_matching, circle_matchings
 from agents.spec import GroupSpec, RankInfo, member
 from services.analyzer.localize import (
+    GroupKey,
     GroupVerdict,
     NicCase,
     by_node,
@@ -27,7 +29,7 @@ from services.analyzer.localize import (
 
 T = TypeVar("T")
 Nodes = dict[str, list[int]]
-Verdicts = Mapping[tuple[str, tuple[str, ...]], GroupVerdict]
+Verdicts = Mapping[GroupKey, GroupVerdict]
 
 DEFAULT_OPS: tuple[str, ...] = ("allreduce", "alltoall")
 DEFAULT_SIZES: tuple[int, ...] = (1 << 16, 1 << 22)
@@ -282,21 +284,20 @@ class AdaptivePlanner:
             planned = ((self.pair_rounds.pop(0) if self.pair_rounds else [])
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
-        if repeats and self.phase == "search":
-            # The search goes on beside its repeats: a lead waits only for its own unions
-            # (``_advance``), not for another's, and each new union keeps off the nodes
-            # measured again this round.
-            pending = {(g.scope, g.members) for g in repeats}
+        if repeats and self.phase in ("repair", "search"):
             busy = {n for g in repeats for n in nodes_of_members(g.members)}
-            return pack(repeats + self._search(v, blamed, pending, busy))[0]
-        if repeats:
-            busy = ({n for g in repeats for n in nodes_of_members(g.members)}
-                    if self.phase == "repair" else set())
-            if busy and len(busy) <= STRAGGLER_SHARE * len(self.nodes):
+            if self.phase == "search":
+                # The search goes on beside its repeats: a lead waits only for its own
+                # unions (``_advance``), not for another's, and each new union keeps off
+                # the nodes measured again this round.
+                pending = {(g.scope, g.members) for g in repeats}
+                return pack(repeats + self._search(v, blamed, pending, busy))[0]
+            if len(busy) <= STRAGGLER_SHARE * len(self.nodes):
                 # Only a tail of groups is left undecided (in a large fleet, a few measured
                 # to their cap): the other nodes' re-pairs go on beside it instead of
                 # waiting up to ``max_repeats`` rounds for it, each time.
                 return pack(repeats + self._repair(v, blamed, busy))[0]
+        if repeats:
             return pack(repeats)[0]
         if self.phase == "intra":
             self.phase = "pairs"
@@ -368,7 +369,7 @@ class AdaptivePlanner:
                                          redop=self.shape.redop))
         return pending
 
-    def _path_candidates(self, v: Verdicts, blamed: set[str]) -> set[tuple[str, tuple[str, ...]]]:
+    def _path_candidates(self, v: Verdicts, blamed: set[str]) -> set[GroupKey]:
         """Slow node pairs with an op still undecided that the path rule could name
         (``localize.path_candidates``)."""
         pairs = [x for (scope, _), x in v.items()
@@ -400,7 +401,7 @@ class AdaptivePlanner:
         return (self.pair_rounds.pop(0) if self.pair_rounds else []) + first
 
     def _repair(self, v: Verdicts, blamed: set[str],
-                busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
+                busy: AbstractSet[str] = frozenset()) -> list[GroupSpec]:
         """Re-pair nodes that have no good node-pair result with nodes proven good (each
         node at most ``MAX_REPAIRS_PER_NODE`` times in a phase): a NIC is slow with every
         partner, a path only between its two ends. ``busy``: nodes with a group still
@@ -455,16 +456,15 @@ class AdaptivePlanner:
         _, _, results, nics = self._node_pairs(v, blamed)
         return proven_nodes(results, nics)
 
-    def _search(self, v: Verdicts, blamed: set[str],
-                pending: set[tuple[str, tuple[str, ...]]] | frozenset[tuple[str, tuple[str, ...]]]
-                = frozenset(), busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
+    def _search(self, v: Verdicts, blamed: set[str], pending: AbstractSet[GroupKey] = frozenset(),
+                busy: AbstractSet[str] = frozenset()) -> list[GroupSpec]:
         """The search's next unions. ``pending``: groups still being measured (a lead
         whose unions are among them waits); ``busy``: their nodes, which no new union
         takes this round."""
         if self.world is None:
             return []
         if not self.search_started:
-            if (self.world.scope, tuple(sorted(self.world.members))) in pending:
+            if _group_key(self.world.scope, self.world.members) in pending:
                 return []
             self.search_started = True
             if not _suspect(v, "world", self.world.members):
@@ -472,8 +472,8 @@ class AdaptivePlanner:
             self.searched = True
             live = tuple(sorted(nodes_of_members(self.world.members)))
             self.active = [_Issued(("within", live, ()))]
-        self.active = [a for item in self.active
-                       for a in self._advance(_without(item, blamed), v, pending)]
+        leads = [x for item in self.active if (x := _without(item, blamed)) is not None]
+        self.active = [a for item in leads for a in self._advance(item, v, pending)]
         known = _slow_pairs(v)
         for item in self.active:
             if item.step is None and not self._waits(item):
@@ -506,24 +506,21 @@ class AdaptivePlanner:
                 return True
         return False
 
-    def _advance(self, item: _Issued | None, v: Verdicts,
-                 pending: set[tuple[str, tuple[str, ...]]] | frozenset[tuple[str, tuple[str, ...]]]
+    def _advance(self, item: _Issued, v: Verdicts, pending: AbstractSet[GroupKey]
                  ) -> list[_Issued]:
         """A step whose unions have all run and been decided (none still ``pending``)
         becomes its still-suspect regions."""
-        if item is None:
-            return []
         if not item.done or item.step is None:
             return [item]
-        keys = [self._union_key(u) for u in item.step.unions]
-        if not pending.isdisjoint(keys):
+        unions = [self._union_group(u) for u in item.step.unions]
+        if any(_group_key(g.scope, g.members) in pending for g in unions):
             return [item]
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
-        slow = [_suspect(v, scope, members) for scope, members in keys]
+        slow = [_suspect(v, g.scope, g.members) for g in unions]
         return [_Issued(region) for region, idx in item.step.covers
                 if kept([slow[i] for i in idx])]
 
-    def _issue(self, busy: set[str] | frozenset[str] = frozenset()) -> list[GroupSpec]:
+    def _issue(self, busy: AbstractSet[str] = frozenset()) -> list[GroupSpec]:
         used: set[str] = set(busy)
         groups = []
         for item in self.active:
@@ -536,10 +533,6 @@ class AdaptivePlanner:
                 item.issued.add(k)
                 groups.append(self._union_group(union))
         return groups
-
-    def _union_key(self, union: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-        g = self._union_group(union)
-        return g.scope, tuple(sorted(g.members))
 
     def _union_group(self, union: tuple[str, ...]) -> GroupSpec:
         if len(union) == 2:
@@ -577,8 +570,13 @@ def nodes_of_members(members: Sequence[str]) -> set[str]:
     return {m.rpartition("/")[0] for m in members}
 
 
+def _group_key(scope: str, members: Sequence[str]) -> GroupKey:
+    """The key a group's verdict is found under: its scope and its sorted members."""
+    return scope, tuple(sorted(members))
+
+
 def _suspect(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
-    x = v.get((scope, tuple(sorted(members))))
+    x = v.get(_group_key(scope, members))
     return x is not None and x.suspect
 
 
