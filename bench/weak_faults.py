@@ -138,15 +138,20 @@ def preflight(scenarios: list[dict[str, Any]]) -> Tally:
         print(f"  #{i:<2} {sc['nodes']:>4} nodes, noise {sc['noise']:.3f}, "
               f"{len(sc['faults'])} fault(s): {v['rounds']} rounds, fabric "
               f"{v['duration_s']:.1f} s, wall {wall:.0f} s", flush=True)
-        for f in sc["faults"]:
-            if not any(matches(f, x) for x in v["findings"]):
-                place = f.get("node") or ",".join(f.get("nodes", []))
-                gpus = f" gpus {f['gpus']}" if f.get("gpus") else ""
-                print(f"      missed {f['kind']} {place}{gpus}, loss {1 - f['factor']:.1%}")
-        for x in v["findings"]:
-            if not any(matches(f, x) for f in sc["faults"]):
-                print(f"      false {x['kind']} {x.get('node') or ','.join(x.get('nodes', []))}")
+        print_misses(sc, v["findings"])
     return t
+
+
+def print_misses(sc: dict[str, Any], findings: list[dict[str, Any]]) -> None:
+    """The scenario's faults no finding names, and the findings that name no fault."""
+    for f in sc["faults"]:
+        if not any(matches(f, x) for x in findings):
+            place = f.get("node") or ",".join(f.get("nodes", []))
+            gpus = f" gpus {f['gpus']}" if f.get("gpus") else ""
+            print(f"      missed {f['kind']} {place}{gpus}, loss {1 - f['factor']:.1%}")
+    for x in findings:
+        if not any(matches(f, x) for f in sc["faults"]):
+            print(f"      false {x['kind']} {x.get('node') or ','.join(x.get('nodes', []))}")
 
 
 def report(name: str, t: Tally) -> None:
@@ -213,7 +218,8 @@ def at_scale(rng: random.Random, draws: int) -> None:
         false = sum(not any(matches(x, f) for x in sc["faults"]) for f in v["findings"])
         excluded = len(set(v["exclude"]) - faulty_nodes(sc))
         print(f"  {faults:>6} {v['rounds']:>6} {v['duration_s']:>9.2f} {wall:>7.1f} "
-              f"{found:>3}/{faults:<3} {false:>6} {excluded:>17}")
+              f"{found:>3}/{faults:<3} {false:>6} {excluded:>17}", flush=True)
+        print_misses(sc, v["findings"])
 
 
 def curve(rng: random.Random, losses: Sequence[float], noises: Sequence[float],

@@ -162,6 +162,23 @@ def _spread(n, sd):
     return [sd * NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
 
 
+def test_a_kind_picked_for_looking_slow_does_not_read_its_slow_groups_as_variation():
+    # Forty groups picked because they may be slow (the search's two-node unions): most
+    # are, 20-35 % under the centre; the other twenty scatter about it by the noise alone
+    # (2 %). Over both sides that mixture spreads by well over ten percent; the lasting
+    # offset of its healthy groups is nowhere near the 3 % prior, let alone past it.
+    w = Weighing()
+    slow = [math.log(1 - 0.20 - 0.15 * i / 19) for i in range(20)]
+    healthy = _spread(20, 0.02)
+    out = measured_variation(_first_readings(slow + healthy), {"allreduce": 0.02}, w)
+    assert all(x <= w.variation_prior for x in out.values())
+    # A fair draw whose groups do sit 8 % apart for good still shows it, from half as many
+    # readings as a scatter over both sides would need: 120 groups here.
+    wide = measured_variation(_first_readings(_spread(120, 0.082)), {"allreduce": 0.02}, w)
+    (figure,) = wide.values()
+    assert figure > 2 * w.variation_prior
+
+
 def test_a_scatter_low_by_chance_under_heavy_noise_leaves_the_prior_variation_standing():
     # Noise 7.7 %: sixty first readings that scatter by 5.9 % (below the noise alone, as a
     # low draw of sixty can) say nothing sure of a variation under the prior's 3 %.
