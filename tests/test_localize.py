@@ -190,3 +190,29 @@ def test_a_scatter_low_by_chance_under_heavy_noise_leaves_the_prior_variation_st
     tight = measured_variation(_first_readings(_spread(60, 0.012)), {"allreduce": 0.01}, w)
     (figure,) = tight.values()
     assert w.min_variation <= figure < w.variation_prior
+
+
+def _union_verdict(ratios, nodes=(0, 1, 2, 3)):
+    """A union of ``nodes`` measured once per ratio against its path model, under a noise
+    the run has measured (5 %)."""
+    m = meas(ranks_of(*nodes), 100.0, op="alltoall")
+    v = GroupVerdict(m.scope, m.group, tuple(node(n) for n in nodes), noise={"alltoall": 0.05})
+    v.by_op["alltoall"] = [Assessment(m, 100.0, r, False, "paths", spread=0.03,
+                                      variation=0.03) for r in ratios]
+    return v
+
+
+def test_a_union_is_not_cleared_on_one_reading_however_high():
+    # Cleared, a union takes every path between its nodes out of the search: one reading
+    # high by the noise must not lose a path. It is measured again instead.
+    one = _union_verdict([1.15])
+    assert one.decisions["alltoall"].llr < Weighing().lower  # the test alone would clear it
+    assert not one.cleared and one.pending_ops == ("alltoall",)
+    two = _union_verdict([1.15, 1.05])
+    assert two.cleared and two.pending_ops == ()
+    # A node pair, which names what it finds, is weighed as before.
+    m = meas(ranks_of(0, 1), 100.0, op="alltoall")
+    pair = GroupVerdict(m.scope, m.group, (node(0), node(1)), noise={"alltoall": 0.05})
+    pair.by_op["alltoall"] = [Assessment(m, 100.0, 1.15, False, "peers", spread=0.03,
+                                         variation=0.03)]
+    assert pair.cleared

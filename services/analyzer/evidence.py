@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from statistics import NormalDist
 from typing import Any
@@ -134,6 +134,10 @@ class Weighing:
     # noise among the tens of thousands a large check takes, then never excludes a node by
     # itself; a real fault costs one repeat of its group.
     confirm_repeats: int = 2
+    # A group whose clearing prunes (the world group, the search's unions: every path in
+    # it is dropped from the search for good) is cleared on at least this many
+    # measurements: one reading high by the noise must not lose a path.
+    confirm_clear: int = 2
 
     @property
     def terminal_z(self) -> float:
@@ -293,6 +297,14 @@ def weigh_log_mean(m: float, n: int, *, noise: float, variation: float, centre_s
     return Decision(decision, _confidence(decision, llr), n, math.exp(m), math.sqrt(s2),
                     exhausted, provisional=decision == DEGRADED and n < w.confirm_repeats,
                     llr=llr)
+
+
+def unconfirmed(d: Decision) -> Decision:
+    """``d`` held open: a healthy decision on too few readings to act on (``Weighing.
+    confirm_clear``), kept undecided with its evidence so the check measures it again."""
+    if d.decision != HEALTHY:
+        return d
+    return replace(d, decision=UNDECIDED, confidence=_confidence(UNDECIDED, d.llr))
 
 
 def weigh_mean(m: float, s2: float, repeats: int, w: Weighing) -> Decision:

@@ -24,6 +24,7 @@ from services.analyzer.evidence import (
     Weighing,
     by_majority,
     noise_terms,
+    unconfirmed,
     weigh_log_mean,
     weigh_mean,
 )
@@ -157,11 +158,20 @@ class GroupVerdict:
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
             variation = self.lasting_variation(s)
-        return weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
-                              variation=variation, centre_se=s.centre_se, w=self.weighing,
-                              futility=measured,
-                              early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
-                              terminal=len(self.members) == 2 and len(self.nodes) == 1)
+        d = weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
+                           variation=variation, centre_se=s.centre_se, w=self.weighing,
+                           futility=measured,
+                           early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
+                           terminal=len(self.members) == 2 and len(self.nodes) == 1)
+        if self.prunes and len(live) < self.weighing.confirm_clear:
+            return unconfirmed(d)
+        return d
+
+    @property
+    def prunes(self) -> bool:
+        """A group of more than two nodes (the world group, a search's union): cleared, it
+        takes every path between its nodes out of the search."""
+        return self.scope in ("world", "inter_node") and len(self.nodes) > 2
 
     @property
     def is_one_link(self) -> bool:
