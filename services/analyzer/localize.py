@@ -169,9 +169,9 @@ class GroupVerdict:
 
     @property
     def prunes(self) -> bool:
-        """A group of more than two nodes (the world group, a search's union): cleared, it
-        takes every path between its nodes out of the search."""
-        return self.scope in ("world", "inter_node") and len(self.nodes) > 2
+        """The world group, or a search's union of more than two nodes: cleared, it takes
+        every path between its nodes out of the search."""
+        return self.scope == "world" or (self.scope == "inter_node" and len(self.nodes) > 2)
 
     @property
     def is_one_link(self) -> bool:

@@ -544,8 +544,7 @@ def _only_steers(scope: str, x: GroupVerdict) -> bool:
     """A group whose verdict only steers what is probed next: the world group and the
     search's unions (a path is named from node pairs), an intra-node group of three or more
     ranks (an NVLink from its GPU pairs)."""
-    return (scope == "world" or (scope == "inter_node" and len(x.nodes) > 2)
-            or (scope == "intra_node" and len(x.members) > 2))
+    return x.prunes or (scope == "intra_node" and len(x.members) > 2)
 
 
 def _without(item: _Issued, blamed: set[str]) -> _Issued | None:
