@@ -233,10 +233,11 @@ def test_adaptive_plan_finds_every_slow_path_within_its_bound(n, data):
               if g.scope == "inter_node" and len(nodes_of(g.members)) == 2}
     assert slow <= tested
     # Matching, re-pairs and world are O(1) (a small fleet meets every pair: at most 7 more);
-    # each slow path costs O(log n) search rounds, a cleared union ``CLEAR`` readings.
+    # each slow path costs O(log n) search levels of three unions, each union cleared on
+    # ``CLEAR`` readings.
     small = n if n <= ALL_PAIRS_MAX else 0
     assert len(rounds) <= 7 + CLEAR + small + len(slow) * (
-        (2 + CLEAR) * math.ceil(math.log2(n)) + 6)
+        3 * CLEAR * math.ceil(math.log2(n)) + 6)
 
 
 @given(st.integers(16, 64), st.integers(0, 2))
