@@ -381,8 +381,14 @@ def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
     return Chosen(None, "none")
 
 
+def spans_paths(scope: str, nodes: int) -> bool:
+    """A group of more than two nodes across the network (the world group, a path search's
+    union): it loads every path between its nodes and runs at the slowest."""
+    return scope in ("inter_node", "world") and nodes > 2
+
+
 def _is_union(m: Measurement) -> bool:
-    return m.scope in ("inter_node", "world") and len(m.nodes) > 2
+    return spans_paths(m.scope, len(m.nodes))
 
 
 def slowest_path_share(nodes: int, variation: float) -> float:

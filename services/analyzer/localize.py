@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
-from services.analyzer.assess import Assessment, PeerKey, peer_key, series_op
+from services.analyzer.assess import Assessment, PeerKey, peer_key, series_op, spans_paths
 from services.analyzer.evidence import (
     MAD_TO_SIGMA,
     UNDECIDED,
@@ -169,9 +169,9 @@ class GroupVerdict:
 
     @property
     def prunes(self) -> bool:
-        """The world group, or a search's union of more than two nodes: cleared, it takes
-        every path between its nodes out of the search."""
-        return self.scope == "world" or (self.scope == "inter_node" and len(self.nodes) > 2)
+        """A group that spans many paths (``assess.spans_paths``): cleared, it takes every
+        path between its nodes out of the search."""
+        return spans_paths(self.scope, len(self.nodes))
 
     @property
     def is_one_link(self) -> bool:
@@ -324,13 +324,13 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
             continue
         known = sigma ** 2 + statistics.median(centre_se[key]) ** 2
         centre = statistics.median(logs)
-        both = _variation_estimate([abs(x - centre) for x in logs], known, prior)
-        if both[0] + 2 * both[1] < prior:
-            out[key] = math.sqrt(max(both[0] + 2 * both[1], w.min_variation ** 2))
-        elif both[0] - 2 * both[1] > prior:
-            above = _variation_estimate([x for x in logs if x > 0.0], known, prior)
-            if above[0] - 2 * above[1] > prior:
-                out[key] = math.sqrt(min(both[0], above[0]))
+        var, se = _variation_estimate([abs(x - centre) for x in logs], known, prior)
+        if var + 2 * se < prior:
+            out[key] = math.sqrt(max(var + 2 * se, w.min_variation ** 2))
+        elif var - 2 * se > prior:
+            upper, upper_se = _variation_estimate([x for x in logs if x > 0.0], known, prior)
+            if upper - 2 * upper_se > prior:
+                out[key] = math.sqrt(min(var, upper))
     return out
 
 

@@ -352,7 +352,7 @@ class AdaptivePlanner:
             ops = x.pending_ops
             if not ops and (scope, members) in paths:
                 ops = tuple(op for op, d in sorted(x.decisions.items()) if d.pending)
-            if ops and _only_steers(scope, x) and all(
+            if ops and _only_steers(x) and all(
                     x.decisions[op].llr >= x.weighing.follow_up_llr for op in ops):
                 # Nothing is concluded from this group but where to look next, and what is
                 # not cleared is looked into anyway: once it clearly leans slow, its
@@ -540,11 +540,11 @@ class AdaptivePlanner:
         return self.union_shape.group("inter_node", node_members(self.nodes, union))
 
 
-def _only_steers(scope: str, x: GroupVerdict) -> bool:
+def _only_steers(x: GroupVerdict) -> bool:
     """A group whose verdict only steers what is probed next: the world group and the
     search's unions (a path is named from node pairs), an intra-node group of three or more
     ranks (an NVLink from its GPU pairs)."""
-    return x.prunes or (scope == "intra_node" and len(x.members) > 2)
+    return x.prunes or (x.scope == "intra_node" and len(x.members) > 2)
 
 
 def _without(item: _Issued, blamed: set[str]) -> _Issued | None:
