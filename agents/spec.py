@@ -6,6 +6,7 @@ scheduler ships these as JSON (``to_dict``) in the body of ``POST /v1/measuremen
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -59,7 +60,20 @@ def weakest_timing(timings: list[str]) -> str:
     return max(timings, key=lambda t: order.get(t, len(order))) if timings else TIMING_HOST
 
 
-_MEMBER = re.compile(r"^(?P<node>[^/\s]+)/(?P<local>\d+)$")
+# A node's name: hostname-like ASCII (letters, digits, ".", "_", "-"; a letter or digit
+# first). Invisible, bidirectional and look-alike characters are refused by construction:
+# five names that all render as "node-000" cannot be five nodes.
+NODE_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}"
+_NODE = re.compile(rf"^{NODE_NAME}$")
+_MEMBER = re.compile(rf"^(?P<node>{NODE_NAME})/(?P<local>\d{{1,6}})$")
+
+
+def check_node_name(name: str) -> str:
+    """``name`` when it is a node name (``NODE_NAME``); ValueError saying why otherwise."""
+    if not _NODE.match(name):
+        raise ValueError(f"node name {name!r} is not hostname-like: 1-253 ASCII letters, "
+                         "digits, '.', '_' or '-', starting with a letter or digit")
+    return name
 
 
 def member(node: str, local_index: int) -> str:
@@ -248,11 +262,27 @@ class Finding:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Finding:
-        """Inverse of ``to_dict``: known keys to fields, the rest back into ``detail``."""
-        known = {"kind", "node", "gpu", "gpus", "nodes", "severity", "measured_gbs", "expected_gbs"}
-        fields_ = {k: v for k, v in d.items() if k in known}
-        detail = {k: v for k, v in d.items() if k not in known and k != "detail"}
-        detail.update(d.get("detail") or {})
+        """Inverse of ``to_dict``: known keys to fields, the rest back into ``detail``.
+
+        Tolerant of what it reads back from storage: a known key whose value has the wrong
+        type (stored before ingest checked types) is kept in ``detail`` under ``invalid``,
+        as text, so that one bad record cannot break every verdict that reads it."""
+        fields_: dict[str, Any] = {}
+        invalid: dict[str, str] = {}
+        for key, value in d.items():
+            if key in _FIELD_TYPES:
+                if _FIELD_TYPES[key](value):
+                    fields_[key] = value
+                else:
+                    invalid[key] = repr(value)[:200]
+        detail = {k: v for k, v in d.items() if k not in _FIELD_TYPES and k != "detail"}
+        if isinstance(d.get("detail"), dict):
+            detail.update(d["detail"])
+        elif d.get("detail") is not None:
+            invalid["detail"] = repr(d["detail"])[:200]
+        if invalid:
+            detail["invalid"] = invalid
+        fields_.setdefault("kind", "unknown")
         return cls(**fields_, detail=detail)
 
     @property
@@ -264,6 +294,28 @@ class Finding:
         if self.kind == "inventory_mismatch" and self.severity == "critical" and self.node:
             return [self.node]
         return []
+
+
+def _is_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 31
+
+
+def _is_gbs(v: Any) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and v >= 0)
+
+
+# What each field of a Finding must hold when read back from storage.
+_FIELD_TYPES: dict[str, Any] = {
+    "kind": lambda v: isinstance(v, str),
+    "node": lambda v: v is None or isinstance(v, str),
+    "gpu": lambda v: v is None or _is_index(v),
+    "gpus": lambda v: v is None or (isinstance(v, list) and all(_is_index(x) for x in v)),
+    "nodes": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "severity": lambda v: isinstance(v, str),
+    "measured_gbs": lambda v: v is None or _is_gbs(v),
+    "expected_gbs": lambda v: v is None or _is_gbs(v),
+}
 
 
 @dataclass(frozen=True)

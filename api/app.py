@@ -8,7 +8,6 @@ keeps a slow query from blocking the event loop.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from typing import Any
 
@@ -23,11 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import errors
 from api.auth import PUBLIC_PATHS, Authenticate
-from api.limits import BodyLimit
-from api.routers import fleet, measurements, meta, preflight, rankmaps, tokens, ui, webhooks
-from api.schemas import ErrorOut
+from api.headers import SecurityHeaders
+from api.limits import BodyLimit, IngestSlots
+from api.routers import docs, fleet, measurements, meta, preflight, rankmaps, tokens, ui, webhooks
+from api.schemas import ErrorOut, MeasurementBatch
 from services.config import Settings
 from services.errors import RingwatchError
+from services.preflight.waiting import PreflightWaiters
 from services.store import db
 from services.store import tokens as token_store
 
@@ -39,38 +40,51 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(settings: Settings, session_factory: sessionmaker[Session] | None = None) -> FastAPI:
+    # /docs is served from this API's own files (api/routers/docs.py), not FastAPI's page
+    # from a CDN; there is no /redoc.
     app = FastAPI(title="ringwatch", version="0.1.0", responses=ERROR_RESPONSES,
-                  description="Health of the communication fabric of GPU training clusters.")
+                  description="Health of the communication fabric of GPU training clusters.",
+                  docs_url=None, redoc_url=None)
     if session_factory is None:
         session_factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
     app.state.settings = settings
     app.state.session_factory = session_factory
     # Batches stored at once; more wait up to ingest_wait_s, then get a 503 with Retry-After.
-    app.state.ingest_slots = threading.BoundedSemaphore(settings.max_concurrent_ingests)
+    app.state.ingest_slots = IngestSlots(settings.max_concurrent_ingests, settings.ingest_wait_s)
+    app.state.preflight_waiters = PreflightWaiters(session_factory, settings.max_waiting_preflights)
     _bootstrap_admin(settings, session_factory)
     for r in (meta.router, measurements.router, fleet.router, preflight.router,
               rankmaps.router, webhooks.router, tokens.router):
         app.include_router(r)
     ui.mount(app)
+    docs.mount(app)
     _install_error_handlers(app)
-    _declare_security(app)
-    # Outermost: a body over the limit is refused before routing, auth or parsing read it;
-    # then the token is checked before any body is parsed.
+    _declare_openapi(app)
+    # First of what reads the request: a body over the limit is refused before routing,
+    # auth or parsing read it; then the token is checked before any body is parsed.
     app.add_middleware(Authenticate, session_factory=session_factory)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # Around even those (it reads nothing of the request): security headers on every
+    # answer, their 401s and 413s included.
+    app.add_middleware(SecurityHeaders)
     return app
 
 
-def _declare_security(app: FastAPI) -> None:
+def _declare_openapi(app: FastAPI) -> None:
     """Say in the OpenAPI document what the middleware enforces: a bearer token on every
-    route but the public ones (so /docs offers an Authorize button)."""
+    route but the public ones (so /docs offers an Authorize button); and the schema of the
+    measurement batch, whose body the route reads itself (after taking an ingest slot)."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version,
                                  description=app.description, routes=app.routes)
-            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {
+            components = schema.setdefault("components", {})
+            batch = MeasurementBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.setdefault("schemas", {}).update(batch.pop("$defs", {}))
+            components["schemas"]["MeasurementBatch"] = batch
+            components["securitySchemes"] = {"bearer": {
                 "type": "http", "scheme": "bearer",
                 "description": "a ringwatch token (ringwatch token create --role reader, "
                                "agent or admin)"}}

@@ -22,10 +22,12 @@ from services.errors import Unauthorized
 from services.store import db, tokens
 from services.store.tokens import Principal
 
+# The API's description, browsable (api/routers/docs.py), and the Swagger UI files it loads.
+DOCS_PATH = "/docs"
+DOCS_ASSETS_PREFIX = "/docs/assets"
 # Paths anyone may read without a token (liveness, the API's own description, and
 # /metrics unless RINGWATCH_METRICS_TOKEN_REQUIRED; that check is the route's own).
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", "/docs", "/redoc",
-                          "/docs/oauth2-redirect"})
+PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", DOCS_PATH})
 # The web page's static shell (api/routers/ui.py): it holds no data, only the code that
 # asks the API for it with the user's token.
 UI_PREFIX = "/ui"
@@ -43,7 +45,8 @@ def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 def is_public(path: str) -> bool:
-    return path in PUBLIC_PATHS or path == UI_PREFIX or path.startswith(UI_PREFIX + "/")
+    return (path in PUBLIC_PATHS or path.startswith(DOCS_ASSETS_PREFIX + "/")
+            or path == UI_PREFIX or path.startswith(UI_PREFIX + "/"))
 
 
 class Authenticate:

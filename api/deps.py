@@ -22,7 +22,11 @@ ADMIN_ROLES = frozenset({"admin"})
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """One transaction per request: commit when the endpoint returns, roll back on error."""
+    """One transaction per request: commit when the endpoint returns, roll back on error.
+
+    Bound with ``scope="function"`` below, so the commit happens before the response is
+    sent: a 2xx means the write is durable (a client that reads straight after it, or a
+    shipper that deletes its spooled copy on it, can rely on that)."""
     with db.transaction(request.app.state.session_factory) as session:
         yield session
 
@@ -31,7 +35,7 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 

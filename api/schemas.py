@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
-from agents.spec import split_member
+from agents.spec import NODE_NAME, check_node_name, split_member
 from services.config import PLACEHOLDER_SECRET
 
 Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
@@ -19,12 +30,71 @@ AlgoT = Literal["ring", "tree"]
 ProfileT = Literal["ddp", "fsdp", "moe", "pipeline"]
 Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
                 "probe.error"]
-# No separators, no whitespace, no control characters (a NUL cannot be stored).
-NodeName = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^/\s,\x00-\x1f\x7f]+$")]
+# Hostname-like ASCII (agents.spec.NODE_NAME): no separators, whitespace, control,
+# invisible, bidirectional or look-alike characters.
+NodeName = Annotated[str, Field(min_length=1, max_length=253,
+                                json_schema_extra={"pattern": f"^{NODE_NAME}$"}),
+                     AfterValidator(check_node_name)]
+# What Postgres' bigint holds; a larger integer is the sender's error, not a server fault.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+# A GPU's index on its node (NVML enumerates at most a few dozen).
+GpuIndex = Annotated[int, Field(ge=0, le=4095)]
+Gbs = Annotated[float, Field(ge=0, le=1e6)]
+# Bounds on free-form JSON an agent sends (finding details, NVML readings, telemetry).
+JSON_MAX_DEPTH = 8
+JSON_MAX_ITEMS = 16384
+JSON_MAX_STRING = 4096
+DETAIL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
+
+
+def bounded_json(value: Any, where: str = "", depth: int = 0) -> int:
+    """Check a free-form JSON value: nesting at most JSON_MAX_DEPTH, at most JSON_MAX_ITEMS
+    values in all, strings of at most JSON_MAX_STRING characters, integers within int64 and
+    floats finite. Returns the number of values; ValueError naming the place otherwise."""
+    if depth > JSON_MAX_DEPTH:
+        raise ValueError(f"{where or 'value'}: nested deeper than {JSON_MAX_DEPTH} levels")
+    if value is None or isinstance(value, bool):
+        return 1
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{where or 'value'}: integer outside int64")
+        return 1
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where or 'value'}: number is not finite")
+        return 1
+    if isinstance(value, str):
+        if len(value) > JSON_MAX_STRING:
+            raise ValueError(f"{where or 'value'}: string longer than {JSON_MAX_STRING}")
+        return 1
+    if isinstance(value, list):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()  # type: ignore[assignment]
+    else:
+        raise ValueError(f"{where or 'value'}: not a JSON value")
+    total = 1
+    for k, v in items:
+        if isinstance(k, str) and len(k) > 128:
+            raise ValueError(f"{where or 'value'}: key longer than 128 characters")
+        total += bounded_json(v, f"{where}.{k}" if where else str(k), depth + 1)
+        if total > JSON_MAX_ITEMS:
+            raise ValueError(f"{where or 'value'}: more than {JSON_MAX_ITEMS} values")
+    return total
+
+
+def _bounded(value: Any) -> Any:
+    bounded_json(value)
+    return value
+
+
+# A free-form JSON object within the bounds above.
+BoundedObject = Annotated[dict[str, Any], AfterValidator(_bounded)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class MeasurementIn(Strict):
@@ -33,14 +103,15 @@ class MeasurementIn(Strict):
     members: list[str] = Field(min_length=1, max_length=65536)
     size_bytes: int = Field(gt=0, le=1 << 40)
     dtype: str = Field(default="float32", max_length=16, pattern=r"^[a-z0-9_]+$")
-    warmup: int = Field(default=0, ge=0)
-    iters: int = Field(ge=1)
-    time_us: float = Field(gt=0)
-    algbw_gbs: float = Field(ge=0)
-    busbw_gbs: float = Field(ge=0)
-    wrong: int = Field(default=0, ge=0)
+    warmup: int = Field(default=0, ge=0, le=1 << 31)
+    iters: int = Field(ge=1, le=1 << 31)
+    time_us: float = Field(gt=0, le=1e15)
+    algbw_gbs: Gbs
+    busbw_gbs: Gbs
+    wrong: Count = 0
     time: datetime
-    stats: dict[str, float] | None = None
+    stats: dict[Annotated[str, Field(max_length=64)], float] | None = Field(default=None,
+                                                                             max_length=64)
     redop: RedOp = "sum"
     # How it was timed: CUDA graph replay, CUDA events, host wall clock, or the sim's model.
     timing: Literal["cuda_graph", "cuda_events", "host", "model"] | None = None
@@ -69,24 +140,53 @@ class MeasurementIn(Strict):
         return v
 
 
-class RankIn(BaseModel):
+class RankIn(Strict):
     node: NodeName
-    local_index: int = Field(ge=0)
-    hostname: str = ""
-    gpu_uuid: str | None = None
-    pci_bus_id: str | None = None
-    numa_node: int | None = None
-    gpu_name: str | None = None
-    telemetry: dict[str, Any] = Field(default_factory=dict)
+    local_index: GpuIndex
+    hostname: str = Field(default="", max_length=255)
+    gpu_uuid: str | None = Field(default=None, max_length=128)
+    pci_bus_id: str | None = Field(default=None, max_length=64)
+    numa_node: int | None = Field(default=None, ge=-1, le=4096)
+    gpu_name: str | None = Field(default=None, max_length=128)
+    telemetry: BoundedObject = Field(default_factory=dict)
     profile: str | None = Field(default=None, max_length=64)
 
 
+FindingKind = Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
+                      "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
+                      "fabric_below_rated", "inventory_mismatch", "gpu_xid"]
+
+
 class FindingIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    kind: Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
-                  "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
-                  "fabric_below_rated", "inventory_mismatch", "gpu_xid"]
+    """A finding an agent or scheduler saw (docs/formats.md, "Verdict"): the fields that
+    place it are typed; more fields by kind (evidence, message, rank, ...) are free-form JSON
+    within bounds, under identifier-like names."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    kind: FindingKind
     node: NodeName | None = None
+    gpu: GpuIndex | None = None
+    gpus: list[GpuIndex] | None = Field(default=None, max_length=4096)
+    nodes: list[NodeName] | None = Field(default=None, max_length=65536)
+    severity: Literal["critical", "warning", "info"] | None = None
+    measured_gbs: Gbs | None = None
+    expected_gbs: Gbs | None = None
+    detail: BoundedObject | None = None
+
+    @model_validator(mode="after")
+    def _extras_bounded(self) -> FindingIn:
+        extra = self.model_extra or {}
+        if len(extra) > 64:
+            raise ValueError(f"{len(extra)} extra fields; at most 64")
+        for key, value in extra.items():
+            if not DETAIL_KEY.match(key):
+                raise ValueError(f"field name {key[:70]!r} is not an identifier")
+            bounded_json(value, key)
+        return self
+
+    def named_nodes(self) -> set[str]:
+        """Every node this finding speaks of (a scoped token may name only its own)."""
+        return {n for n in (self.node, *(self.nodes or ())) if n}
 
 
 class ShipperState(Strict):
@@ -98,31 +198,38 @@ class ShipperState(Strict):
     rejected: int = Field(default=0, ge=0)
 
 
-class CounterSnapshotIn(BaseModel):
+class CounterSnapshotIn(Strict):
     """One GPU's NVML readings before and after a cycle (stored where something rose)."""
 
     node: NodeName
-    local_index: int = Field(ge=0)
-    before: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
-    after: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
-    xid: list[dict[str, Any]] = Field(default_factory=list, max_length=100)
-    findings: list[str] = Field(default_factory=list, max_length=10)
+    local_index: GpuIndex
+    before: list[BoundedObject] = Field(default_factory=list, max_length=64)
+    after: list[BoundedObject] = Field(default_factory=list, max_length=64)
+    xid: list[BoundedObject] = Field(default_factory=list, max_length=100)
+    findings: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list,
+                                                                  max_length=10)
 
 
 class MeasurementBatch(Strict):
     batch_id: str = Field(min_length=1, max_length=128)
     backend: BackendT
     measurements: list[MeasurementIn] = Field(max_length=1_000_000)
-    ranks: list[RankIn] = Field(default_factory=list)
-    findings: list[FindingIn] = Field(default_factory=list)
+    ranks: list[RankIn] = Field(default_factory=list, max_length=262_144)
+    findings: list[FindingIn] = Field(default_factory=list, max_length=100_000)
     # Accepted for symmetry with `ringwatch probe --json`; not stored.
-    injected: list[dict[str, Any]] = Field(default_factory=list)
+    injected: list[BoundedObject] = Field(default_factory=list, max_length=1024)
     # Nodes the scheduler left out (other work held them), with the reason.
-    skipped: dict[NodeName, str] = Field(default_factory=dict)
+    skipped: dict[NodeName, Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict)
     # Fraction of each node's GPU time spent probing.
     duty_cycle: dict[NodeName, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
     shipper: ShipperState | None = None
     counters: list[CounterSnapshotIn] = Field(default_factory=list, max_length=100_000)
+
+    def content_digest(self) -> str:
+        """SHA-256 of what the batch says (its id and the sender's spool state aside): a
+        retry of the same batch has the same digest, other content under the same id not."""
+        raw = self.model_dump_json(exclude={"batch_id", "shipper"})
+        return hashlib.sha256(raw.encode()).hexdigest()
 
 
 class IngestOut(BaseModel):
@@ -207,6 +314,21 @@ class NodePairsOut(BaseModel):
     # Base64, one byte per pair (a, b), a < b, by index into ``nodes``, row by row through
     # the upper triangle: 0 not probed as a pair; else 0x80 set when degraded, and the low
     # seven bits 1 + the worst ratio in hundredths (capped at 1.25), or 127 for no ratio.
+    cells: str
+
+
+class NodePairTileOut(BaseModel):
+    """One tile of the node x node map (GET /v1/fleet/pairs?row_from=...)."""
+
+    # The fleet's nodes now; rows and columns are indices into them in name order, so a
+    # tile whose names differ from an earlier tile's was read after the fleet changed.
+    node_count: int
+    row_from: int
+    col_from: int
+    rows: list[str]
+    cols: list[str]
+    # Base64, one byte per (row, column), row by row, len(rows) x len(cols); each byte as
+    # in NodePairsOut, and 0 where row and column are the same node.
     cells: str
 
 
@@ -355,14 +477,22 @@ class ClaimIn(Strict):
 class VerdictIn(BaseModel):
     """A verdict a scheduler's own preflight reached (docs/formats.md, "Verdict")."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     healthy: bool
     backend: BackendT
-    nodes_checked: int = Field(ge=0)
-    exclude: list[NodeName]
-    findings: list[FindingIn]
-    rounds: int = Field(ge=0)
-    duration_s: float = Field(ge=0)
+    nodes_checked: int = Field(ge=0, le=1 << 31)
+    exclude: list[NodeName] = Field(max_length=100_000)
+    findings: list[FindingIn] = Field(max_length=100_000)
+    rounds: int = Field(ge=0, le=1 << 31)
+    duration_s: float = Field(ge=0, le=1e9)
+
+    @model_validator(mode="after")
+    def _extras_bounded(self) -> VerdictIn:
+        for key, value in (self.model_extra or {}).items():
+            if not DETAIL_KEY.match(key):
+                raise ValueError(f"field name {key[:70]!r} is not an identifier")
+            bounded_json(value, key)
+        return self
 
 
 class CompleteIn(Strict):

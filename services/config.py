@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     max_concurrent_ingests: int = Field(default=2, ge=1)
     ingest_wait_s: float = Field(default=10.0, ge=0)
     max_batch_measurements: int = Field(default=200_000, ge=1)
+    # Nodes one batch may create, and nodes the fleet may hold in all (413 / 422 beyond):
+    # one token cannot grow the node table, and every read over it, without bound.
+    max_new_nodes_per_batch: int = Field(default=8192, ge=1)
+    max_nodes: int = Field(default=16384, ge=1)
     # Days each resolution of the time series is kept: raw probes, hourly and daily rollups.
     retention_raw_days: float = Field(default=14.0, gt=0)
     retention_hourly_days: float = Field(default=90.0, gt=0)
@@ -86,6 +90,8 @@ class Settings(BaseSettings):
     max_clock_skew_s: float = Field(default=600.0, gt=0)
     # Preflight requests one token may have waiting for a scheduler at once (429 beyond).
     max_pending_preflights_per_token: int = Field(default=16, ge=1)
+    # Callers waiting on ?wait= at once, across all tokens (each is an asyncio event, not a thread).
+    max_waiting_preflights: int = Field(default=1024, ge=1)
     # /metrics: seconds one rendered scrape is served again (many scrapers, one scan; 0:
     # every scrape reads the database), and whether it needs a token (any valid one).
     metrics_cache_s: float = Field(default=10.0, ge=0)
@@ -93,6 +99,10 @@ class Settings(BaseSettings):
     # Per-link series cover links read within this many seconds, and every link that is not
     # ok (0: every link; the rotation leaves a row for each node pair it ever probed).
     metrics_link_max_age_s: float = Field(default=3600.0, ge=0)
+    # GET /v1/fleet/pairs sends the whole node-pair map up to this many nodes (n(n-1)/2
+    # bytes: 8 MiB at 4096), beyond it 422 and the map in tiles of at most this many rows
+    # by as many columns (docs/scale.md, "Node-pair map bounds").
+    max_pair_map_nodes: int = Field(default=4096, ge=2)
     # Webhooks. The key their secrets are encrypted with at rest: a Fernet key, or a
     # passphrase of 16+ characters a key is derived from (docs/webhooks.md). The networks a
     # webhook may reach although they are loopback, link-local or private: CIDRs, as a JSON

@@ -34,6 +34,13 @@ class Forbidden(RingwatchError):
     code = "forbidden"
 
 
+class Conflict(RingwatchError):
+    """The request contradicts what is stored (a batch id reused for other content)."""
+
+    status_code = 409
+    code = "conflict"
+
+
 class TooLarge(RingwatchError):
     status_code = 413
     code = "too_large"

@@ -204,11 +204,16 @@ def test_backpressure_is_a_503_with_retry_after_and_a_413_names_the_limit(clean_
         r = api.post("/v1/measurements", json=batch, headers=api.h["agent"])
         assert r.status_code == 413 and "limit is 2" in r.json()["message"]
         batch["measurements"] = batch["measurements"][:2]
-        api.app.state.ingest_slots.acquire()  # another batch is being stored
+        slots = api.app.state.ingest_slots
+        api.portal.call(slots.acquire)  # another batch is being stored
+
+        async def release() -> None:
+            slots.release()
+
         try:
             r = api.post("/v1/measurements", json=batch, headers=api.h["agent"])
         finally:
-            api.app.state.ingest_slots.release()
+            api.portal.call(release)
         assert r.status_code == 503 and r.json()["error"] == "busy"
         assert int(r.headers["Retry-After"]) >= 1
         r = api.post("/v1/measurements", json=batch, headers=api.h["agent"])

@@ -213,7 +213,8 @@ def test_login_refuses_a_bad_token_with_a_message(served, page) -> None:
     wait_drawn(page, "login")
     page.fill("#token", "not-a-token")
     page.click("#login-form button[type=submit]")
-    page.wait_for_function("document.getElementById('login-error').textContent.length > 0")
+    # A selector, not wait_for_function: the page's policy runs no script from a string.
+    page.wait_for_selector("#login-error:not(:empty)")
     message = page.text_content("#login-error") or ""
     assert message.startswith("Token refused")
     assert page.is_visible("#login-form") and not page.is_visible("#fleet-grid")

@@ -1,39 +1,65 @@
 """Probe results in: ``POST /v1/measurements``."""
 
+from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.deps import AgentDep, SessionDep, SettingsDep
+from api.limits import IngestSlots
 from api.schemas import IngestOut, MeasurementBatch
 from services.config import Settings
-from services.errors import Busy, TooLarge
-from services.monitor.ingest import IngestResult, ingest_batch
+from services.errors import TooLarge
+from services.monitor.ingest import IngestLimits, IngestResult, ingest_batch
+from services.store.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["measurements"])
 
 
-@router.post("/measurements", response_model=IngestOut)
-def post_measurements(batch: MeasurementBatch, request: Request, response: Response,
-                      session: SessionDep, settings: SettingsDep, who: AgentDep) -> dict:
-    """Store a batch of probe results once (a retried ``batch_id`` is a no-op, ``created: false``)
-    and fold its judgement into link health and fault incidents.
+def _parse(raw: bytes) -> MeasurementBatch:
+    try:
+        # From the bytes straight to the model: no intermediate tree of Python objects.
+        return MeasurementBatch.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]) from None
 
-    At most ``max_concurrent_ingests`` batches are stored at once; one that waits longer
-    than ``ingest_wait_s`` for its turn is a 503 with Retry-After (the shipper keeps it
-    spooled and sends it then)."""
+
+async def batch_in_slot(request: Request, _: AgentDep) -> AsyncIterator[MeasurementBatch]:
+    """The request's batch, read and parsed only once it holds an ingest slot (kept until
+    the batch is stored). The role is checked first: a reader waits for no slot."""
+    slots: IngestSlots = request.app.state.ingest_slots
+    async with slots.hold():
+        raw = await request.body()
+        yield await run_in_threadpool(_parse, raw)
+
+
+BatchDep = Annotated[MeasurementBatch, Depends(batch_in_slot, scope="function")]
+# The body is read by batch_in_slot, not by FastAPI; the document still says what it takes.
+BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/MeasurementBatch"}}}}}
+
+
+@router.post("/measurements", response_model=IngestOut, openapi_extra=BODY)
+def post_measurements(batch: BatchDep, response: Response, session: SessionDep,
+                      settings: SettingsDep, who: AgentDep) -> dict:
+    """Store a batch of probe results once (a retried ``batch_id`` with the same content is a
+    no-op, ``created: false``; the same id with other content, or sent by another token, is
+    a 409) and fold its judgement into link health and fault incidents. The answer comes
+    once the batch is committed.
+
+    At most ``max_concurrent_ingests`` batches are read and stored at once; one that waits
+    longer than ``ingest_wait_s`` for its turn is a 503 with Retry-After (the shipper keeps
+    it spooled and sends it then)."""
     if len(batch.measurements) > settings.max_batch_measurements:
         raise TooLarge(f"{len(batch.measurements)} measurements in one batch; the limit is "
                        f"{settings.max_batch_measurements} (RINGWATCH_MAX_BATCH_MEASUREMENTS)")
-    slots = request.app.state.ingest_slots
-    if not slots.acquire(timeout=settings.ingest_wait_s):
-        raise Busy(f"{settings.max_concurrent_ingests} batch(es) are being stored; "
-                   "retry after the interval given", retry_after_s=5.0)
-    try:
-        result = _ingest(batch, session, settings, who.nodes)
-    finally:
-        slots.release()
+    result = _ingest(batch, session, settings, who)
     # Where the time went (store: nodes, groups, COPY; judge: health and incidents).
     response.headers["Server-Timing"] = ", ".join(
         f"{k};dur={v * 1000:.1f}" for k, v in result.timings.items())
@@ -41,8 +67,8 @@ def post_measurements(batch: MeasurementBatch, request: Request, response: Respo
 
 
 def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
-            allowed_nodes: frozenset[str] | None) -> IngestResult:
-    result = ingest_batch(
+            who: Principal) -> IngestResult:
+    return ingest_batch(
         session,
         batch_id=batch.batch_id,
         backend=batch.backend,
@@ -57,8 +83,12 @@ def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
         api_url=settings.api_url,
         shipper=batch.shipper.model_dump() if batch.shipper else None,
         counters=[c.model_dump() for c in batch.counters],
-        max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
-        max_age=timedelta(days=settings.retention_raw_days),
-        allowed_nodes=allowed_nodes,
+        limits=IngestLimits(
+            max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+            max_age=timedelta(days=settings.retention_raw_days),
+            max_new_nodes=settings.max_new_nodes_per_batch,
+            max_nodes=settings.max_nodes),
+        allowed_nodes=who.nodes,
+        token_id=who.token_id,
+        digest=batch.content_digest(),
     )
-    return result

@@ -3,12 +3,14 @@
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.workloads import JobLayout
 from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
 from api.schemas import ClaimIn, CompleteIn, PreflightIn, PreflightOut
 from services.preflight import service
+from services.preflight.waiting import PreflightWaiters
 
 router = APIRouter(prefix="/v1/preflight", tags=["preflight"])
 
@@ -34,10 +36,11 @@ WAITING: dict[int | str, dict[str, Any]] = {202: {"model": PreflightOut,
 
 @router.post("", response_model=PreflightOut, response_model_exclude_unset=True,
              responses=WAITING)
-def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsDep, who: ReaderDep,
-                     response: Response,
-                     wait: float = Query(default=0.0, ge=0, le=600,
-                                         description="seconds to wait for a probing scheduler")) -> dict:
+async def create_preflight(body: PreflightIn, request: Request, factory: FactoryDep,
+                           settings: SettingsDep, who: ReaderDep, response: Response,
+                           wait: float = Query(default=0.0, ge=0, le=600,
+                                               description="seconds to wait for a probing "
+                                                           "scheduler")) -> dict:
     """The verdict for ``nodes`` (docs/formats.md, "Verdict"). Answered at once (200) when every node has
     results younger than ``max_age_s``; otherwise the request waits for a scheduler to probe
     (202 with its ``id`` and ``status``; poll ``GET /v1/preflight/{id}`` or pass ``?wait=``).
@@ -47,13 +50,17 @@ def create_preflight(body: PreflightIn, factory: FactoryDep, settings: SettingsD
     job's own communicators at its sizes; the verdict's ``workload`` section says how they
     ran (docs/workloads.md). A layout that cannot fit the nodes' GPUs is a 422.
     A token may have RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN requests waiting at once
-    (429 with Retry-After beyond)."""
+    (429 with Retry-After beyond); a caller that waits holds no worker thread, and at most
+    RINGWATCH_MAX_WAITING_PREFLIGHTS callers wait at once (429 beyond)."""
+    waiters: PreflightWaiters = request.app.state.preflight_waiters
+    if wait > 0:
+        waiters.check_room()
     job = JobLayout.from_dict(body.model_dump(include={"tp", "pp", "dp"}))
-    out = service.submit_and_wait(factory, list(body.nodes), body.max_age_s, wait, settings.api_url,
-                                  confirm=body.confirm, token_id=who.token_id,
-                                  max_waiting=settings.max_pending_preflights_per_token,
-                                  profile=body.profile, job=job)
-    return _code(out, response)
+    out = await run_in_threadpool(
+        service.submit_committed, factory, list(body.nodes), body.max_age_s, settings.api_url,
+        confirm=body.confirm, token_id=who.token_id,
+        max_waiting=settings.max_pending_preflights_per_token, profile=body.profile, job=job)
+    return _code(await waiters.wait(out, wait), response)
 
 
 @router.get("/{request_id}", response_model=PreflightOut, response_model_exclude_unset=True,

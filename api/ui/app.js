@@ -25,12 +25,12 @@ function ratioRgb(ratio) {
   return CIVIDIS[i].map((c, k) => Math.round(c + (CIVIDIS[i + 1][k] - c) * f));
 }
 function ratioColour(ratio) {
-  if (ratio === null || ratio === undefined) return NONE_COLOUR;
+  if (!isNumber(ratio)) return NONE_COLOUR;
   const [r, g, b] = ratioRgb(ratio);
   return `rgb(${r},${g},${b})`;
 }
 // Light cells carry dark glyphs, dark cells light ones.
-function inkOn(ratio) { return ratio !== null && ratio !== undefined && ratio > 0.8 ? "#1d2330" : "#fff"; }
+function inkOn(ratio) { return isNumber(ratio) && ratio > 0.8 ? "#1d2330" : "#fff"; }
 
 // ---- small DOM helpers (text goes in as text, never as HTML)
 function el(tag, attrs, ...children) {
@@ -48,11 +48,29 @@ function el(tag, attrs, ...children) {
 }
 function svg(tag, attrs, ...children) {
   const node = document.createElementNS(SVG_NS, tag);
-  for (const [k, v] of Object.entries(attrs || {})) if (v !== null && v !== undefined) node.setAttribute(k, v);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined) continue;
+    // Through the CSSOM: the page's policy (style-src 'self') refuses style attributes.
+    if (k === "style") node.style.cssText = v;
+    else node.setAttribute(k, v);
+  }
   for (const c of children.flat(Infinity)) if (c !== null && c !== undefined) node.append(c.nodeType ? c : String(c));
   return node;
 }
-const fmt = (x, d = 2) => (x === null || x === undefined ? "\u2013" : Number(x).toFixed(d));
+// A stored record may hold anything where a number or a list belongs (a finding's detail is
+// free-form JSON): what the page shows of one goes through these, so an odd value shows as
+// text or "\u2013" and never throws.
+const isNumber = (x) => typeof x === "number" && Number.isFinite(x);
+const fmt = (x, d = 2) => (isNumber(x) ? x.toFixed(d) : "\u2013");
+const asList = (x) => (Array.isArray(x) ? x : x === null || x === undefined || x === "" ? [] : [x]);
+const listText = (x, sep = ",") => asList(x).map((v) => (v !== null && typeof v === "object" ? JSON.stringify(v) : String(v))).join(sep);
+// One record that cannot be drawn must not take its view down: it gets a row saying so.
+function drawOr(draw, record, fallback) {
+  try { return draw(record); } catch (err) {
+    console.warn("a record could not be drawn in full", record, err);
+    return fallback(record);
+  }
+}
 const fmtTime = (t) => (t ? new Date(t).toLocaleString() : "\u2013");
 function fmtBytes(n) {
   const units = ["B", "KiB", "MiB", "GiB"];
@@ -169,16 +187,18 @@ async function refreshSummary() {
 // Where a finding is: its node and GPUs, or its nodes.
 function findingPlace(f) {
   const d = f.detail || {};
-  if (d.node && d.gpus) return `${d.node} GPUs ${d.gpus.join(",")}`;
-  if (d.node) return d.node;
-  return (f.nodes || []).join(" \u2194 ");
+  if (d.node && d.gpus) return `${listText(d.node)} GPUs ${listText(d.gpus)}`;
+  if (d.node) return listText(d.node);
+  return listText(f.nodes, " \u2194 ");
 }
 function findingFigures(f) {
   const d = f.detail || f;
-  if (d.measured_gbs && d.expected_gbs)
-    return `${fmt(d.measured_gbs)} of ${fmt(d.expected_gbs)} GB/s (${fmt(d.measured_gbs / d.expected_gbs)})`;
-  return "";
+  const measured = d.measured_gbs, expected = d.expected_gbs;
+  if (measured === null || measured === undefined || expected === null || expected === undefined) return "";
+  const ratio = isNumber(measured) && isNumber(expected) && expected !== 0 ? measured / expected : null;
+  return `${fmt(measured)} of ${fmt(expected)} GB/s (${fmt(ratio)})`;
 }
+const kindText = (f) => `\u2715 ${(f && f.kind) ?? "?"}`;
 
 function legend() {
   const ramp = el("canvas", {class: "ramp", width: 160, height: 12});
@@ -245,11 +265,14 @@ async function fleetView(params) {
   filterState.addEventListener("change", applyFilter);
   applyFilter();
 
-  const list = el("ul", {class: "incidents", id: "incidents"}, open.length ? open.map((f) => el("li", {},
-    el("div", {}, el("span", {class: "kind"}, `\u2715 ${f.kind}`), ` \u00b7 ${f.severity}`),
-    el("div", {}, (f.nodes || []).map((n) => [el("a", {href: `#/node/${encodeURIComponent(n)}`}, n), " "]),
-       f.detail && f.detail.gpus ? `GPUs ${f.detail.gpus.join(",")}` : ""),
-    el("div", {class: "muted"}, `${findingFigures(f)} opened ${fmtTime(f.opened_at)}`))) : el("li", {class: "muted"}, "No open incidents."));
+  const incident = (f) => el("li", {},
+    el("div", {}, el("span", {class: "kind"}, kindText(f)), ` \u00b7 ${f.severity ?? "\u2013"}`),
+    el("div", {}, asList(f.nodes).map((n) => [el("a", {href: `#/node/${encodeURIComponent(n)}`}, listText(n)), " "]),
+       f.detail && f.detail.gpus ? `GPUs ${listText(f.detail.gpus)}` : ""),
+    el("div", {class: "muted"}, `${findingFigures(f)} opened ${fmtTime(f.opened_at)}`));
+  const unreadable = (f) => el("li", {}, el("span", {class: "kind"}, kindText(f)), " (this record could not be shown in full)");
+  const list = el("ul", {class: "incidents", id: "incidents"}, open.length
+    ? open.map((f) => drawOr(incident, f, unreadable)) : el("li", {class: "muted"}, "No open incidents."));
   const counts = {};
   for (const n of nodes) counts[n.state] = (counts[n.state] || 0) + 1;
   view.replaceChildren(el("div", {class: "layout"},
@@ -395,7 +418,7 @@ async function seriesPanel(box, link, degradedRatio, range = "24h") {
   const q = new URLSearchParams({group: link.group_key, op: link.op, size_bytes: link.size_bytes, since});
   const [series, findings] = await Promise.all([get(`/v1/series?${q}`), get("/v1/findings?limit=500")]);
   const nodes = new Set(link.nodes);
-  const incidents = findings.filter((f) => (f.nodes || []).some((n) => nodes.has(n)));
+  const incidents = findings.filter((f) => asList(f.nodes).some((n) => nodes.has(n)));
   const picker = el("select", {id: "range"}, Object.keys(RANGES).map((r) => el("option", {value: r}, `last ${r}`)));
   picker.value = range;
   picker.addEventListener("change", () => seriesPanel(box, link, degradedRatio, picker.value));
@@ -681,8 +704,10 @@ function preflightView() {
 function verdictCard(v) {
   if (v.status === "failed" || v.error) return el("section", {class: "card"}, el("p", {class: "error"}, `Failed: ${v.error}`));
   const healthy = v.healthy;
-  const rows = (v.findings || []).map((f) => el("tr", {}, el("td", {}, f.kind), el("td", {}, findingPlace({detail: f, nodes: f.nodes})),
-    el("td", {}, f.severity || "\u2013"), el("td", {}, findingFigures(f))));
+  const row = (f) => el("tr", {}, el("td", {}, f.kind), el("td", {}, findingPlace({detail: f, nodes: f.nodes})),
+    el("td", {}, f.severity || "\u2013"), el("td", {}, findingFigures(f)));
+  const unreadable = (f) => el("tr", {}, el("td", {}, kindText(f)), el("td", {colspan: 3}, "could not be shown in full"));
+  const rows = asList(v.findings).map((f) => drawOr(row, f, unreadable));
   return el("section", {class: "card", id: "verdict-card", "data-healthy": String(healthy)},
     el("div", {class: `badge verdict ${healthy ? "good" : "bad"}`}, healthy ? "\u2713 healthy: may launch" : "\u2715 unhealthy"),
     el("p", {}, `${v.nodes_checked ?? "?"} node(s) checked \u00b7 source ${v.source || "\u2013"} \u00b7 backend ${v.backend || "\u2013"}` +

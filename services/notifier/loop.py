@@ -1,8 +1,10 @@
 """The notifier: fan outbox events into deliveries, send what is due, retry with backoff.
 
 Deliveries go out from a small thread pool, at most ``per_webhook`` at once to one webhook,
-so a receiver that stalls holds up only its own deliveries. Each notifier claims under its
-own id and renews its claims while it sends; only the holder of a claim records the outcome.
+so a receiver that stalls holds up only its own deliveries, and each attempt ends within
+``timeout_s`` of its start however slowly the receiver answers (services/notifier/deadline.py).
+Each notifier claims under its own id and renews its claims while it sends; only the holder of
+a claim records the outcome.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import httpcore
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +32,7 @@ from agents.spec import utcnow
 from services.config import Settings
 from services.notifier import url_policy
 from services.notifier.channels import CHANNELS, signature_header
+from services.notifier.deadline import attempt_pool
 from services.notifier.secret_box import (
     SEALED_PREFIX,
     SecretBox,
@@ -102,9 +106,10 @@ class Notifier:
         # Renewed every third of it while a delivery is in flight, so it covers the work
         # however long that takes, and runs out soon after a notifier dies.
         self.lease_s = timeout_s * 3 + 5
-        # Redirects are not followed (the policy checked this URL, not where it points), and
-        # proxy variables are ignored (a proxy would resolve the name again itself).
-        self.client = httpx.Client(timeout=timeout_s, trust_env=False, follow_redirects=False)
+        # Each attempt gets a connection pool of its own, cut at its deadline. Redirects are
+        # not followed (the policy checked this URL, not where it points), and proxy and CA
+        # variables are ignored (a proxy would resolve the name again itself).
+        self.ssl_context = httpx.create_ssl_context(trust_env=False)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="notifier")
         self._in_flight: dict[Future[None], int] = {}
         self._renew_at = 0.0
@@ -226,22 +231,30 @@ class Notifier:
         return self._post(target, body, headers)
 
     def _post(self, target: url_policy.CheckedUrl, body: bytes, headers: dict[str, str]) -> Outcome:
-        """POST to the addresses that were checked, in turn until one connects."""
+        """POST to the addresses that were checked, in turn until one connects, all of it
+        within one deadline of ``timeout_s``."""
         error = "no address"
-        for address in target.addresses:
-            url, host, extensions = target.pinned(address)
-            try:
-                # Streamed and closed unread: the status is all we need, and a receiver
-                # cannot make us hold a large answer.
-                with self.client.stream("POST", url, content=body, headers={**headers, **host},
-                                        extensions=extensions) as resp:
-                    code = resp.status_code
-            except httpx.ConnectError as exc:
-                error = f"ConnectError: {exc}"
-                continue
-            except httpx.HTTPError as exc:
-                return Outcome(None, f"{type(exc).__name__}: {exc}")
-            return Outcome(code, "" if 200 <= code < 300 else f"HTTP {code}")
+        timeouts = dict.fromkeys(("connect", "read", "write", "pool"), self.timeout_s)
+        with attempt_pool(self.timeout_s, self.ssl_context) as pool:
+            for address in target.addresses:
+                url, host, extensions = target.pinned(address)
+                try:
+                    # Streamed and closed unread: the status is all we need, and a receiver
+                    # cannot make us hold a large answer.
+                    with pool.stream("POST", str(url), content=body,
+                                     headers=[*headers.items(), *host.items()],
+                                     extensions={**extensions, "timeout": timeouts}) as resp:
+                        code = resp.status
+                except httpcore.ConnectError as exc:
+                    error = f"ConnectError: {exc}"
+                    continue
+                except httpcore.TimeoutException:
+                    return Outcome(None, f"no complete answer within {self.timeout_s:g} s "
+                                         "(RINGWATCH_WEBHOOK_TIMEOUT_S)")
+                except (httpcore.NetworkError, httpcore.ProtocolError,
+                        httpcore.UnsupportedProtocol) as exc:
+                    return Outcome(None, f"{type(exc).__name__}: {exc}")
+                return Outcome(code, "" if 200 <= code < 300 else f"HTTP {code}")
         return Outcome(None, error)
 
     def _record(self, job: Job, outcome: Outcome) -> None:
@@ -343,6 +356,5 @@ class Notifier:
     def close(self) -> None:
         self._settle()
         self._pool.shutdown(wait=True)
-        self.client.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)

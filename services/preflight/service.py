@@ -8,7 +8,6 @@ results, the same way as for an immediate answer.
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 from typing import Any
 
@@ -24,8 +23,6 @@ from services.store import health as health_store
 from services.store import measurements as measurement_store
 from services.store import preflight as store
 from services.store.models import PreflightRequest
-
-POLL_S = 0.2
 
 
 def _out(req: PreflightRequest) -> dict[str, Any]:
@@ -86,22 +83,16 @@ def _workload(session: Session, nodes: list[str], profile: str | None,
     return {"profile": profile, "job": layout.to_dict()}
 
 
-def submit_and_wait(factory: sessionmaker[Session], nodes: list[str], max_age_s: float,
-                    wait_s: float, api_url: str = "", confirm: bool = False, *,
-                    token_id: int | None = None, max_waiting: int | None = None,
-                    profile: str | None = None, job: JobLayout | None = None) -> dict[str, Any]:
-    # The request must be committed before a scheduler can see it, so this is its own job
-    # of several short transactions rather than one request-long transaction: no database
-    # connection is held while it waits.
+def submit_committed(factory: sessionmaker[Session], nodes: list[str], max_age_s: float,
+                     api_url: str = "", confirm: bool = False, *,
+                     token_id: int | None = None, max_waiting: int | None = None,
+                     profile: str | None = None, job: JobLayout | None = None) -> dict[str, Any]:
+    """``submit`` in a transaction of its own, committed on return: a scheduler can claim the
+    request at once, and the caller may wait for it (services.preflight.waiting) without
+    holding a database connection."""
     with db.transaction(factory) as s:
-        body = submit(s, nodes, max_age_s, api_url, confirm, token_id=token_id,
+        return submit(s, nodes, max_age_s, api_url, confirm, token_id=token_id,
                       max_waiting=max_waiting, profile=profile, job=job)
-    deadline = time.monotonic() + wait_s
-    while body["status"] in ("pending", "running") and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        with db.transaction(factory) as s:
-            body = get(s, body["id"])
-    return body
 
 
 def get(session: Session, request_id: str) -> dict[str, Any]:

@@ -27,11 +27,13 @@ def group_key(members: Sequence[str]) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def claim_batch(session: Session, batch_id: str, backend: str) -> ProbeRun | None:
-    """Create the run for ``batch_id``; None when that batch was stored before (a retry)."""
+def claim_batch(session: Session, batch_id: str, backend: str, *, digest: str | None = None,
+                token_id: int | None = None) -> ProbeRun | None:
+    """Create the run for ``batch_id``; None when that id was stored before."""
     stmt = (
         insert(ProbeRun)
-        .values(batch_id=batch_id, backend=backend, measurement_count=0, findings=[])
+        .values(batch_id=batch_id, backend=backend, measurement_count=0, findings=[],
+                content_sha256=digest, token_id=token_id)
         .on_conflict_do_nothing(index_elements=["batch_id"])
         .returning(ProbeRun.id)
     )
@@ -60,14 +62,16 @@ def _copy_into_temp(session: Session, table: str, columns: str, types: Sequence[
 
 
 def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: datetime,
-                 probed: Sequence[str] = (), duty_cycle: dict[str, float] | None = None,
+                 probed: dict[str, datetime] | None = None,
+                 duty_cycle: dict[str, float] | None = None,
                  skipped: dict[str, str] | None = None) -> None:
-    """Create or touch nodes in one statement: ``probed`` ones were measured at ``seen_at``;
-    each node's duty cycle, and why it was skipped (cleared once it is probed)."""
+    """Create or touch nodes in one statement: ``probed`` maps a measured node to its own
+    newest measurement time; each node's duty cycle, and why it was skipped (cleared once
+    it is probed)."""
     if not names:
         return
-    was_probed, duty, skip = set(probed), duty_cycle or {}, skipped or {}
-    rows = [(n, backend, seen_at, seen_at if n in was_probed else None, duty.get(n),
+    was_probed, duty, skip = probed or {}, duty_cycle or {}, skipped or {}
+    rows = [(n, backend, seen_at, was_probed.get(n), duty.get(n),
              skip.get(n), n in skip or n in was_probed) for n in sorted(set(names))]
     _copy_into_temp(session, "nodes_in", "name text, backend text, seen_at timestamptz, "
                     "probed_at timestamptz, duty_cycle float8, skipped text, set_skip bool",

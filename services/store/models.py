@@ -101,6 +101,10 @@ class ProbeRun(Base):
     findings: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, default=list)
     # The sender's spool when it wrote the batch (host, pending, failed, rejected).
     shipper: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # SHA-256 of the batch's content and the token that sent it: the same id with other
+    # content, or from another token, is a conflict rather than a retry.
+    content_sha256: Mapped[str | None] = mapped_column(String(64))
+    token_id: Mapped[int | None] = mapped_column(Integer)
 
 
 class IngestRetired(Base):

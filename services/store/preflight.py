@@ -103,3 +103,12 @@ def complete(session: Session, req: PreflightRequest, verdict: dict[str, Any] | 
     req.completed_at = now
     req.lease_until = None
     _observe_latency(session, req, "probed")
+
+
+def unanswered(session: Session, request_ids: list[str]) -> set[str]:
+    """Which of ``request_ids`` still wait for a scheduler (pending or running)."""
+    if not request_ids:
+        return set()
+    return set(session.scalars(select(PreflightRequest.id).where(
+        PreflightRequest.id.in_(request_ids),
+        PreflightRequest.status.in_(("pending", "running")))))

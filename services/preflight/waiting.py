@@ -1,0 +1,100 @@
+"""Callers waiting for a preflight verdict (``POST /v1/preflight?wait=N``), without a thread each.
+
+A waiting caller is an asyncio event, not a sleeping worker thread: the worker threads are
+shared with token checks, ingest and every synchronous route, and 128 callers sleeping in
+them starved the whole API. One poller per event loop asks Postgres, in one short query,
+which of all the waited-for requests are still unanswered, and wakes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from anyio import to_thread
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.errors import TooManyRequests
+from services.preflight import service
+from services.store import db
+from services.store import preflight as store
+
+POLL_S = 0.25
+
+
+class PreflightWaiters:
+    """At most ``capacity`` callers wait at once across every token; one more is a 429."""
+
+    def __init__(self, factory: sessionmaker[Session], capacity: int, poll_s: float = POLL_S) -> None:
+        self.factory = factory
+        self.capacity = capacity
+        self.poll_s = poll_s
+        self._events: dict[str, list[asyncio.Event]] = {}
+        self._waiting = 0
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def check_room(self) -> None:
+        """Refuse before a request is even created when every waiting place is taken."""
+        if self._waiting >= self.capacity:
+            raise TooManyRequests(
+                f"{self._waiting} callers are waiting for preflight verdicts, the most this "
+                "server holds (RINGWATCH_MAX_WAITING_PREFLIGHTS); ask without ?wait= and poll "
+                "GET /v1/preflight/{id}", retry_after_s=5.0)
+
+    async def wait(self, body: dict[str, Any], wait_s: float) -> dict[str, Any]:
+        """``body`` once its request is answered, or as it stands after ``wait_s``."""
+        if body["status"] not in ("pending", "running") or wait_s <= 0:
+            return body
+        self.check_room()
+        event = asyncio.Event()
+        self._events.setdefault(body["id"], []).append(event)
+        self._waiting += 1
+        self._ensure_poller()
+        try:
+            await asyncio.wait_for(event.wait(), timeout=wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiting -= 1
+            self._forget(body["id"], event)
+        return await to_thread.run_sync(self._read, body["id"])
+
+    def _read(self, request_id: str) -> dict[str, Any]:
+        with db.transaction(self.factory) as s:
+            return service.get(s, request_id)
+
+    def _forget(self, request_id: str, event: asyncio.Event) -> None:
+        events = self._events.get(request_id, [])
+        if event in events:
+            events.remove(event)
+        if not events:
+            self._events.pop(request_id, None)
+
+    def _ensure_poller(self) -> None:
+        # The task belongs to the running loop; a test client that closed its loop left a
+        # finished (or foreign) task behind, so a new one is started.
+        loop = asyncio.get_running_loop()
+        if self._poller is None or self._poller.done() or self._poller.get_loop() is not loop:
+            self._poller = loop.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self._events:
+            await asyncio.sleep(self.poll_s)
+            ids = list(self._events)
+            try:
+                still = await to_thread.run_sync(self._unanswered, ids)
+            except Exception:
+                # The database is away for a moment: the callers keep waiting to their
+                # deadline, which reads the request once more and answers with what it is.
+                continue
+            for request_id in set(ids) - still:
+                for event in self._events.get(request_id, []):
+                    event.set()
+
+    def _unanswered(self, ids: list[str]) -> set[str]:
+        with db.transaction(self.factory) as s:
+            return store.unanswered(s, ids)
