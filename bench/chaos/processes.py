@@ -1,6 +1,6 @@
-"""Faults of processes and of the database: kill -9 of the API mid-ingest, of a notifier
-mid-delivery, of a scheduler mid-preflight; two notifiers with a slow and a dead receiver;
-Postgres restarted under load."""
+"""Faults of processes and of the database: kill -9 of the API mid-ingest and right after
+its answer, of a notifier mid-delivery, of a scheduler mid-preflight; two notifiers with a
+slow and a dead receiver; Postgres restarted under load."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from bench.chaos.harness import (
 )
 from services.cli.api_process import stop
 from services.notifier.receiver import WebhookReceiver
+from tests.api_fixtures import fleet_batch
 
 SECRET = "chaos-webhook-secret"
 # A fleet whose every cycle is a batch of about 200 measurements and 256 ranks: big enough
@@ -82,6 +83,84 @@ def kill_api_mid_ingest(admin_url: str | None = None, kills: int = 3) -> Row:
         return row
     finally:
         stage.close(keep_logs=not row.met)
+
+
+def kill_api_after_ack(admin_url: str | None = None, rounds: int = 8) -> Row:
+    """A 2xx means committed. Each round, on a freshly started API: writes read back the
+    moment their 2xx arrives (a node only that batch named, a webhook after its 201, a
+    token used after its 201 and refused after its revoke's 204); then one more batch, and
+    the API killed -9 the moment its 200 arrives, and restarted. Every acknowledged batch
+    must then be stored whole, and sending it again must be ``created: false``."""
+    row = Row("kill -9 API right after the ack", False)
+    stage = Stage("kill-after-ack", admin_url)
+    try:
+        api = stage.start_api()
+        agent_token, reader_token = stage.token("agent"), stage.token("reader")
+        acked: list[dict] = []
+        misses: list[str] = []
+        revoked: list[str] = []
+        reads = 0
+        for i in range(rounds):
+            # Fresh clients each round: the killed API's connections are dead.
+            with stage.client(stage.admin) as admin, stage.client(agent_token) as agent, \
+                    stage.client(reader_token) as reader:
+                reads += _reads_after_ack(stage, admin, agent, reader, f"seen{i}", misses, revoked)
+                batch = fleet_batch(prefix=f"ack{i}")
+                resp = agent.post("/v1/measurements", json=batch)
+                kill9(api)  # the moment the ack is in: nothing after it may be needed
+                if resp.status_code != 200:
+                    raise RuntimeError(f"batch {i} answered {resp.status_code}: {resp.text[:300]}")
+                acked.append(batch)
+            api = stage.start_api()
+        stored = dict(stage.rows("SELECT batch_id, measurement_count FROM probe_runs "
+                                 "WHERE batch_id = ANY(:b)", b=[b["batch_id"] for b in acked]))
+        with stage.client(agent_token) as agent:
+            again = [agent.post("/v1/measurements", json=b) for b in acked]
+        anew = sum(1 for r in again if r.status_code != 200 or r.json().get("created") is not False)
+        still_open = sum(1 for t in revoked if _status(stage, t) != 401)
+        lost = [b for b in acked if stored.get(b["batch_id"]) != len(b["measurements"])]
+        row.results_lost = sum(len(b["measurements"]) - stored.get(b["batch_id"], 0) for b in acked)
+        row.survived = bool(not misses and not anew and not still_open and api.poll() is None)
+        row.note = (f"{rounds} kills; {len(acked)} batches acknowledged, "
+                    f"{len(acked) - len(lost)} found after restart, {len(lost)} lost, "
+                    f"{anew} stored anew when resent; {reads} reads right after an ack, "
+                    f"{len(misses)} missed"
+                    + (f" ({'; '.join(misses[:3])})" if misses else "")
+                    + (f"; {still_open} revoked token(s) open again after a restart"
+                       if still_open else ""))
+        return row
+    finally:
+        stage.close(keep_logs=not row.met)
+
+
+def _reads_after_ack(stage: Stage, admin: httpx.Client, agent: httpx.Client,
+                     reader: httpx.Client, tag: str, misses: list[str], revoked: list[str]) -> int:
+    """Four writes, each followed at once by a request that must see it; what did not is
+    added to ``misses``, the revoked token to ``revoked``. Returns the reads made."""
+    def must(resp: httpx.Response, code: int, what: str) -> httpx.Response:
+        if resp.status_code != code:
+            raise RuntimeError(f"{what} answered {resp.status_code}: {resp.text[:300]}")
+        return resp
+
+    def expect(code: int, got: int, what: str) -> None:
+        if got != code:
+            misses.append(f"{what}: {got}, not {code}")
+
+    must(agent.post("/v1/measurements", json=fleet_batch(prefix=tag)), 200, "a batch")
+    expect(200, reader.get(f"/v1/nodes/{tag}-000").status_code, f"node {tag}-000 after its batch")
+    hook = stage.webhook(admin, "http://127.0.0.1:9/ack", SECRET, HEALTH_EVENTS)
+    expect(200, admin.get(f"/v1/webhooks/{hook}").status_code, f"webhook {hook} after its 201")
+    made = must(admin.post("/v1/tokens", json={"role": "reader", "name": tag}), 201, "a token").json()
+    expect(200, _status(stage, made["token"]), f"token {made['id']} after its 201")
+    must(admin.delete(f"/v1/tokens/{made['id']}"), 204, "a revoke")
+    expect(401, _status(stage, made["token"]), f"token {made['id']} after its revoke's 204")
+    revoked.append(made["token"])
+    return 4
+
+
+def _status(stage: Stage, token: str) -> int:
+    with stage.client(token) as c:
+        return c.get("/v1/health").status_code
 
 
 def _notifier_stage(name: str, admin_url: str | None) -> Stage:

@@ -6,7 +6,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 
-from bench.chaos import inputs, processes, webhooks
+from bench.chaos import inputs, processes, waiting, webhooks
 from bench.chaos.harness import Row
 
 Fault = Callable[[str | None], Row]
@@ -19,11 +19,13 @@ FAULTS: dict[str, tuple[str, Fault]] = {
     "replay": ("replayed signatures", webhooks.replayed_signature),
     "notifiers": ("two notifiers, slow and dead receivers", processes.two_notifiers),
     "kill-api": ("kill -9 API mid-ingest", processes.kill_api_mid_ingest),
+    "kill-after-ack": ("kill -9 API right after the ack", processes.kill_api_after_ack),
     "kill-notifier": ("kill -9 notifier mid-delivery, request unanswered",
                       processes.kill_notifier_mid_delivery),
     "kill-notifier-burst": ("kill -9 notifier mid-burst", processes.kill_notifier_mid_burst),
     "kill-scheduler": ("kill -9 scheduler mid-preflight", processes.kill_scheduler_mid_preflight),
     "postgres": ("Postgres restarted under load", processes.postgres_restart),
+    "waiters": ("128 waiting preflights", waiting.waiters),
 }
 
 
