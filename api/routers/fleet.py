@@ -14,6 +14,7 @@ from api.schemas import (
     NodeDetailOut,
     NodeOut,
     NodePairsOut,
+    NodePairTileOut,
     NodeStatesOut,
     SeriesOut,
 )
@@ -50,13 +51,28 @@ def get_node_states(session: SessionDep, settings: SettingsDep, _: ReaderDep) ->
     return fleet.node_states(session, settings.thresholds)
 
 
-@router.get("/fleet/pairs", response_model=NodePairsOut)
-def get_node_pairs(session: SessionDep, _: ReaderDep) -> dict:
+@router.get("/fleet/pairs", response_model=NodePairsOut | NodePairTileOut)
+def get_node_pairs(
+    session: SessionDep,
+    settings: SettingsDep,
+    _: ReaderDep,
+    row_from: int | None = Query(default=None, ge=0, description="a tile's first row"),
+    row_to: int | None = Query(default=None, ge=0, description="the row after a tile's last"),
+    col_from: int | None = Query(default=None, ge=0, description="a tile's first column"),
+    col_to: int | None = Query(default=None, ge=0, description="the column after a tile's last"),
+) -> dict:
     """The node x node map: every node's name, and for each node pair one byte (base64 in
     ``cells``, row by row through the upper triangle): 0 when it has not been probed as a
     pair yet, else its worst ratio in hundredths plus one (127: no ratio), with 0x80 set
-    when it is degraded. One byte a pair keeps 1024 nodes' map to 700 kB."""
-    return fleet.node_pairs(session)
+    when it is degraded. One byte a pair keeps 1024 nodes' map to 700 kB.
+
+    The whole map is sent for up to ``RINGWATCH_MAX_PAIR_MAP_NODES`` nodes (422 beyond).
+    Any of ``row_from``, ``row_to``, ``col_from``, ``col_to`` (indices into the nodes by
+    name; from inclusive, to exclusive, the fleet's edge where left out) asks for one tile
+    instead, at any fleet size: at most that many rows by as many columns, every cell of
+    the rectangle (both sides of the diagonal), with its rows' and columns' names."""
+    return fleet.node_pairs(session, max_nodes=settings.max_pair_map_nodes,
+                            rows=(row_from, row_to), cols=(col_from, col_to))
 
 
 @router.get("/links", response_model=list[LinkOut])

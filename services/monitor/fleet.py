@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -120,12 +120,45 @@ _pair_maps: dict[str, _PairMap] = {}
 _pair_lock = threading.Lock()
 
 
-def node_pairs(session: Session) -> dict[str, Any]:
-    """The node x node map of the pairs probed: every node's name once, and ``cells``, the
-    base64 of one byte per pair (above)."""
+# A window of the map (GET /v1/fleet/pairs?row_from=&row_to=): indices into the nodes by
+# name, from inclusive, to exclusive; None: the fleet's edge.
+Span = tuple[int | None, int | None]
+
+
+def node_pairs(session: Session, *, max_nodes: int, rows: Span = (None, None),
+               cols: Span = (None, None)) -> dict[str, Any]:
+    """The node x node map of the pairs probed: whole (up to ``max_nodes`` nodes) when no
+    window is asked, else the tile of ``rows`` by ``cols``."""
+    if rows == (None, None) and cols == (None, None):
+        return _whole_map(session, max_nodes)
+    return _tile(session, max_nodes, rows, cols)
+
+
+def _pair_bytes(index: dict[str, int], row: Any) -> Iterator[tuple[int, int, int]]:
+    """One row of the store's node pairs (a node and its partners) as (i, j, byte) by
+    index into the map's nodes, leaving out nodes the map does not know."""
+    i = index.get(row.a)
+    if i is None:
+        return
+    for b, ratio, degraded in zip(row.bs, row.ratios, row.degraded, strict=True):
+        j = index.get(b)
+        if j is not None and j != i:
+            yield i, j, pair_byte(ratio, degraded)
+
+
+def _whole_map(session: Session, max_nodes: int) -> dict[str, Any]:
+    """Every node's name once, and ``cells``, the base64 of one byte per pair (above)."""
     names = store.node_names(session)
-    mark = health_store.link_rows_mark(session)
     key = str(session.get_bind().engine.url)
+    if len(names) > max_nodes:
+        with _pair_lock:
+            _pair_maps.pop(key, None)  # not to be served again; its memory back
+        raise BadInput(
+            f"the fleet has {len(names)} nodes, more than RINGWATCH_MAX_PAIR_MAP_NODES "
+            f"({max_nodes}) for the whole node-pair map: ask for it in tiles of up to "
+            f"{max_nodes} x {max_nodes} nodes, ?row_from=0&row_to={max_nodes}&col_from=0"
+            f"&col_to={max_nodes} and on (indices into the nodes by name)")
+    mark = health_store.link_rows_mark(session)
     with _pair_lock:
         known = _pair_maps.get(key)
         if (known is None or known.names != names
@@ -138,16 +171,46 @@ def node_pairs(session: Session) -> dict[str, Any]:
         since = known.seen - PAIR_MAP_OVERLAP if known.seen else None
         index = {name: i for i, name in enumerate(names)}
         n = len(names)
-        for a, b, ratio, degraded, updated_at in health_store.node_pairs(session, since):
-            if known.seen is None or updated_at > known.seen:
-                known.seen = updated_at
-            i, j = index.get(a), index.get(b)
-            if i is None or j is None or i == j:
-                continue
-            i, j = min(i, j), max(i, j)
-            known.cells[pair_index(i, j, n)] = pair_byte(ratio, degraded)
+        for row in health_store.node_pairs(session, since):
+            if known.seen is None or row.updated_at > known.seen:
+                known.seen = row.updated_at
+            for i, j, byte in _pair_bytes(index, row):
+                known.cells[pair_index(min(i, j), max(i, j), n)] = byte
         cells = base64.b64encode(known.cells).decode()
     return {"nodes": names, "cells": cells}
+
+
+def _span(span: Span, n: int, name: str) -> tuple[int, int]:
+    """A window's side as (from, to) within the fleet's ``n`` nodes."""
+    lo, hi = span[0] or 0, n if span[1] is None else span[1]
+    if lo > hi:
+        raise BadInput(f"{name}_from ({lo}) is past {name}_to ({hi})")
+    return min(lo, n), min(hi, n)
+
+
+def _tile(session: Session, max_nodes: int, rows: Span, cols: Span) -> dict[str, Any]:
+    """One rectangle of the map: its rows' and columns' names and ``cells``, the base64 of
+    one byte per (row, column), row by row, 0 on the diagonal. No whole map is built: the
+    store reads only the tile's pairs, so beside the node names the work grows with the
+    tile, not with the fleet."""
+    names = store.node_names(session)
+    (r0, r1), (c0, c1) = _span(rows, len(names), "row"), _span(cols, len(names), "col")
+    if max(r1 - r0, c1 - c0) > max_nodes:
+        raise BadInput(f"a tile of the node-pair map spans at most RINGWATCH_MAX_PAIR_MAP_NODES "
+                       f"({max_nodes}) rows and as many columns, not {r1 - r0} x {c1 - c0}")
+    width = c1 - c0
+    cells = bytearray((r1 - r0) * width)
+    if cells:
+        index = {name: i for i, name in enumerate(names)}
+        for row in health_store.node_pairs_between(session, (names[r0], names[r1 - 1]),
+                                                   (names[c0], names[c1 - 1])):
+            for i, j, byte in _pair_bytes(index, row):
+                for r, c in ((i, j), (j, i)):
+                    if r0 <= r < r1 and c0 <= c < c1:
+                        cells[(r - r0) * width + (c - c0)] = byte
+    return {"node_count": len(names), "row_from": r0, "col_from": c0,
+            "rows": names[r0:r1], "cols": names[c0:c1],
+            "cells": base64.b64encode(cells).decode()}
 
 
 def require_nodes(session: Session, names: list[str]) -> None:

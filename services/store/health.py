@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -221,24 +221,57 @@ def link_rows_mark(session: Session) -> tuple[int, int]:
     return int(count), int(newest)
 
 
-def node_pairs(session: Session, since: datetime | None = None) -> list[Any]:
-    """Each node pair probed as such (inter_node groups of two nodes): the worst ratio over
-    its ops, groups and sizes, whether any of them is degraded, and when it was last
-    updated. With ``since``, only the pairs with a row updated after it, each still judged
-    over all its rows (found by ix_link_health_pair)."""
+# A node pair's rows: an inter-node group of two nodes (ix_link_health_pair covers them).
+_PAIR_ROWS = "scope = 'inter_node' AND cardinality(nodes) = 2"
+# Pairs come one row per first node, its partners in arrays, streamed a few rows at a
+# time: 4096 nodes have 8.4 M pairs, which as one Python row each held 4 GiB at once.
+PAIR_ROWS_PER_FETCH = 16
+
+
+def _pairs_by_first_node(session: Session, pairs_sql: str,
+                         params: dict[str, Any]) -> Iterator[Any]:
+    """``pairs_sql`` (one row per pair: a, b, ratio, degraded, updated_at) folded into one
+    row per first node ``a``: ``bs``, ``ratios`` and ``degraded`` side by side, and the
+    newest ``updated_at`` among them."""
+    yield from session.execute(text(f"""
+        SELECT a, array_agg(b) AS bs, array_agg(ratio) AS ratios,
+               array_agg(degraded) AS degraded, max(updated_at) AS updated_at
+        FROM ({pairs_sql}) p GROUP BY a""").execution_options(yield_per=PAIR_ROWS_PER_FETCH),
+        params)
+
+
+def node_pairs(session: Session, since: datetime | None = None) -> Iterator[Any]:
+    """Each node pair probed as such, grouped by its first node (``_pairs_by_first_node``):
+    the worst ratio over its ops, groups and sizes, whether any of them is degraded, and
+    when it was last updated. With ``since``, only the pairs with a row updated after it,
+    each still judged over all its rows (found by ix_link_health_pair)."""
     if since is None:
-        return list(session.execute(text("""
+        return _pairs_by_first_node(session, f"""
             SELECT nodes[1] AS a, nodes[2] AS b, min(ratio) AS ratio,
                    bool_or(status <> 'ok') AS degraded, max(updated_at) AS updated_at
-            FROM link_health
-            WHERE scope = 'inter_node' AND cardinality(nodes) = 2
-            GROUP BY nodes[1], nodes[2]""")))
-    return list(session.execute(text("""
+            FROM link_health WHERE {_PAIR_ROWS}
+            GROUP BY nodes[1], nodes[2]""", {})
+    return _pairs_by_first_node(session, f"""
         WITH touched AS (
             SELECT DISTINCT nodes[1] AS a, nodes[2] AS b FROM link_health
-            WHERE updated_at > :since AND scope = 'inter_node' AND cardinality(nodes) = 2)
+            WHERE updated_at > :since AND {_PAIR_ROWS})
         SELECT t.a, t.b, min(l.ratio) AS ratio, bool_or(l.status <> 'ok') AS degraded,
                max(l.updated_at) AS updated_at
         FROM touched t JOIN link_health l ON l.nodes[1] = t.a AND l.nodes[2] = t.b
         WHERE l.scope = 'inter_node' AND cardinality(l.nodes) = 2
-        GROUP BY t.a, t.b"""), {"since": since}))
+        GROUP BY t.a, t.b""", {"since": since})
+
+
+def node_pairs_between(session: Session, rows: tuple[str, str],
+                       cols: tuple[str, str]) -> Iterator[Any]:
+    """The node pairs (as ``node_pairs``) with one node named within ``rows`` and the other
+    within ``cols`` (first and last name, inclusive, in the nodes' name order): one tile of
+    the node x node map, read through ix_link_health_pair without scanning the others."""
+    return _pairs_by_first_node(session, f"""
+        SELECT nodes[1] AS a, nodes[2] AS b, min(ratio) AS ratio,
+               bool_or(status <> 'ok') AS degraded, max(updated_at) AS updated_at
+        FROM link_health
+        WHERE {_PAIR_ROWS}
+          AND ((nodes[1] BETWEEN :r0 AND :r1 AND nodes[2] BETWEEN :c0 AND :c1)
+               OR (nodes[1] BETWEEN :c0 AND :c1 AND nodes[2] BETWEEN :r0 AND :r1))
+        GROUP BY nodes[1], nodes[2]""", {"r0": rows[0], "r1": rows[1], "c0": cols[0], "c1": cols[1]})
