@@ -9,9 +9,11 @@ under test, and a shared server keeps nothing of ours.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -95,3 +97,20 @@ def receiver():
 
     with WebhookReceiver(WEBHOOK_SECRET) as r:
         yield r
+
+
+# Debian's chromium (apt-get install chromium); a browser a test tool downloads itself
+# cannot be fetched on every machine the tests run on.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """A headless chromium driven by Playwright; the test skips where there is none."""
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (apt-get install chromium): the page tests need a browser")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()

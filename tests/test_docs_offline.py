@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from typing import Any
@@ -27,7 +26,6 @@ from tests.api_fixtures import api_client, fleet_batch, measurement
 from tests.procs import free_port, start_server, stop_server
 
 ADMIN = "rw_docs_admin_token_for_tests"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SECURITY_HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
                     "x-frame-options": "DENY"}
 
@@ -165,17 +163,6 @@ def served(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str
         yield {"url": url, "reader": reader, "h": {"Authorization": f"Bearer {reader}"}}
     finally:
         stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if CHROMIUM is None:
-        pytest.skip("no chromium on PATH (apt-get install chromium): the page tests need a browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

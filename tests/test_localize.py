@@ -216,3 +216,21 @@ def test_a_union_is_not_cleared_on_one_reading_however_high():
     pair.by_op["alltoall"] = [Assessment(m, 100.0, 1.15, False, "peers", spread=0.03,
                                          variation=0.03)]
     assert pair.cleared
+
+
+def test_a_lone_slow_pair_is_named_at_the_granularity_it_has():
+    # Four node pairs, no node in two of them: the slow one cannot be told NIC from path.
+    ms = [inter(a, a + 1, 30.0 if a == 0 else 100.0) for a in range(0, 8, 2)] * 3
+    found = run(ms)
+    assert kinds(found) == [("net_path_degraded", "node-000,node-001")]
+    assert found[0].detail["localized"] == "node_pair"
+    assert "not told apart" in found[0].detail["reason"]
+
+
+def test_a_slow_pair_whose_ends_have_other_partners_is_left_to_the_path_and_nic_rules():
+    # node-000 is slow with both its partners: its NIC, not a lone pair.
+    ms = [inter(0, 1, 30.0), inter(0, 2, 30.0), inter(1, 2, 100.0), inter(3, 4, 100.0),
+          inter(1, 3, 100.0), inter(2, 4, 100.0)] * 3
+    found = run(ms)
+    assert ("nic_degraded", "node-000") in kinds(found)
+    assert all(f.detail.get("localized") != "node_pair" for f in found)

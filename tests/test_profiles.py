@@ -110,6 +110,34 @@ def test_a_fleet_slow_alike_is_one_finding_naming_the_scope(scenario, scope) -> 
     assert verdict["exclude"] == []  # the fleet's fault: excluding every node helps nobody
 
 
+def _fleet(nodes: int, **fields) -> dict:
+    return {"nodes": nodes, "gpus_per_node": 8, "gpu": "H100-SXM", "seed": 7, **fields}
+
+
+@pytest.mark.parametrize("scenario, scope", [
+    (_fleet(32, net_gbs=30), "network"),    # 60 % of the rated network
+    (_fleet(32, net_gbs=20), "network"),    # 40 %: the world group reads slow too
+    (_fleet(16, nvlink_gbs=270), "nvlink"),  # 60 % of the rated NVLink
+])
+def test_no_group_vetoes_a_shortfall_the_fleet_shares(scenario, scope) -> None:
+    verdict = run_preflight(SimBackend(scenario))
+    assert not verdict["healthy"]
+    assert [(f["kind"], f["scope"]) for f in verdict["findings"]] == [
+        ("fabric_below_rated", scope)]
+    assert verdict["exclude"] == []
+    # What the fleet's finding explains is decided: the check ends with nothing open.
+    assert verdict["complete"] and verdict["undecided"] == 0
+
+
+def test_a_node_below_the_fleets_own_level_is_named_beside_it() -> None:
+    slow = _fleet(32, net_gbs=30, faults=[{"kind": "nic", "node": "node-017", "factor": 0.5}])
+    verdict = run_preflight(SimBackend(slow))
+    kinds = sorted(f["kind"] for f in verdict["findings"])
+    assert kinds == ["fabric_below_rated", "nic_degraded"], kinds
+    assert verdict["exclude"] == ["node-017"]
+    assert verdict["complete"] and verdict["undecided"] == 0
+
+
 def test_a_healthy_fleet_and_one_slow_node_are_not_a_fleet_shortfall() -> None:
     assert run_preflight(SimBackend(HEALTHY))["healthy"]
     one = {**HEALTHY, "faults": [{"kind": "nic", "node": "node-003", "factor": 0.2}]}

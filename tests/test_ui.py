@@ -6,7 +6,6 @@ Screenshots of every page land in tests/artifacts/ui/ (ignored by git)."""
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from tests.procs import free_port, start_server, stop_server
 
 ARTIFACTS = Path(__file__).parent / "artifacts" / "ui"
 ADMIN = "rw_ui_admin_token_for_tests"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 # ---- the endpoints the page reads (in-process app, real Postgres)
 
@@ -175,18 +173,6 @@ def served(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str
         stop_server(proc)
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if CHROMIUM is None:
-        pytest.skip("no chromium on PATH (apt-get install chromium): the page tests need a browser")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def page(browser):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -205,6 +191,7 @@ def wait_drawn(page, name: str) -> None:
 
 
 def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 

@@ -87,7 +87,7 @@ def judge(
     assessed = assess(list(measurements), thresholds, expected or preset_of, history,
                       cache.assess if cache is not None else None)
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
-    assessments, fleet = fleet_shortfall(assessed)
+    assessments, fleet = fleet_shortfall(assessed, thresholds.degraded_ratio)
     verdicts = group_verdicts(assessments, thresholds.weighing,
                               cache.summaries if cache is not None else None)
     findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)

@@ -195,8 +195,17 @@ class GroupVerdict:
 
     @property
     def cleared(self) -> bool:
-        """Decided healthy for every op it ran."""
-        return bool(self.decisions) and all(d.cleared for d in self.decisions.values())
+        """Decided healthy for every op it ran, or explained whole by a fleet-wide
+        shortfall (decided by that finding: nothing of it is left to localize)."""
+        if not self.decisions:
+            return self.explained
+        return all(d.cleared for d in self.decisions.values())
+
+    @property
+    def explained(self) -> bool:
+        """Every measurement of it is explained by a fleet-wide shortfall."""
+        return bool(self.by_op) and all(a.explained for items in self.by_op.values()
+                                        for a in items)
 
     @property
     def suspect(self) -> bool:
@@ -781,9 +790,29 @@ def localize(
         nic = _nic_findings(_two_node(verdicts, blamed), share)
         findings += nic
         blamed |= {f.node for f in nic if f.node}
+    pairs = _two_node(verdicts, blamed)
     findings += [_finding("net_path_degraded", v, nodes=list(v.nodes))
-                 for v in _path_suspects(_two_node(verdicts, blamed))]
+                 for v in _path_suspects(pairs)]
+    findings += _lone_pairs(pairs, findings)
     return _only(dedupe(findings), set(nodes))
+
+
+def _lone_pairs(pairs: list[GroupVerdict], named: list[Finding]) -> list[Finding]:
+    """A slow node pair neither of whose ends was measured with any other node: nothing can
+    tell its NICs from the path between them, and the evidence is still a degraded link.
+    It is named at the granularity it has, as the path, saying so; never silent."""
+    of_node = by_node(pairs)
+    covered = {n for f in named for n in (f.node, *(f.nodes or ())) if n}
+    out = []
+    for v in pairs:
+        if v.bad and not covered.intersection(v.nodes) and all(
+                len(of_node[n]) == 1 for n in v.nodes):
+            f = _finding("net_path_degraded", v, nodes=list(v.nodes))
+            f.detail.update({"localized": "node_pair", "reason": (
+                "neither end was measured with another node: its NICs and the path between "
+                "them are not told apart")})
+            out.append(f)
+    return out
 
 
 def _only(findings: list[Finding], wanted: set[str]) -> list[Finding]:

@@ -8,6 +8,13 @@ nodes, or the network between them) are below in *every* such measurement of the
 shortfall is the fleet's: one ``fabric_below_rated`` finding with the measured and rated
 figures and the nodes affected, and those measurements are not localized node by node
 (the nodes are not at fault one by one; excluding them would exclude the fleet).
+
+No group vetoes a shortfall its members share: a group judged against what this run's own
+node pairs reach (the world group, a path search's union) cannot see it and is left out of
+the count. A measurement far below the fleet's own level (a node at 30 % in a fleet at
+60 %) is not explained by the shortfall and is localized as any other. A group all of
+whose measurements the shortfall explains is decided (``GroupVerdict.cleared``): a check
+does not measure it again.
 """
 
 from __future__ import annotations
@@ -22,11 +29,16 @@ from services.analyzer.assess import Assessment
 
 KIND = "fabric_below_rated"
 HARDWARE_SOURCES = frozenset({"rated", "preset"})
+# Expectations taken from this run's own node pairs (a union, the world group included, is
+# judged at the share the pairs reach): blind to a shortfall the pairs share, so such a
+# group neither vouches for its nodes nor vetoes the fleet's finding.
+BLIND_SOURCES = frozenset({"paths"})
 # The share of a scope's judged nodes that must be below for the shortfall to be the fleet's.
 FLEET_SHARE = 0.5
 
 
-def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], list[Finding]]:
+def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float
+                    ) -> tuple[list[Assessment], list[Finding]]:
     """The assessments with a fleet-wide shortfall's measurements no longer ``bad`` (they
     are explained by it), and its findings (at most one per scope).
 
@@ -42,6 +54,8 @@ def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], li
     for i, a in enumerate(assessments):
         m = a.measurement
         if not a.judged or a.ratio is None or not (m.rated_gbs or m.preset_gbs):
+            continue
+        if a.source in BLIND_SOURCES:
             continue
         cls = scope_class(m.nodes)
         for node in m.nodes:
@@ -60,13 +74,27 @@ def fleet_shortfall(assessments: list[Assessment]) -> tuple[list[Assessment], li
         below = sorted(n for n, idx in by_node.items() if all(_below(out[i]) for i in idx))
         if len(below) < 2 or len(below) < FLEET_SHARE * len(by_node):
             continue
-        explained = sorted({i for n in below for i in by_node[n]})
+        shared = sorted({i for n in below for i in by_node[n]})
+        explained = _within_fleet_level(out, shared, degraded_ratio)
         findings.append(_finding(cls, below, len(by_node), [out[i] for i in explained]))
         for i in explained:
             out[i] = replace(out[i], bad=False, explained=True)
         if cls == "nvlink":
             short_nvlink = set(below)
     return out, findings
+
+
+def _hardware_ratio(a: Assessment) -> float:
+    m = a.measurement
+    return m.busbw_gbs / (m.rated_gbs or m.preset_gbs or 1.0)
+
+
+def _within_fleet_level(out: list[Assessment], shared: list[int],
+                        degraded_ratio: float) -> list[int]:
+    """The shortfall's measurements that run at the fleet's level: one far below it (a node
+    at 30 % in a fleet at 60 %) is that node's own fault on top, and stays to be localized."""
+    level = statistics.median(_hardware_ratio(out[i]) for i in shared)
+    return [i for i in shared if _hardware_ratio(out[i]) >= level * degraded_ratio]
 
 
 def _finding(cls: str, below: list[str], judged: int, explained: list[Assessment]) -> Finding:
