@@ -19,14 +19,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from agents.spec import TIMING_CUDA_EVENTS, TIMING_CUDA_GRAPH, TIMING_HOST
+from agents.spec import TIMING_CUDA_EVENTS, TIMING_CUDA_GRAPH, TIMING_HOST, ProbeSetupError
 
 Run = Callable[[], None]
-
-
-class ProbeSetupError(Exception):
-    """The probe cannot run on this machine at all (no CUDA, too few GPUs): a setup
-    mistake to refuse up front with one line, never a fabric finding."""
 
 
 # ---- the seam: every CUDA-only call --------------------------------------------------

@@ -25,26 +25,23 @@ import torch.distributed as dist
 
 from agents import device as device_seam
 from agents import inventory, profiles, telemetry
-from agents.collectives import (
-    Buffers,
-    check_redop,
-    check_tolerance,
-    collective,
-    count_wrong,
-    expected_output,
-    make_input,
-    plan,
-    torch_dtype,
-)
+from agents.collectives import Buffers, check_redop, collective, plan
 from agents.device import (
     HostDevice,
     LoopTimer,
     ProbeDevice,
-    ProbeSetupError,
     check_cuda,
     device_for,
 )
-from agents.spec import TIMING_CUDA_GRAPH, InjectedFault, RankInfo, member, redop_for
+from agents.patterns import check_tolerance, count_wrong, expected_output, make_input, torch_dtype
+from agents.spec import (
+    TIMING_CUDA_GRAPH,
+    InjectedFault,
+    ProbeSetupError,
+    RankInfo,
+    member,
+    redop_for,
+)
 
 # An injected hang sleeps this long; the driver kills the agent long before.
 _HANG_SLEEP_S = 24 * 3600.0

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from agents.collectives import busbw_factor
 from agents.fabric_presets import preset
 from agents.spec import (
     ALGOS,
@@ -53,18 +54,6 @@ PCIE_WORD = "PHB"
 
 def node_name(i: int) -> str:
     return f"node-{i:03d}"
-
-
-def _busbw_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw factor. Kept here rather than imported from agents.collectives
-    so the sim stays free of torch (seconds of import for one formula)."""
-    if op == "allreduce":
-        return 2.0 * (n - 1) / n
-    if op in ("allgather", "reducescatter", "alltoall"):
-        return (n - 1) / n
-    if op == "sendrecv":
-        return 1.0
-    raise ValueError(f"the sim has no model for op {op!r}")
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -417,7 +406,7 @@ class CostModel:
         if op == "alltoall":
             return self.latency(op, grp), self.alltoall_time_per_byte(grp) / slow
         if op in RING_OPS or op == "sendrecv":
-            bytes_per_byte = 1.0 if op == "sendrecv" else _busbw_factor(op, n)
+            bytes_per_byte = 1.0 if op == "sendrecv" else busbw_factor(op, n)
             bw = self.tree_bw(grp) if op == "allreduce" and algo == "tree" else self.ring_bw(grp)
             return self.latency(op, grp, algo), bytes_per_byte / (bw * 1e9) / slow
         raise ValueError(f"the sim has no model for op {op!r}")
@@ -569,7 +558,7 @@ class SimBackend:
         m = Measurement(op=op, scope=spec.scope, members=list(spec.members), size_bytes=size,
                         dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
                         time_us=t * 1e6, algbw_gbs=algbw,
-                        busbw_gbs=algbw * _busbw_factor(op, n),
+                        busbw_gbs=algbw * busbw_factor(op, n),
                         wrong=max(1, size // 4096) if corrupt else 0,
                         redop=redop_for(op, spec.redop), timing=TIMING_MODEL,
                         algo=spec.algo if op == "allreduce" else None)
@@ -583,7 +572,7 @@ class SimBackend:
             grp = self._group(m.members)
             lat, per_byte = self._nominal.op_time(m.op, grp, m.algo)
             t = lat + per_byte * m.size_bytes
-            self._expected_cache[key] = m.size_bytes / t / 1e9 * _busbw_factor(m.op, grp.n)
+            self._expected_cache[key] = m.size_bytes / t / 1e9 * busbw_factor(m.op, grp.n)
         return self._expected_cache[key]
 
 

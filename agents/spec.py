@@ -97,6 +97,18 @@ def nodes_of(members: tuple[str, ...] | list[str]) -> list[str]:
     return list(seen)
 
 
+_DIGIT_RUN = re.compile(r"(\d+)")
+
+
+def node_order(name: str) -> tuple[str | tuple[int, str], ...]:
+    """Sort key that orders node names as people count them: digit runs compare as numbers,
+    so node-341 comes before node-1019 (as text it would not), and names without digits keep
+    their text order. Distinct names never tie (node-01 before node-1). For node lists people
+    read (a verdict's ``exclude``, a finding's nodes); identity keys stay sorted as text."""
+    parts = _DIGIT_RUN.split(name)  # text, digits, text, ...: digit runs at odd positions
+    return tuple((int(p), p) if i % 2 else p for i, p in enumerate(parts))
+
+
 def redop_for(op: str, redop: str) -> str:
     """The reduction ``op`` runs when its group asks for ``redop``: ops that do not reduce
     run as they always do, recorded as "sum" (not applicable)."""
@@ -376,6 +388,11 @@ class RoundResult:
     wall_time_s: float = 0.0
     # Seconds each member was held by its group (for the duty cycle); absent: the round's wall.
     busy_s: dict[str, float] = field(default_factory=dict)
+
+
+class ProbeSetupError(Exception):
+    """The probe cannot run on this machine at all (no CUDA, too few GPUs): a setup
+    mistake to refuse up front with one line, never a fabric finding."""
 
 
 class ProbeBackend(Protocol):

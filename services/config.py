@@ -16,6 +16,11 @@ from services.analyzer.hysteresis import Policy
 STATE_DIR = Path(__file__).resolve().parents[1] / ".ringwatch"
 
 PLACEHOLDER_SECRET = "change-me"
+# What one check (a preflight or a monitoring cycle) may spend: rounds, modeled fabric
+# seconds (the probing itself) and wall seconds; past any, its verdict is incomplete.
+CHECK_MAX_ROUNDS = 512
+CHECK_MAX_FABRIC_S = 600.0
+CHECK_MAX_WALL_S = 1800.0
 
 
 class Settings(BaseSettings):
@@ -90,6 +95,10 @@ class Settings(BaseSettings):
     max_clock_skew_s: float = Field(default=600.0, gt=0)
     # Preflight requests one token may have waiting for a scheduler at once (429 beyond).
     max_pending_preflights_per_token: int = Field(default=16, ge=1)
+    # The budget of one check (preflight or monitoring cycle); docs/analysis.md, "Budget".
+    check_max_rounds: int = Field(default=CHECK_MAX_ROUNDS, ge=1)
+    check_max_fabric_s: float = Field(default=CHECK_MAX_FABRIC_S, gt=0)
+    check_max_wall_s: float = Field(default=CHECK_MAX_WALL_S, gt=0)
     # Callers waiting on ?wait= at once, across all tokens (each is an asyncio event, not a thread).
     max_waiting_preflights: int = Field(default=1024, ge=1)
     # /metrics: seconds one rendered scrape is served again (many scrapers, one scan; 0:

@@ -20,13 +20,16 @@ from agents.collectives import (
     busbw_factor,
     busbw_gbs,
     check_redop,
+    dtype_size,
+    plan,
+)
+from agents.patterns import (
     check_tolerance,
     count_wrong,
-    dtype_size,
     expected_output,
     make_input,
-    plan,
     summand_modulus,
+    torch_dtype,
 )
 from agents.probe import make_group, run_probe
 from agents.spec import REDOPS, REDUCING_OPS, redop_for
@@ -79,6 +82,11 @@ def test_bad_arguments_are_refused() -> None:
 
 
 # ---- buffer sizing (nccl-tests conventions) -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_op_tables_element_sizes_are_torchs(dtype: str) -> None:
+    assert dtype_size(dtype) == torch.tensor([], dtype=torch_dtype(dtype)).element_size()
 
 
 @given(op=ops, size=st.integers(min_value=0, max_value=1 << 31), n=st.integers(2, 64), dtype=dtypes)

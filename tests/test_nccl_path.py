@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from agents import outcome
 from agents.collectives import DTYPES, OPS, plan
-from agents.device import CudaApi, CudaDevice, ProbeSetupError, check_cuda
+from agents.device import CudaApi, CudaDevice, check_cuda
 from agents.probe import ProbeAgent, make_group, run_probe
-from agents.spec import GroupSpec
+from agents.spec import GroupSpec, ProbeSetupError
 from tests.fake_cuda import FakeCuda
 from tests.threads import on_threads
 

@@ -113,8 +113,23 @@ def test_a_check_the_round_cap_stops_says_it_is_incomplete():
                    noise=0.08, seed=5)
     cut = run_preflight(SimBackend(scenario), None, max_rounds=3)
     assert cut["rounds"] == 3 and cut["complete"] is False and cut["undecided"] > 0
+    assert cut["stopped_by"] == "rounds (3)"
+    assert len(cut["undecided_groups"]) == min(cut["undecided"], 100)
     full = run_preflight(SimBackend({**scenario, "faults": []}), None)
-    assert full["complete"] is True
+    assert full["stopped_by"] is None
+    # Complete exactly when nothing is undecided (8 % noise may leave a few groups so).
+    assert full["complete"] is (full["undecided"] == 0)
+
+
+def test_a_check_stops_at_its_fabric_time_budget():
+    from services.scheduler.preflight import CheckBudget
+
+    scenario = sim(32, [{"kind": "net_path", "nodes": ["node-003", "node-017"], "factor": 0.8}],
+                   noise=0.08, seed=5)
+    v = run_preflight(SimBackend(scenario), None, budget=CheckBudget(max_fabric_s=0.5))
+    assert v["complete"] is False and v["stopped_by"] == "fabric time (0.5 s)"
+    # It stops at the first round that ends past the budget, not later.
+    assert v["duration_s"] < 0.5 + 1.0 and v["rounds"] >= 1
 
 
 def test_the_error_rates_are_settings(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from agents.spec import Finding, member, split_member
+from agents.spec import Finding, member, node_order, split_member
 from services.analyzer.assess import Assessment
 from services.analyzer.hysteresis import AT_ONCE, Policy
 
@@ -44,7 +44,9 @@ def fault_key(f: Finding) -> str:
 
 
 def fault_nodes(f: Finding) -> list[str]:
-    return sorted({f.node} if f.node else set(f.nodes or ()))
+    """The nodes a fault is on, in ``node_order`` (``fault_key`` keeps its own text order:
+    it is the fault's identity)."""
+    return sorted({f.node} if f.node else set(f.nodes or ()), key=node_order)
 
 
 def policy_for(kind: str, policy: Policy, detail: dict | None = None) -> Policy:

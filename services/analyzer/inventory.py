@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from agents import profiles
-from agents.spec import Finding, RankInfo
+from agents.spec import Finding, RankInfo, node_order
 
 KIND = "inventory_mismatch"
 VERSION_KEYS = ("driver", "cuda", "nccl")
@@ -30,7 +30,7 @@ def inventory_findings(ranks: Iterable[RankInfo]) -> list[Finding]:
     table = profiles.load()
     findings: list[Finding] = []
     majority = _majority(by_node)
-    for node, rs in sorted(by_node.items()):
+    for node, rs in sorted(by_node.items(), key=lambda item: node_order(item[0])):
         prof = _profile(rs, table)
         findings += _gpus(node, rs, prof)
         findings += _nics(node, rs, prof)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, split_member
+from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, node_order, split_member
 from services.analyzer.assess import Assessment, PeerKey, peer_key, series_op, spans_paths
 from services.analyzer.evidence import (
     MAD_TO_SIGMA,
@@ -791,7 +791,7 @@ def localize(
         findings += nic
         blamed |= {f.node for f in nic if f.node}
     pairs = _two_node(verdicts, blamed)
-    findings += [_finding("net_path_degraded", v, nodes=list(v.nodes))
+    findings += [_finding("net_path_degraded", v, nodes=sorted(v.nodes, key=node_order))
                  for v in _path_suspects(pairs)]
     findings += _lone_pairs(pairs, findings)
     return _only(dedupe(findings), set(nodes))
@@ -807,7 +807,7 @@ def _lone_pairs(pairs: list[GroupVerdict], named: list[Finding]) -> list[Finding
     for v in pairs:
         if v.bad and not covered.intersection(v.nodes) and all(
                 len(of_node[n]) == 1 for n in v.nodes):
-            f = _finding("net_path_degraded", v, nodes=list(v.nodes))
+            f = _finding("net_path_degraded", v, nodes=sorted(v.nodes, key=node_order))
             f.detail.update({"localized": "node_pair", "reason": (
                 "neither end was measured with another node: its NICs and the path between "
                 "them are not told apart")})

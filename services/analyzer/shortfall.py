@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from agents.profiles import scope_class
-from agents.spec import Finding
+from agents.spec import Finding, node_order
 from services.analyzer.assess import Assessment
 
 KIND = "fabric_below_rated"
@@ -71,11 +71,13 @@ def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float
                     nodes = set(out[i].measurement.nodes)
                     if nodes <= short_nvlink and _below(out[i]):
                         out[i] = replace(out[i], bad=False, explained=True)
-        below = sorted(n for n, idx in by_node.items() if all(_below(out[i]) for i in idx))
+        below = sorted((n for n, idx in by_node.items() if all(_below(out[i]) for i in idx)),
+                       key=node_order)
         if len(below) < 2 or len(below) < FLEET_SHARE * len(by_node):
             continue
         shared = sorted({i for n in below for i in by_node[n]})
-        explained = _within_fleet_level(out, shared, degraded_ratio)
+        explained = _within_fleet_level(out, shared, {n: by_node[n] for n in below},
+                                        degraded_ratio)
         findings.append(_finding(cls, below, len(by_node), [out[i] for i in explained]))
         for i in explained:
             out[i] = replace(out[i], bad=False, explained=True)
@@ -90,11 +92,16 @@ def _hardware_ratio(a: Assessment) -> float:
 
 
 def _within_fleet_level(out: list[Assessment], shared: list[int],
-                        degraded_ratio: float) -> list[int]:
-    """The shortfall's measurements that run at the fleet's level: one far below it (a node
-    at 30 % in a fleet at 60 %) is that node's own fault on top, and stays to be localized."""
+                        of_node: dict[str, list[int]], degraded_ratio: float) -> list[int]:
+    """The shortfall's measurements that run at the fleet's level. A node whose own median
+    sits far below it (a node at 30 % in a fleet at 60 %) has a fault of its own on top: its
+    measurements stay to be localized. Judged on the node's median, not one measurement,
+    so that the noise of one reading does not single a node out."""
     level = statistics.median(_hardware_ratio(out[i]) for i in shared)
-    return [i for i in shared if _hardware_ratio(out[i]) >= level * degraded_ratio]
+    own_fault = {n for n, idx in of_node.items()
+                 if statistics.median(_hardware_ratio(out[i]) for i in idx)
+                 < level * degraded_ratio}
+    return [i for i in shared if not own_fault.intersection(out[i].measurement.nodes)]
 
 
 def _finding(cls: str, below: list[str], judged: int, explained: list[Assessment]) -> Finding:

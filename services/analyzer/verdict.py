@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.spec import Finding
+from agents.spec import Finding, node_order
 
 
 def exclude_of(findings: list[Finding]) -> list[str]:
-    """Every node a job should avoid, sorted and unique (paths blame no node)."""
-    return sorted({node for f in findings for node in f.blamed_nodes})
+    """Every node a job should avoid, in ``node_order`` and unique (paths blame no node)."""
+    return sorted({node for f in findings for node in f.blamed_nodes}, key=node_order)
 
 
 def build_verdict(

@@ -1,4 +1,7 @@
-"""Build the probe backend a command asked for: --address, --local or --fabric."""
+"""Build the probe backend a command asked for: --address, --local or --fabric.
+
+torch and Ray are imported only where a gloo or nccl backend is built: they take seconds
+and hundreds of MB to load, and the sim and the API client need neither."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.spec import InjectedFault, ProbeBackend
+from agents.spec import InjectedFault, ProbeBackend, node_order
 from services.cli.errors import CliError
 from services.config import get_settings
 
@@ -101,7 +104,7 @@ def _check_injected(injected: list, ranks: set[tuple[str, int]]) -> None:
     """Every --inject names a rank of the cluster probed."""
     for f in injected:
         if (f.node, f.gpu) not in ranks:
-            nodes = sorted({n for n, _ in ranks})
+            nodes = sorted({n for n, _ in ranks}, key=node_order)
             shown = ", ".join(nodes[:3]) + (f" ... {nodes[-1]}" if len(nodes) > 3 else "")
             raise CliError(f"--inject names {f.node}/{f.gpu}, not a rank of this cluster "
                            f"({len(nodes)} node(s): {shown})")

@@ -1,4 +1,7 @@
-"""The ``ringwatch`` subcommands. Each returns the process exit code."""
+"""The ``ringwatch`` subcommands. Each returns the process exit code.
+
+Each imports what it needs inside itself, so starting the CLI stays light: no command
+loads torch or Ray unless its backend does (gloo, nccl, --local, --address)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from agents.spec import node_order
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
 from services.cli.output import print_json, print_tokens, print_verdict
@@ -424,7 +428,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         started = time.monotonic()
         with closing(make_backend(args, progress)) as backend:
             known = {r.node for r in backend.ranks()}
-            unknown = sorted(set(nodes or []) - known)
+            unknown = sorted(set(nodes or []) - known, key=node_order)
             if unknown:
                 raise CliError(f"unknown node(s): {', '.join(unknown)}")
             try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from agents.spec import InjectedFault
+from agents.spec import InjectedFault, node_order
 from services.analyzer.hysteresis import Policy
 from services.cli import api_process
 from services.cli.errors import CliError
@@ -77,7 +77,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _cycle(backend, options, shipper, client, admin, table=n == 3)
 
         step("preflight (fresh results reused through the API)")
-        nodes = sorted({r.node for r in ranks})
+        nodes = sorted({r.node for r in ranks}, key=node_order)
         resp = client.post("/v1/preflight", headers=_auth(admin), json={"nodes": nodes})
         resp.raise_for_status()
         verdict = resp.json()

@@ -10,8 +10,7 @@ import logging
 import sys
 import warnings
 
-from agents.device import ProbeSetupError
-from agents.spec import OPS, REDOPS
+from agents.spec import OPS, REDOPS, ProbeSetupError
 from services.cli import commands
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError

@@ -32,8 +32,10 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
         print(f"suspects (slow in an earlier cycle, not in the latest; --confirm re-probes them): "
               f"{', '.join(verdict['suspects'])}")
     if verdict.get("complete") is False:
-        print(f"incomplete: the plan reached its round cap with {verdict.get('undecided', 0)} "
-              f"group(s) undecided (never exclusions); the verdict rests on what was decided")
+        why = (f"the check's budget of {verdict['stopped_by']} ran out"
+               if verdict.get("stopped_by") else "repeats ran out")
+        print(f"incomplete: {why} with {verdict.get('undecided', 0)} group(s) undecided "
+              "(never exclusions); the verdict rests on what was decided")
     if verdict.get("unprobed"):
         print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
 

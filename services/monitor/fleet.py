@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import split_member
+from agents.spec import node_order, split_member
 from services.analyzer.assess import Thresholds
 from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
@@ -214,7 +214,7 @@ def _tile(session: Session, max_nodes: int, rows: Span, cols: Span) -> dict[str,
 
 
 def require_nodes(session: Session, names: list[str]) -> None:
-    unknown = sorted(set(names) - store.known_nodes(session, names))
+    unknown = sorted(set(names) - store.known_nodes(session, names), key=node_order)
     if unknown:
         raise NodeNotFound(f"unknown node(s): {', '.join(unknown[:20])}")
 

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from agents.spec import RankInfo, utcnow
+from agents.spec import RankInfo, node_order, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS
@@ -97,7 +97,7 @@ def ingest_batch(
     node_names |= set(skipped or {})
     named = node_names | set(duty_cycle or {}) | {c["node"] for c in counters or []}
     if allowed_nodes is not None:
-        outside = sorted(named - allowed_nodes)
+        outside = sorted(named - allowed_nodes, key=node_order)
         if outside:
             raise Forbidden(f"this token reports only on its own nodes; the batch names "
                             f"{len(outside)} other(s): {', '.join(outside[:10])}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import Finding, utcnow
+from agents.spec import Finding, node_order, utcnow
 from services.analyzer.faults import FLEET_KIND
 from services.analyzer.verdict import build_verdict, exclude_of
 from services.monitor.fleet import require_nodes
@@ -40,8 +40,8 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
         if _inside(f, set(wanted)):
             (latest if state.recent.endswith("1") else earlier).append(f)
     findings += latest
-    suspects = sorted(set(exclude_of(earlier)) - set(exclude_of(findings)))
-    unprobed = sorted(set(wanted) - store.probed_nodes(session, wanted, since))
+    suspects = sorted(set(exclude_of(earlier)) - set(exclude_of(findings)), key=node_order)
+    unprobed = sorted(set(wanted) - store.probed_nodes(session, wanted, since), key=node_order)
     backend = store.latest_backend(session, wanted)
     verdict = build_verdict(
         backend=backend or "unknown", nodes=wanted, findings=findings, rounds=0, duration_s=0.0,

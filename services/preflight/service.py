@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import FINDING_KINDS as KNOWN_KINDS
-from agents.spec import utcnow
+from agents.spec import node_order, utcnow
 from agents.workloads import JobLayout, LayoutError
 from services.errors import BadInput, NotFound, TooManyRequests
 from services.monitor.stored_verdict import verdict_from_store
@@ -60,7 +60,7 @@ def submit(session: Session, nodes: list[str], max_age_s: float, api_url: str = 
                 f"this token has {waiting} preflight request(s) waiting for a scheduler, the "
                 f"most it may (RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN); wait for them "
                 "(GET /v1/preflight/{id}) before asking again", retry_after_s=30.0)
-    req = store.create_request(session, sorted(set(nodes)), max_age_s, verdict if ready else None,
+    req = store.create_request(session, sorted(set(nodes), key=node_order), max_age_s, verdict if ready else None,
                                utcnow(), token_id=token_id, workload=work)
     if ready and not verdict["healthy"]:
         _failed_event(session, req, api_url)
@@ -162,7 +162,7 @@ def complete(session: Session, request_id: str, worker: str, error: str | None =
 
 def _check_verdict(verdict: dict[str, Any], nodes: list[str]) -> None:
     """A scheduler's verdict names only the request's nodes and findings of known kinds."""
-    outside = sorted(set(verdict.get("exclude") or []) - set(nodes))
+    outside = sorted(set(verdict.get("exclude") or []) - set(nodes), key=node_order)
     if outside:
         raise BadInput(f"verdict excludes nodes the request did not name: {', '.join(outside[:10])}")
     unknown = sorted({str(f.get("kind")) for f in verdict.get("findings") or []} - set(KNOWN_KINDS))

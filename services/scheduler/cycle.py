@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.device import ProbeSetupError
 from agents.spec import (
     Finding,
     Measurement,
     ProbeBackend,
+    ProbeSetupError,
     RankInfo,
+    node_order,
     split_member,
 )
 from agents.telemetry import counter_findings
@@ -277,7 +278,7 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     if req is None:
         return False
     ranks = backend.ranks()
-    missing = sorted(set(req["nodes"]) - {r.node for r in ranks})
+    missing = sorted(set(req["nodes"]) - {r.node for r in ranks}, key=node_order)
     if missing:
         api.complete_preflight(req["id"], error=f"nodes not in this cluster: {', '.join(missing)}")
         return True

@@ -26,6 +26,7 @@ from services.analyzer.localize import (
     proven_nodes,
     weigh_nics,
 )
+from services.config import CHECK_MAX_ROUNDS
 
 T = TypeVar("T")
 Nodes = dict[str, list[int]]
@@ -88,9 +89,9 @@ MAX_REPAIRS_PER_NODE = 4
 # group undecided: a tail of stragglers. While more are undecided (a small fleet dense
 # with faults) they wait, so that partners are chosen on everything the round can tell.
 STRAGGLER_SHARE = 0.1
-# A check's hard stop: with every group decided in at most ``Weighing.max_repeats``
-# measurements a plan ends well before it; reaching it means a plan that would not end.
-MAX_ROUNDS = 512
+# A check's round cap (the budget's, RINGWATCH_CHECK_MAX_ROUNDS): with every group decided
+# in at most ``Weighing.max_repeats`` measurements a plan ends well before it.
+MAX_ROUNDS = CHECK_MAX_ROUNDS
 
 
 def split(items: Sequence[T], parts: int) -> list[list[T]]:

@@ -21,11 +21,16 @@ from agents.workloads import JobLayout, Workload, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds
 from services.analyzer.judge import JudgeCache, Judgement, judge
 from services.analyzer.verdict import build_verdict
-from services.config import get_settings
+from services.config import (
+    CHECK_MAX_FABRIC_S,
+    CHECK_MAX_ROUNDS,
+    CHECK_MAX_WALL_S,
+    Settings,
+    get_settings,
+)
 from services.scheduler.deadlines import group_deadline_s
 from services.scheduler.planner import (
     DEFAULT_OPS,
-    MAX_ROUNDS,
     AdaptivePlanner,
     ProbeShape,
     layout_of,
@@ -88,18 +93,60 @@ class Rounds:
             self.busy_s[m] = self.busy_s.get(m, 0.0) + seconds
 
 
+@dataclass(frozen=True)
+class CheckBudget:
+    """What one check may spend (RINGWATCH_CHECK_MAX_ROUNDS, _MAX_FABRIC_S, _MAX_WALL_S):
+    rounds, modeled fabric seconds (the probing itself) and wall seconds. A check that
+    reaches any of them stops planning, and its verdict says ``complete: false`` with the
+    groups it left undecided; no fleet, however slow or noisy, keeps a check or a
+    scheduler's monitoring cycle going."""
+
+    max_rounds: int = CHECK_MAX_ROUNDS
+    max_fabric_s: float = CHECK_MAX_FABRIC_S
+    max_wall_s: float = CHECK_MAX_WALL_S
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CheckBudget:
+        return cls(settings.check_max_rounds, settings.check_max_fabric_s,
+                   settings.check_max_wall_s)
+
+    def spent(self, run: Rounds, wall_s: float) -> str | None:
+        """Which part of the budget ``run`` has used up, if any."""
+        if run.rounds >= self.max_rounds:
+            return f"rounds ({self.max_rounds})"
+        if run.fabric_s >= self.max_fabric_s:
+            return f"fabric time ({self.max_fabric_s:g} s)"
+        if wall_s >= self.max_wall_s:
+            return f"wall time ({self.max_wall_s:g} s)"
+        return None
+
+
+# The undecided groups a verdict lists by name; more are counted.
+UNDECIDED_LISTED = 100
+
+
 @dataclass
 class AdaptiveRun(Rounds):
     """What an adaptive check measured, and the judgement of all of it."""
 
     judgement: Judgement = field(kw_only=True)
-    # False when the round cap stopped the plan before it had nothing left to ask.
-    complete: bool = True
+    # What of the budget stopped the plan before it had nothing left to ask (None: none).
+    stopped_by: str | None = None
+
+    @property
+    def undecided_groups(self) -> list[dict[str, Any]]:
+        """Groups the check measured but could not decide either way (never exclusions)."""
+        return [{"scope": v.scope, "nodes": list(v.nodes)}
+                for v in self.judgement.verdicts.values() if not v.bad and not v.cleared]
 
     @property
     def undecided(self) -> int:
-        """Groups the check measured but could not decide either way (never exclusions)."""
-        return sum(1 for v in self.judgement.verdicts.values() if not v.bad and not v.cleared)
+        return len(self.undecided_groups)
+
+    @property
+    def complete(self) -> bool:
+        """Exactly when nothing is undecided and no budget cut the plan short."""
+        return self.stopped_by is None and self.undecided == 0
 
 
 def run_adaptive(
@@ -111,7 +158,7 @@ def run_adaptive(
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     rotation: int = 0,
-    max_rounds: int = MAX_ROUNDS,
+    budget: CheckBudget | None = None,
     progress: Progress | None = None,
     label: str = "round",
     history: Mapping[LinkKey, Sequence[float]] | None = None,
@@ -137,12 +184,15 @@ def run_adaptive(
                      expected=model, history=history, cache=cache)
 
     run = AdaptiveRun(judgement=judge([], [], nodes, mine, thresholds=t))
-    planner = AdaptivePlanner(layout, shape, max_rounds=max_rounds, rotation=rotation)
-    while groups := planner.next_round(run.judgement.verdicts, run.judgement.blamed):
+    limits = budget or CheckBudget.from_settings(get_settings())
+    planner = AdaptivePlanner(layout, shape, max_rounds=limits.max_rounds, rotation=rotation)
+    while not (spent := limits.spent(run, time.perf_counter() - started)) and (
+            groups := planner.next_round(run.judgement.verdicts, run.judgement.blamed)):
         _say(progress, label, run.rounds + 1, groups)
         run.take(groups, backend.run_round(groups), node_profiles)
         run.judgement = judged(run)
-    run.complete = planner.phase == "done"
+    if planner.phase != "done":
+        run.stopped_by = spent or f"rounds ({limits.max_rounds})"
     run.wall_s = time.perf_counter() - started
     return run
 
@@ -180,7 +230,8 @@ def check(
     thresholds: Thresholds | None = None,
     expected: Expected | None = None,
     deadline_s: float | None = None,
-    max_rounds: int = MAX_ROUNDS,
+    max_rounds: int | None = None,
+    budget: CheckBudget | None = None,
     history: Mapping[LinkKey, Sequence[float]] | None = None,
     profile: str | None = None,
     job: JobLayout | None = None,
@@ -207,8 +258,10 @@ def check(
     shaped = partial(probe_shape, backend, dtype=dtype, warmup=warmup, iters=iters, redop=redop,
                      deadline_s=deadline_s)
     shape = shaped(fabric_ops(work, ops) if work else ops, sizes)
+    if max_rounds is not None:
+        budget = replace(budget or CheckBudget.from_settings(get_settings()), max_rounds=max_rounds)
     run = run_adaptive(backend, layout, ranks, shape, thresholds=thresholds, expected=expected,
-                       max_rounds=max_rounds, progress=progress, label=label, history=history)
+                       budget=budget, progress=progress, label=label, history=history)
     if work is None or job is None:
         return Checked(verdict_of(run, backend.name, list(layout)), run.measurements,
                        run.probe_findings, run.busy_s)
@@ -283,7 +336,9 @@ def verdict_of(run: AdaptiveRun, backend: str, nodes: list[str]) -> dict[str, An
         backend=backend, nodes=nodes, findings=run.judgement.findings, rounds=run.rounds,
         duration_s=run.fabric_s,
         extra={"wall_s": round(run.wall_s, 3), "complete": run.complete,
-               "undecided": run.undecided},
+               "undecided": run.undecided,
+               "undecided_groups": run.undecided_groups[:UNDECIDED_LISTED],
+               "stopped_by": run.stopped_by},
     )
 
 

@@ -27,13 +27,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agents import outcome
 from agents.collectives import check_redop, plan
-from agents.device import ProbeSetupError
 from agents.outcome import hang_suspects, rank_progress
 from agents.probe import ProbeAgent
 from agents.spec import (
     Finding,
     GroupSpec,
     InjectedFault,
+    ProbeSetupError,
     RankInfo,
     RoundResult,
     redop_for,

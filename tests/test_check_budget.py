@@ -1,0 +1,50 @@
+"""Every check ends: within its budget, with ``complete`` saying exactly whether anything
+was left undecided, on any fleet (all-slow ones among them)."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agents.sim import SimBackend
+from services.scheduler.preflight import CheckBudget, run_preflight
+
+BUDGET = CheckBudget(max_rounds=60, max_fabric_s=30.0, max_wall_s=120.0)
+
+
+@st.composite
+def scenarios(draw) -> dict:
+    nodes = draw(st.integers(2, 20))
+    scenario: dict = {"nodes": nodes, "gpus_per_node": 4, "gpu": "H100-SXM",
+                      "seed": draw(st.integers(0, 10_000)),
+                      "noise": draw(st.sampled_from([0.0, 0.03, 0.08]))}
+    shared = draw(st.sampled_from([None, "net", "nvlink"]))
+    if shared == "net":  # the whole network below its rating
+        scenario["net_gbs"] = 50 * draw(st.sampled_from([0.2, 0.4, 0.6]))
+    elif shared == "nvlink":
+        scenario["nvlink_gbs"] = 450 * draw(st.sampled_from([0.2, 0.4, 0.6]))
+    faults = []
+    for n in draw(st.lists(st.integers(0, nodes - 1), max_size=3, unique=True)):
+        kind = draw(st.sampled_from(["nic", "hang", "corrupt"]))
+        fault: dict = {"kind": kind, "node": f"node-{n:03d}"}
+        if kind == "nic":
+            fault["factor"] = draw(st.sampled_from([0.3, 0.5, 0.8]))
+        else:
+            fault["gpu"] = draw(st.integers(0, 3))
+        faults.append(fault)
+    scenario["faults"] = faults
+    return scenario
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_every_check_ends_within_its_budget(scenario) -> None:
+    v = run_preflight(SimBackend(scenario), None, budget=BUDGET)
+    assert v["rounds"] <= BUDGET.max_rounds
+    assert v["complete"] is (v["undecided"] == 0 and v["stopped_by"] is None)
+    assert len(v["undecided_groups"]) == min(v["undecided"], 100)
+    if v["stopped_by"] is None:
+        assert v["duration_s"] <= BUDGET.max_fabric_s
+    # A shortfall the whole fleet shares excludes nobody by itself.
+    if not scenario["faults"]:
+        assert v["exclude"] == []
