@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Literal, Protocol
 
 Scope = Literal["intra_node", "gpu_pair", "inter_node", "world"]
@@ -87,6 +87,13 @@ def split_member(name: str) -> tuple[str, int]:
     if m is None:
         raise ValueError(f"member {name!r} is not NODE/LOCAL_INDEX")
     return m["node"], int(m["local"])
+
+
+@lru_cache(maxsize=1 << 16)
+def group_nodes(members: tuple[str, ...]) -> frozenset[str]:
+    """The set of nodes of a group's members, kept per group: the judgement asks it of the
+    same groups after every round of a check."""
+    return frozenset(nodes_of(members))
 
 
 def nodes_of(members: tuple[str, ...] | list[str]) -> list[str]:

@@ -14,7 +14,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from agents.spec import Measurement, nodes_of
+from agents.spec import Measurement, group_nodes
 from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, pooled_noise
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
@@ -252,7 +252,7 @@ def node_weights(groups: Sequence[tuple[str, ...]]) -> np.ndarray:
     about once, and a slow NIC's many pairs do not drag the centre its pairs are judged
     against down to them."""
     degree: dict[str, int] = defaultdict(int)
-    nodes = [set(nodes_of(g)) for g in groups]
+    nodes = [group_nodes(g) for g in groups]
     for ns in nodes:
         for n in ns:
             degree[n] += 1

@@ -46,6 +46,15 @@ class JudgeCache:
 
     assess: AssessCache = field(default_factory=AssessCache)
     summaries: SummaryCache = field(default_factory=dict)
+    # The inventory's findings of the ranks last judged (a check's ranks do not change
+    # between rounds), under the identities of those rank objects.
+    inventory: tuple[tuple[int, ...], list[Finding]] | None = None
+
+    def inventory_of(self, ranks: list[RankInfo]) -> list[Finding]:
+        key = tuple(id(r) for r in ranks)
+        if self.inventory is None or self.inventory[0] != key:
+            self.inventory = (key, inventory_findings(ranks))
+        return self.inventory[1]
 
 
 @dataclass
@@ -92,7 +101,9 @@ def judge(
                               cache.summaries if cache is not None else None)
     findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)
     wanted = set(nodes)
-    findings += [f for f in inventory_findings(rank_list) if not wanted or f.node in wanted]
+    inventory = (cache.inventory_of(rank_list) if cache is not None
+                 else inventory_findings(rank_list))
+    findings += [f for f in inventory if not wanted or f.node in wanted]
     for f in fleet:
         if wanted:
             f.nodes = [n for n in f.nodes or () if n in wanted]
