@@ -19,7 +19,7 @@ from typing import Any
 
 from agents.sim import FAULT_KINDS as SIM_FAULT_KINDS
 from agents.sim import SimBackend, node_name
-from services.scheduler.preflight import run_preflight
+from services.check import run_check
 
 # The recall target applies to faults at least this strong (factor at most this).
 TARGET_FACTOR = 0.75
@@ -124,7 +124,7 @@ def detection(n: int, rng: random.Random, noise: float) -> Tally:
     t = Tally()
     for _ in range(n):
         sc = random_scenario(rng, node_count(rng), rng.randint(0, 5), noise)
-        score(sc, run_preflight(SimBackend(sc), None), t)
+        score(sc, run_check(SimBackend(sc), None).verdict(), t)
     return t
 
 
@@ -132,14 +132,14 @@ def fault_free(n: int, rng: random.Random, noise: float) -> Tally:
     t = Tally()
     for _ in range(n):
         sc = random_scenario(rng, node_count(rng), 0, noise)
-        score(sc, run_preflight(SimBackend(sc), None), t)
+        score(sc, run_check(SimBackend(sc), None).verdict(), t)
     return t
 
 
 def timing(nodes: int, faults: int, rng: random.Random, noise: float) -> tuple[float, float, int]:
     sc = random_scenario(rng, nodes, faults, noise)
     started = time.perf_counter()
-    v = run_preflight(SimBackend(sc), None)
+    v = run_check(SimBackend(sc), None).verdict()
     return v["duration_s"], time.perf_counter() - started, v["rounds"]
 
 

@@ -2,7 +2,7 @@
 
 Random sim scenarios of 16-1024 nodes x 8 GPUs with bandwidth faults of 12-25 % loss (up
 to 8 per scenario, every fifth scenario fault-free), measurement noise of 5-8 % and
-per-link variation of 5 %, each through one ``run_preflight`` at default settings, as
+per-link variation of 5 %, each through one ``run_check`` at default settings, as
 ``ringwatch preflight --fabric`` runs it. (Monitoring over cycles, through the real
 scheduler process, API and Postgres, is ``bench.monitoring``.)
 
@@ -43,7 +43,7 @@ from bench.detection import GPUS, fault_of, faulty_nodes, matches, node_count
 from services.analyzer.assess import Assessment
 from services.analyzer.drift import drift_observations, step_drift
 from services.analyzer.evidence import CusumPolicy, Weighing, weigh
-from services.scheduler.preflight import run_preflight
+from services.check import run_check
 
 LOSS_KINDS = ("nvlink", "nic", "net_path")
 
@@ -130,7 +130,7 @@ def preflight(scenarios: list[dict[str, Any]]) -> Tally:
     print("\npreflight, per scenario (missed: kind, place, loss; false: kind, place)")
     for i, sc in enumerate(scenarios):
         started = time.perf_counter()
-        v = run_preflight(SimBackend(sc), None)
+        v = run_check(SimBackend(sc), None).verdict()
         wall = time.perf_counter() - started
         t.wall_s.append(wall)
         t.fabric_s.append(v["duration_s"])
@@ -212,7 +212,7 @@ def at_scale(rng: random.Random, draws: int) -> None:
     for faults in (0,) + (8,) * draws:
         sc = scenario(rng, 1024, faults, noise=0.08, variation=0.05, loss=(0.12, 0.25))
         started = time.perf_counter()
-        v = run_preflight(SimBackend(sc), None)
+        v = run_check(SimBackend(sc), None).verdict()
         wall = time.perf_counter() - started
         found = sum(any(matches(x, f) for f in v["findings"]) for x in sc["faults"])
         false = sum(not any(matches(x, f) for x in sc["faults"]) for f in v["findings"])
@@ -234,7 +234,7 @@ def curve(rng: random.Random, losses: Sequence[float], noises: Sequence[float],
             for _ in range(per_cell):
                 sc = scenario(rng, nodes, 4, noise=noise, variation=0.05,
                               loss=(loss, loss))
-                v = run_preflight(SimBackend(sc), None)
+                v = run_check(SimBackend(sc), None).verdict()
                 score(sc, v["findings"], v["exclude"], t)
             found = sum(t.found.values())
             total = sum(t.total.values())

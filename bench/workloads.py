@@ -1,7 +1,7 @@
 """Each workload profile's preflight against the collectives chart's budgets.
 
 On the sim at 64, 256 and 1024 nodes x 8 GPUs, with faults of >= 25 % loss (a GPU pair, a
-NIC, a node-to-node path) and one AllReduce fallback, each profile's ``run_preflight`` at
+NIC, a node-to-node path) and one AllReduce fallback, each profile's ``run_check`` at
 default settings and its default layout (tensor parallel in each node, data parallel
 across; the pipeline profile with pp 4): modeled fabric time, wall time on this machine,
 which faults the fabric check localized, and the workload section's findings. The chart
@@ -25,7 +25,7 @@ from typing import Any
 from agents.sim import SimBackend, node_name
 from agents.workloads import WORKLOADS, JobLayout
 from bench.detection import fault_of, matches
-from services.scheduler.preflight import run_preflight
+from services.check import run_check
 
 CHART_MIN = {"ddp": "10-20 min", "fsdp": "10-20 min", "moe": "40-60 min", "pipeline": "-"}
 
@@ -54,7 +54,7 @@ def run(nodes_list: Sequence[int], seed: int) -> None:
         for name in WORKLOADS:
             job = JobLayout(tp=8, pp=4) if name == "pipeline" else None
             started = time.perf_counter()
-            v = run_preflight(SimBackend(sc), profile=name, job=job)
+            v = run_check(SimBackend(sc), profile=name, job=job).verdict()
             wall = time.perf_counter() - started
             found = sum(any(matches(f, x) for x in v["findings"]) for f in rate)
             fb = sc["faults"][-1]["node"]

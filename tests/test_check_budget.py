@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agents.sim import SimBackend
-from services.scheduler.preflight import CheckBudget, run_preflight
+from services.check import CheckBudget, run_check
 
 BUDGET = CheckBudget(max_rounds=60, max_fabric_s=30.0, max_wall_s=120.0)
 
@@ -39,7 +39,7 @@ def scenarios(draw) -> dict:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_every_check_ends_within_its_budget(scenario) -> None:
-    v = run_preflight(SimBackend(scenario), None, budget=BUDGET)
+    v = run_check(SimBackend(scenario), None, budget=BUDGET).verdict()
     assert v["rounds"] <= BUDGET.max_rounds
     assert v["complete"] is (v["undecided"] == 0 and v["stopped_by"] is None)
     assert len(v["undecided_groups"]) == min(v["undecided"], 100)

@@ -10,8 +10,7 @@ import pytest
 from agents.sim import SimBackend
 from services.analyzer.assess import PREFLIGHT_THRESHOLDS
 from services.analyzer.judge import JudgeCache, Judgement, judge
-from services.scheduler import preflight
-from services.scheduler.preflight import run_preflight
+from services.check import loop, run_check
 
 
 def scenario(seed: int) -> dict:
@@ -32,7 +31,7 @@ def seen(j: Judgement) -> tuple:
 
 
 def test_a_cached_judgement_is_the_fresh_one_after_every_round(monkeypatch):
-    real = preflight.judge
+    real = loop.judge
     compared = []
 
     def both(*args, **kwargs):
@@ -42,8 +41,8 @@ def test_a_cached_judgement_is_the_fresh_one_after_every_round(monkeypatch):
             compared.append(len(cached.assessments))
         return cached
 
-    monkeypatch.setattr(preflight, "judge", both)
-    verdict = run_preflight(SimBackend(scenario(5)))
+    monkeypatch.setattr(loop, "judge", both)
+    verdict = run_check(SimBackend(scenario(5))).verdict()
     # Many rounds, and the faults found: the comparison ran over a whole check.
     assert len(compared) == verdict["rounds"] >= 20
     assert compared == sorted(compared)
@@ -52,9 +51,9 @@ def test_a_cached_judgement_is_the_fresh_one_after_every_round(monkeypatch):
 
 def test_a_list_that_does_not_extend_the_last_one_is_judged_afresh():
     backend = SimBackend(scenario(8))
-    first = run_preflight(backend)
+    first = run_check(backend).verdict()
     assert first["rounds"] > 1
-    checked = preflight.check(SimBackend(scenario(9)))
+    checked = run_check(SimBackend(scenario(9)))
     ms = checked.measurements
     cache = JudgeCache()
     t = PREFLIGHT_THRESHOLDS
@@ -68,7 +67,7 @@ def test_a_list_that_does_not_extend_the_last_one_is_judged_afresh():
 
 @pytest.mark.parametrize("other", ["thresholds", "history"])
 def test_other_settings_start_the_cache_afresh(other):
-    ms = preflight.check(SimBackend(scenario(3))).measurements
+    ms = run_check(SimBackend(scenario(3))).measurements
     cache = JudgeCache()
     t = PREFLIGHT_THRESHOLDS
     judge(ms, [], thresholds=t, cache=cache)

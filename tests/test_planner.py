@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from agents.matchings import circle_matching, matching_count
 from agents.spec import nodes_of
 from services.analyzer.evidence import Weighing
-from services.scheduler.planner import (
+from services.check.planner import (
     ALL_PAIRS_MAX,
     AdaptivePlanner,
-    ProbeShape,
     circle_matchings,
     kept,
 )
+from services.check.shape import ProbeShape
 
 # Readings a union (the world group included) is cleared on at least.
 CLEAR = Weighing().confirm_clear
@@ -126,7 +126,7 @@ import math  # noqa: E402
 from agents.spec import Measurement  # noqa: E402
 from services.analyzer.assess import Assessment  # noqa: E402
 from services.analyzer.localize import GroupVerdict  # noqa: E402
-from services.scheduler.planner import (  # noqa: E402
+from services.check.planner import (  # noqa: E402
     gpu_pair_rounds,
     pack,
     search_step,
@@ -322,7 +322,7 @@ def test_pack_keeps_rounds_disjoint():
 
 
 def test_group_deadline_grows_with_the_work_and_covers_forming() -> None:
-    from services.scheduler.deadlines import FORM_S, group_deadline_s
+    from services.check.deadlines import FORM_S, group_deadline_s
 
     small = group_deadline_s("gloo", ["allreduce"], [8], warmup=1, iters=1)
     big = group_deadline_s("gloo", ["allreduce", "alltoall"], [1 << 22], warmup=5, iters=20)

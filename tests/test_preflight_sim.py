@@ -1,4 +1,4 @@
-"""run_preflight end to end over a backend: a test double of ProbeBackend and the sim."""
+"""run_check end to end over a backend: a test double of ProbeBackend and the sim."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from agents.spec import (
     nodes_of,
     split_member,
 )
-from services.scheduler.preflight import run_preflight
+from services.check import run_check
 from tests.scenarios import DESIGN_SCENARIO
 
 
@@ -65,7 +65,7 @@ class SlowRankBackend:
 
 def test_healthy_fleet_is_healthy():
     b = SlowRankBackend(4, 2)
-    v = run_preflight(b, None)
+    v = run_check(b, None).verdict()
     assert v["healthy"] and v["exclude"] == [] and v["nodes_checked"] == 4
     assert v["rounds"] == len(b.rounds) and v["duration_s"] == 0.5 * len(b.rounds)
     assert v["backend"] == "gloo" and "wall_s" in v
@@ -73,21 +73,21 @@ def test_healthy_fleet_is_healthy():
 
 def test_slow_rank_excludes_only_its_node():
     b = SlowRankBackend(3, 2, slow={"node-001/1": 0.4})
-    v = run_preflight(b, None)
+    v = run_check(b, None).verdict()
     assert not v["healthy"] and v["exclude"] == ["node-001"]
     assert {f["node"] for f in v["findings"]} == {"node-001"}
 
 
 def test_hang_is_a_finding_not_an_exception():
     b = SlowRankBackend(3, 2, hung={"node-002/1"})
-    v = run_preflight(b, None)
+    v = run_check(b, None).verdict()
     assert v["exclude"] == ["node-002"]
     assert {"kind": "hang", "node": "node-002", "gpu": 1, "severity": "critical"} in v["findings"]
 
 
 def test_nodes_argument_limits_the_check():
     b = SlowRankBackend(4, 2, slow={"node-003/0": 0.3})
-    v = run_preflight(b, ["node-000", "node-001"])
+    v = run_check(b, ["node-000", "node-001"]).verdict()
     assert v["healthy"] and v["nodes_checked"] == 2
     assert all(m.startswith(("node-000", "node-001")) for r in b.rounds for g in r
                for m in g.members)
@@ -98,7 +98,7 @@ def test_nodes_argument_limits_the_check():
 def sim_verdict(faults, nodes=10, gpus=4, noise=0.03, seed=3):
     b = SimBackend({"nodes": nodes, "gpus_per_node": gpus, "noise": noise, "seed": seed,
                     "faults": faults})
-    return run_preflight(b, None)
+    return run_check(b, None).verdict()
 
 
 def where(f):
@@ -132,7 +132,7 @@ def test_fault_free_fabric_at_five_percent_noise_excludes_nothing(seed):
 
 
 def test_design_example_scenario_gives_the_design_verdict():
-    v = run_preflight(SimBackend(DESIGN_SCENARIO), None)
+    v = run_check(SimBackend(DESIGN_SCENARIO), None).verdict()
     assert v["exclude"] == ["node-002", "node-003", "node-004", "node-009", "node-011"]
     assert sorted(where(f) for f in v["findings"]) == sorted([
         ("nvlink_degraded", "node-003", [2, 5], None),
@@ -159,7 +159,7 @@ def test_duration_is_the_sum_of_modeled_round_times():
         return r
 
     b.run_round = recording  # type: ignore[method-assign]
-    v = run_preflight(b, None)
+    v = run_check(b, None).verdict()
     assert v["rounds"] == len(seen)
     assert v["duration_s"] == pytest.approx(sum(seen), abs=1e-3)
 

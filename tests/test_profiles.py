@@ -14,8 +14,8 @@ from agents import profiles
 from agents.sim import SimBackend
 from agents.spec import Measurement
 from services.analyzer.assess import PREFLIGHT_THRESHOLDS, assess
+from services.check import run_check
 from services.scheduler.cycle import ProbeOptions, run_cycle
-from services.scheduler.preflight import run_preflight
 from tests.api_fixtures import api_client
 from tests.procs import cli
 
@@ -100,7 +100,7 @@ def test_the_floor_flags_a_link_whose_peers_are_as_slow() -> None:
 @pytest.mark.parametrize(("scenario", "scope"), [(SLOW_NETWORK, "network"),
                                                   (SLOW_NVLINK, "nvlink")])
 def test_a_fleet_slow_alike_is_one_finding_naming_the_scope(scenario, scope) -> None:
-    verdict = run_preflight(SimBackend(scenario))
+    verdict = run_check(SimBackend(scenario)).verdict()
     assert not verdict["healthy"]
     kinds = [f["kind"] for f in verdict["findings"]]
     assert kinds == ["fabric_below_rated"], kinds
@@ -120,7 +120,7 @@ def _fleet(nodes: int, **fields) -> dict:
     (_fleet(16, nvlink_gbs=270), "nvlink"),  # 60 % of the rated NVLink
 ])
 def test_no_group_vetoes_a_shortfall_the_fleet_shares(scenario, scope) -> None:
-    verdict = run_preflight(SimBackend(scenario))
+    verdict = run_check(SimBackend(scenario)).verdict()
     assert not verdict["healthy"]
     assert [(f["kind"], f["scope"]) for f in verdict["findings"]] == [
         ("fabric_below_rated", scope)]
@@ -131,7 +131,7 @@ def test_no_group_vetoes_a_shortfall_the_fleet_shares(scenario, scope) -> None:
 
 def test_a_node_below_the_fleets_own_level_is_named_beside_it() -> None:
     slow = _fleet(32, net_gbs=30, faults=[{"kind": "nic", "node": "node-017", "factor": 0.5}])
-    verdict = run_preflight(SimBackend(slow))
+    verdict = run_check(SimBackend(slow)).verdict()
     kinds = sorted(f["kind"] for f in verdict["findings"])
     assert kinds == ["fabric_below_rated", "nic_degraded"], kinds
     assert verdict["exclude"] == ["node-017"]
@@ -139,9 +139,9 @@ def test_a_node_below_the_fleets_own_level_is_named_beside_it() -> None:
 
 
 def test_a_healthy_fleet_and_one_slow_node_are_not_a_fleet_shortfall() -> None:
-    assert run_preflight(SimBackend(HEALTHY))["healthy"]
+    assert run_check(SimBackend(HEALTHY)).verdict()["healthy"]
     one = {**HEALTHY, "faults": [{"kind": "nic", "node": "node-003", "factor": 0.2}]}
-    verdict = run_preflight(SimBackend(one))
+    verdict = run_check(SimBackend(one)).verdict()
     assert [f["kind"] for f in verdict["findings"]] == ["nic_degraded"]
     assert verdict["exclude"] == ["node-003"]
 

@@ -14,7 +14,7 @@ from agents.spec import Measurement, RoundResult, nodes_of
 from services.analyzer.assess import Thresholds, link_key
 from services.analyzer.evidence import DEGRADED, HEALTHY, UNDECIDED, Weighing, weigh
 from services.analyzer.judge import judge
-from services.scheduler.preflight import run_preflight
+from services.check import CheckBudget, run_check
 
 SIM = Thresholds(degraded_ratio=0.85)
 
@@ -72,7 +72,7 @@ def test_a_fault_of_15_percent_under_8_percent_noise_is_found():
     seed = 3
     faults = [{"kind": "nvlink", "node": "node-006", "gpus": [2, 5], "factor": 0.85},
               {"kind": "nic", "node": "node-019", "factor": 0.85}]
-    v = run_preflight(SimBackend(sim(32, faults, noise=0.08, seed=seed)), None)
+    v = run_check(SimBackend(sim(32, faults, noise=0.08, seed=seed)), None).verdict()
     found = {(f["kind"], f.get("node"), tuple(f.get("gpus") or ())) for f in v["findings"]}
     assert ("nvlink_degraded", "node-006", (2, 5)) in found
     assert ("nic_degraded", "node-019", ()) in found
@@ -101,7 +101,7 @@ class GlitchOnce(SimBackend):
 def test_a_noisy_measurement_in_the_slow_path_search_excludes_no_healthy_node():
     faults = [{"kind": "net_path", "nodes": ["node-004", "node-027"], "factor": 0.6}]
     backend = GlitchOnce(sim(32, faults, noise=0.03, seed=5))
-    v = run_preflight(backend, None)
+    v = run_check(backend, None).verdict()
     assert backend.glitched == 1
     assert v["exclude"] == []
     assert [(f["kind"], f.get("nodes")) for f in v["findings"]] == [
@@ -111,22 +111,20 @@ def test_a_noisy_measurement_in_the_slow_path_search_excludes_no_healthy_node():
 def test_a_check_the_round_cap_stops_says_it_is_incomplete():
     scenario = sim(32, [{"kind": "net_path", "nodes": ["node-003", "node-017"], "factor": 0.8}],
                    noise=0.08, seed=5)
-    cut = run_preflight(SimBackend(scenario), None, max_rounds=3)
+    cut = run_check(SimBackend(scenario), None, budget=CheckBudget(max_rounds=3)).verdict()
     assert cut["rounds"] == 3 and cut["complete"] is False and cut["undecided"] > 0
     assert cut["stopped_by"] == "rounds (3)"
     assert len(cut["undecided_groups"]) == min(cut["undecided"], 100)
-    full = run_preflight(SimBackend({**scenario, "faults": []}), None)
+    full = run_check(SimBackend({**scenario, "faults": []}), None).verdict()
     assert full["stopped_by"] is None
     # Complete exactly when nothing is undecided (8 % noise may leave a few groups so).
     assert full["complete"] is (full["undecided"] == 0)
 
 
 def test_a_check_stops_at_its_fabric_time_budget():
-    from services.scheduler.preflight import CheckBudget
-
     scenario = sim(32, [{"kind": "net_path", "nodes": ["node-003", "node-017"], "factor": 0.8}],
                    noise=0.08, seed=5)
-    v = run_preflight(SimBackend(scenario), None, budget=CheckBudget(max_fabric_s=0.5))
+    v = run_check(SimBackend(scenario), None, budget=CheckBudget(max_fabric_s=0.5)).verdict()
     assert v["complete"] is False and v["stopped_by"] == "fabric time (0.5 s)"
     # It stops at the first round that ends past the budget, not later.
     assert v["duration_s"] < 0.5 + 1.0 and v["rounds"] >= 1
@@ -152,7 +150,7 @@ def test_a_gross_nic_fault_among_four_nodes_is_found_though_half_the_pairs_are_s
     # hardware model agreeing with the healthy half bounds that uncertainty.
     scenario = {"nodes": 4, "gpus_per_node": 2, "seed": 1,
                 "faults": [{"kind": "nic", "node": "node-002", "factor": 0.4}]}
-    v = run_preflight(SimBackend(scenario), None)
+    v = run_check(SimBackend(scenario), None).verdict()
     assert v["exclude"] == ["node-002"]
     assert [f["kind"] for f in v["findings"]] == ["nic_degraded"]
 
@@ -315,18 +313,13 @@ def test_a_scheduler_that_cannot_reach_the_api_reads_no_baselines():
 def test_a_check_judges_each_link_against_its_own_normal_where_history_holds_one():
     """The scheduler's check (a monitoring cycle, a preflight it serves) judges as the API
     judges the batch it ships: against the link's own normal where the store holds one."""
-    from services.scheduler.planner import layout_of
-    from services.scheduler.preflight import probe_shape, run_adaptive
-
     backend = SimBackend({"nodes": 8, "gpus_per_node": 2, "seed": 2})
-    ranks = backend.ranks()
-    layout, shape = layout_of(ranks, None), probe_shape(backend)
-    bare = run_adaptive(backend, layout, ranks, shape)
+    bare = run_check(backend)
     intra = next(a for a in bare.judgement.assessments
                  if a.judged and a.measurement.scope == "intra_node")
     assert intra.source != "history"
     history = {link_key(intra.measurement): [intra.measurement.busbw_gbs] * 10}
-    run = run_adaptive(backend, layout, ranks, shape, history=history)
+    run = run_check(backend, history=history)
     mine = [a for a in run.judgement.assessments
             if link_key(a.measurement) == link_key(intra.measurement)]
     assert mine and all(a.source == "history" for a in mine)
@@ -337,13 +330,9 @@ def test_the_path_search_leaves_out_a_node_whose_nic_is_in_doubt():
     """A NIC 10 % slow, too weak to convict, slows every union it is in: the world group
     and the search run over the nodes whose NIC is proven, so the search never chases it as
     a slow path through every region."""
-    from services.scheduler.planner import layout_of
-    from services.scheduler.preflight import probe_shape, run_adaptive
-
     backend = SimBackend({"nodes": 16, "gpus_per_node": 2, "seed": 4, "variation": 0.0,
                           "faults": [{"kind": "nic", "node": "node-005", "factor": 0.9}]})
-    ranks = backend.ranks()
-    run = run_adaptive(backend, layout_of(ranks, None), ranks, probe_shape(backend))
+    run = run_check(backend)
     worlds = [x for (scope, _), x in run.judgement.verdicts.items() if scope == "world"]
     assert len(worlds) == 1
     assert "node-005" not in worlds[0].nodes and len(worlds[0].nodes) >= 12

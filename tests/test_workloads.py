@@ -1,5 +1,5 @@
 """Workload profiles: the job's own communicators, ring and tree apart, and the identity
-ReduceScatter + AllGather = AllReduce (agents.workloads, services.scheduler.workload)."""
+ReduceScatter + AllGather = AllReduce (agents.workloads, services.check.workload)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from agents.sim import SimBackend, node_name
 from agents.spec import GroupSpec, InjectedFault, Measurement, member
 from agents.workloads import WORKLOADS, JobLayout, LayoutError, disjoint_rounds
 from services.analyzer.assess import link_key
+from services.check import run_check
+from services.check.planner import node_members
+from services.check.shape import ProbeShape
+from services.check.workload import identity_ratios, job_groups
 from services.cli.main import main as cli
-from services.scheduler.planner import ProbeShape, node_members
-from services.scheduler.preflight import run_preflight
-from services.scheduler.workload import identity_ratios, job_groups
 from tests.fake_cuda import FakeCuda
 from tests.test_nccl_path import run_agents
 
@@ -115,7 +116,7 @@ def test_ring_and_tree_are_series_apart_with_their_own_costs_on_the_sim() -> Non
 def test_a_degradation_in_the_tree_alone_is_found_and_named_with_its_algorithm() -> None:
     slow = {"kind": "fallback", "node": "node-005", "op": "allreduce", "algo": "tree",
             "factor": 0.5}
-    verdict = run_preflight(sim(8, slow), profile="ddp")
+    verdict = run_check(sim(8, slow), profile="ddp").verdict()
     found = [f for f in verdict["workload"]["findings"] if f["kind"] == "communicator_slow"]
     assert [(f["nodes"], f.get("algo")) for f in found] == [(["node-005"], "tree")]
     # NCCL's own choice and the ring on the same node are fine: nothing on the fabric.
@@ -126,7 +127,7 @@ def test_a_degradation_in_the_tree_alone_is_found_and_named_with_its_algorithm()
 def test_a_fault_free_fleet_passes_every_profile() -> None:
     for name in WORKLOADS:
         layout = JobLayout(tp=8, pp=2) if name == "pipeline" else None
-        verdict = run_preflight(sim(8), profile=name, job=layout)
+        verdict = run_check(sim(8), profile=name, job=layout).verdict()
         assert verdict["healthy"], (name, verdict["findings"], verdict["workload"]["findings"])
         assert verdict["workload"]["profile"] == name and verdict["workload"]["rounds"] > 0
 
@@ -149,13 +150,13 @@ def test_the_agent_forms_its_communicator_under_the_groups_nccl_algo(fake_cuda: 
 
 def test_an_allreduce_fallback_breaks_the_identity_on_the_sim_and_names_the_node() -> None:
     fallback = {"kind": "fallback", "node": "node-002", "op": "allreduce", "factor": 0.5}
-    verdict = run_preflight(sim(8, fallback), profile="fsdp")
+    verdict = run_check(sim(8, fallback), profile="fsdp").verdict()
     off = [f for f in verdict["workload"]["findings"] if f["kind"] == "collective_identity"]
     intra = [f for f in off if f["communicator"] == "intra_node"]
     assert intra and {tuple(f["nodes"]) for f in intra} == {("node-002",)}
     assert all(f["ratio"] < 0.7 and f["expected_ratio"] == pytest.approx(1.0, abs=0.1)
                for f in intra)
-    healthy = run_preflight(sim(8), profile="fsdp")["workload"]
+    healthy = run_check(sim(8), profile="fsdp").verdict()["workload"]
     assert not [f for f in healthy["findings"] if f["kind"] == "collective_identity"]
     assert all(0.8 < row["ratio_median"] < 1.25 for row in healthy["identity"])
 

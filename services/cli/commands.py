@@ -61,8 +61,8 @@ progress = _Progress()
 
 def _probe_options(args: argparse.Namespace):
     from agents.spec import OPS
+    from services.check.shape import DEFAULT_OPS
     from services.scheduler.cycle import ProbeOptions
-    from services.scheduler.planner import DEFAULT_OPS
 
     ops = tuple(o.strip() for o in (args.ops or ",".join(DEFAULT_OPS)).split(",") if o.strip())
     if getattr(args, "profile", None):
@@ -87,8 +87,8 @@ def _fits(options: Any, backend: Any) -> None:
     if options.profile is None:
         return
     from agents.workloads import LayoutError
-    from services.scheduler.planner import layout_of
-    from services.scheduler.preflight import resolve_job
+    from services.check.planner import layout_of
+    from services.check.workload import resolve_job
 
     try:
         resolve_job(options.job, layout_of(backend.ranks(), None))
@@ -265,6 +265,7 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.check import CheckBudget
     from services.scheduler.api_client import SchedulerApi
     from services.scheduler.cycle import Rotation, run_scheduler
     from services.scheduler.shipper import Shipper
@@ -285,7 +286,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         rotation = Rotation(settings.state_dir / "scheduler" / f"rotation-{_fleet_id(backend)}.json")
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
                       once=args.once, api=api, progress=progress, stop=stop,
-                      max_duty=settings.max_duty_cycle, rotation=rotation)
+                      max_duty=settings.max_duty_cycle, rotation=rotation,
+                      thresholds=settings.thresholds(backend.name),
+                      budget=CheckBudget.from_settings(settings))
     if stop.is_set():
         print("ringwatch scheduler: stopped", file=sys.stderr)
     return 0
@@ -319,13 +322,17 @@ def _fleet_id(backend: Any) -> str:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    from services.check import CheckBudget
     from services.scheduler.cycle import run_cycle
     from services.scheduler.probe_table import format_table
 
+    settings = get_settings()
     options = _probe_options(args)
     with closing(make_backend(args, progress)) as backend:
         _fits(options, backend)
-        cycle = run_cycle(backend, options, progress=progress)
+        cycle = run_cycle(backend, options, progress=progress,
+                          thresholds=settings.thresholds(backend.name),
+                          budget=CheckBudget.from_settings(settings))
     progress.end()
     if args.json:
         print_json({"backend": cycle.backend,
@@ -422,8 +429,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         raise CliError("--nodes is empty")
     if has_backend(args):
         from agents.workloads import LayoutError
-        from services.scheduler.preflight import run_preflight
+        from services.check import CheckBudget, run_check
 
+        settings = get_settings()
         job = _job_layout(args)
         started = time.monotonic()
         with closing(make_backend(args, progress)) as backend:
@@ -432,8 +440,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             if unknown:
                 raise CliError(f"unknown node(s): {', '.join(unknown)}")
             try:
-                verdict = run_preflight(backend, nodes, progress=progress, profile=args.profile,
-                                        job=job)
+                verdict = run_check(backend, nodes, thresholds=settings.thresholds(backend.name),
+                                    budget=CheckBudget.from_settings(settings),
+                                    profile=args.profile, job=job, progress=progress,
+                                    label="preflight round").verdict()
             except LayoutError as exc:
                 raise CliError(str(exc)) from None
         verdict.setdefault("wall_s", round(time.monotonic() - started, 3))

@@ -19,6 +19,7 @@ import httpx
 
 from agents.spec import InjectedFault, node_order
 from services.analyzer.hysteresis import Policy
+from services.check import CheckBudget
 from services.cli import api_process
 from services.cli.errors import CliError
 from services.cli.output import print_verdict
@@ -68,13 +69,13 @@ def run_demo(args: argparse.Namespace) -> int:
         options = ProbeOptions(ops=("allreduce", "alltoall"), sizes=(1 << 16, 1 << 22), warmup=3, iters=10)
 
         step("cycle 1: clean")
-        _cycle(backend, options, shipper, client, admin)
+        _cycle(backend, options, shipper, client, admin, settings)
 
         fault = InjectedFault.from_dict(SLOW)
         backend.set_injected([fault])
         for n in (2, 3):
             step(f"cycle {n}: INJECTED slow rank {fault.member} at {fault.factor}x bandwidth")
-            _cycle(backend, options, shipper, client, admin, table=n == 3)
+            _cycle(backend, options, shipper, client, admin, settings, table=n == 3)
 
         step("preflight (fresh results reused through the API)")
         nodes = sorted({r.node for r in ranks}, key=node_order)
@@ -145,8 +146,10 @@ def _backend(args: argparse.Namespace, settings: Settings):
 
 
 def _cycle(backend, options: ProbeOptions, shipper: Shipper, client: httpx.Client, token: str,
-           table: bool = True) -> None:
-    cycle = run_cycle(backend, options, progress=lambda m: note(f".. {m}"))
+           settings: Settings, table: bool = True) -> None:
+    cycle = run_cycle(backend, options, progress=lambda m: note(f".. {m}"),
+                      thresholds=settings.thresholds(backend.name),
+                      budget=CheckBudget.from_settings(settings))
     left = shipper.ship(cycle.to_batch())
     note(f"{len(cycle.measurements)} measurements in {cycle.rounds} rounds, {cycle.wall_time_s:.1f} s;"
          f" shipped ({left} spooled)")
@@ -154,7 +157,7 @@ def _cycle(backend, options: ProbeOptions, shipper: Shipper, client: httpx.Clien
         note(f"probe finding: {f.to_dict()}")
     if table:
         print_links(client.get("/v1/links", headers=_auth(token)).json(),
-                    get_settings().hysteresis())
+                    settings.hysteresis())
 
 
 def link_legend(policy: Policy) -> str:

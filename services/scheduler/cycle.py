@@ -1,5 +1,6 @@
-"""One monitoring cycle: the adaptive check of a preflight, on the whole fleet, with the
-node-pair matching advanced each cycle; its results shipped as one batch.
+"""The scheduler's loop: monitoring cycles (the check of a preflight, services.check, on the
+whole fleet, with the node-pair matching advanced each cycle) and the preflights it serves
+between them; their results shipped as one batch each.
 
 A cycle's results are shipped as one batch, so the analyzer compares every group with its
 peers of the same cycle and localizes exactly as the cycle did.
@@ -28,17 +29,11 @@ from agents.spec import (
     split_member,
 )
 from agents.telemetry import counter_findings
-from agents.workloads import JobLayout, LayoutError, workload
-from services.analyzer.assess import LinkKey
+from agents.workloads import JobLayout, LayoutError
+from services.analyzer.assess import LinkKey, Thresholds
+from services.check import CheckBudget, ProbeSpec, run_check
+from services.check.planner import layout_of
 from services.scheduler.api_client import SchedulerApi
-from services.scheduler.planner import DEFAULT_OPS, layout_of
-from services.scheduler.preflight import (
-    check,
-    probe_shape,
-    resolve_job,
-    run_adaptive,
-    run_job,
-)
 from services.scheduler.shipper import Shipper
 
 Progress = Callable[[str], None]
@@ -49,16 +44,11 @@ ERROR_BACKOFF_MAX_S = 300.0
 
 
 @dataclass(frozen=True)
-class ProbeOptions:
-    ops: tuple[str, ...] = DEFAULT_OPS
-    # None: the backend's probe sizes (one latency, one bandwidth-bound size), the same a
-    # preflight uses, so the two judge alike.
-    sizes: tuple[int, ...] | None = None
-    dtype: str = "float32"
-    warmup: int = 5
-    iters: int = 20
-    # nccl-tests' -o for AllReduce and ReduceScatter: sum, max, min, or avg (nccl only).
-    redop: str = "sum"
+class ProbeOptions(ProbeSpec):
+    """What a scheduler's groups run (its preflights' too) and the profile it monitors as.
+    ``sizes`` None: the backend's probe sizes, the same a preflight uses, so the two judge
+    alike."""
+
     # A workload profile (agents.workloads): after the fabric check, each cycle also runs
     # the job's own communicators under ``job`` (None: the default layout), so their
     # series (ring and tree apart) are kept like any link's. ``ops`` already holds its ops.
@@ -110,11 +100,14 @@ class CycleResult:
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
               progress: Progress | None = None, skip_busy: bool = False,
               rotation: int = 0,
-              history: Mapping[LinkKey, Sequence[float]] | None = None) -> CycleResult:
+              history: Mapping[LinkKey, Sequence[float]] | None = None,
+              thresholds: Thresholds | None = None,
+              budget: CheckBudget = CheckBudget()) -> CycleResult:
     """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
     node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
-    it is slow, the search for the slow path: the adaptive plan of a preflight, judged
-    against each link's own normal where ``history`` holds one."""
+    it is slow, the search for the slow path: the check of a preflight (services.check),
+    on the nodes no other work holds, judged against each link's own normal where
+    ``history`` holds one; around it, the NVML counters read before and after."""
     backend.begin_cycle(rotation)
     refresh = getattr(backend, "refresh_ranks", None)
     if refresh is not None:
@@ -126,22 +119,12 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         if progress:
             progress(f"skipping {node}: {reason}")
         del layout[node]
-    shape = probe_shape(backend, options.ops, options.sizes, dtype=options.dtype,
-                        warmup=options.warmup, iters=options.iters, redop=options.redop)
     read = getattr(backend, "counters", None)
     before = read() if read else {}
-    run = run_adaptive(backend, layout, ranks, shape, rotation=rotation, progress=progress,
-                       label="round", history=history)
-    summary = None
-    if options.profile is not None and layout:
-        work = workload(options.profile)
-        job_run, summary = run_job(
-            backend, work, resolve_job(options.job, layout), layout, ranks,
-            probe_shape(backend, work.ops, work.sizes, dtype=options.dtype,
-                        warmup=options.warmup, iters=options.iters, redop=options.redop),
-            progress)
-        summary["ok"] = not summary["findings"]
-        run.absorb(job_run)
+    run = run_check(backend, list(layout), ranks=ranks, spec=options, thresholds=thresholds,
+                    history=history, rotation=rotation, budget=budget,
+                    profile=options.profile, job=options.job, progress=progress,
+                    label="round")
     after = read() if read else {}
     nvml, snapshots = _counter_findings(before, after)
     return CycleResult(
@@ -150,7 +133,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         rounds=run.rounds, counters=snapshots,
         fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
         injected=[f.to_dict() for f in getattr(backend, "injected", [])], skipped=skipped,
-        busy_s=run.busy_s, workload=summary)
+        busy_s=run.busy_s, workload=run.workload)
 
 
 class Rotation:
@@ -269,7 +252,9 @@ class Lease:
 
 def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
                     options: ProbeOptions, *, lease_s: float = 300.0,
-                    progress: Progress | None = None, duty: DutyCycle | None = None) -> bool:
+                    progress: Progress | None = None, duty: DutyCycle | None = None,
+                    thresholds: Thresholds | None = None,
+                    budget: CheckBudget = CheckBudget()) -> bool:
     """Claim one waiting preflight request, run the adaptive check on its nodes (suspects
     are re-tested and localized before anyone is blamed), ship what it measured, complete
     the request with its verdict; False if nothing waits. The GPU time it took is charged
@@ -295,17 +280,16 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
             progress(line)
 
     try:
-        checked = check(backend, list(req["nodes"]), ops=options.ops, sizes=options.sizes,
-                        dtype=options.dtype, warmup=options.warmup, iters=options.iters,
-                        redop=options.redop, progress=each_round,
-                        label=f"preflight {req['id'][:8]} round",
-                        history=api.baselines(options.dtype), profile=profile, job=job)
+        checked = run_check(backend, list(req["nodes"]), ranks=ranks, spec=options,
+                            thresholds=thresholds, history=api.baselines(options.dtype),
+                            budget=budget, profile=profile, job=job, progress=each_round,
+                            label=f"preflight {req['id'][:8]} round")
     except LayoutError as exc:
         api.complete_preflight(req["id"], error=str(exc))
         return True
     if duty is not None:
         duty.charge_preflight(checked.busy_s)
-    verdict = checked.verdict
+    verdict = checked.verdict()
     asked = set(req["nodes"])
     batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in asked],
                         measurements=checked.measurements, findings=checked.probe_findings,
@@ -353,13 +337,15 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                   interval_s: float, once: bool, api: SchedulerApi | None = None,
                   stop: threading.Event | None = None, progress: Progress | None = None,
                   jitter: float = 0.1, poll_s: float = 1.0, max_duty: float = 0.005,
-                  rotation: Rotation | None = None) -> int:
+                  rotation: Rotation | None = None, thresholds: Thresholds | None = None,
+                  budget: CheckBudget = CheckBudget()) -> int:
     """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)
     and, between cycles, answer waiting preflight requests.
 
     ``max_duty`` caps the fraction of any GPU's time spent probing: a cycle that held a
     rank for B seconds is followed by a wait of at least B / max_duty - B, whatever the
-    interval says, so a slow fabric or a large fleet cannot turn monitoring into load."""
+    interval says, so a slow fabric or a large fleet cannot turn monitoring into load.
+    ``thresholds`` and ``budget`` (the process's settings) go to every check it runs."""
     stop = stop or threading.Event()
     rotation = rotation or Rotation(None)
     cycles = 0
@@ -372,7 +358,8 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 so_far = duty.fractions()
                 history = api.baselines(options.dtype) if api is not None else None
                 cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
-                                  rotation=rotation.advance(), history=history)
+                                  rotation=rotation.advance(), history=history,
+                                  thresholds=thresholds, budget=budget)
                 duty.add(cycle)
                 wait = interval_s * (1 + random.uniform(-jitter, jitter))
                 held = max(cycle.busy_s.values(), default=0.0)
@@ -406,8 +393,9 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 next_cycle = time.monotonic() + max(wait, floor)
             else:
                 shipper.flush()
-            served = api is not None and serve_preflight(backend, shipper, api, options,
-                                                         progress=progress, duty=duty)
+            served = api is not None and serve_preflight(
+                backend, shipper, api, options, progress=progress, duty=duty,
+                thresholds=thresholds, budget=budget)
             if served and (owed := duty.take_owed()) > 0:
                 next_cycle = max(next_cycle, time.monotonic()) + owed
                 if progress:

@@ -26,35 +26,15 @@ from services.analyzer.localize import (
     proven_nodes,
     weigh_nics,
 )
+from services.check.shape import ProbeShape
 from services.config import CHECK_MAX_ROUNDS
 
 T = TypeVar("T")
 Nodes = dict[str, list[int]]
 Verdicts = Mapping[GroupKey, GroupVerdict]
 
-DEFAULT_OPS: tuple[str, ...] = ("allreduce", "alltoall")
-DEFAULT_SIZES: tuple[int, ...] = (1 << 16, 1 << 22)
 # Up to this many nodes the static plan tests every node pair (n - 1 matchings).
 ALL_PAIRS_MAX = 8
-
-
-@dataclass(frozen=True)
-class ProbeShape:
-    """What every group of a plan runs: ops, sizes and iteration counts."""
-
-    ops: tuple[str, ...] = DEFAULT_OPS
-    sizes: tuple[int, ...] = DEFAULT_SIZES
-    dtype: str = "float32"
-    warmup: int = 5
-    iters: int = 20
-    deadline_s: float = 60.0
-    redop: str = "sum"
-
-    def group(self, scope: str, members: Sequence[str],
-              ops: tuple[str, ...] | None = None) -> GroupSpec:
-        return GroupSpec(scope=scope, members=tuple(members), ops=ops or self.ops,
-                         sizes=self.sizes, dtype=self.dtype, warmup=self.warmup,
-                         iters=self.iters, deadline_s=self.deadline_s, redop=self.redop)
 
 
 def node_members(nodes: Nodes, names: Sequence[str]) -> list[str]:

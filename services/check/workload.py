@@ -1,12 +1,12 @@
-"""A profiled check's second phase: the job's own communicators, planned and judged.
+"""A profiled check's second phase: the job's own communicators, planned, run and judged.
 
-The fabric check (``run_adaptive``) judges every link and names faults; this phase plans
+The fabric phase (services.check.loop) judges every link and names faults; this phase plans
 each kind of the job's groups (tensor-, data-parallel, pipeline neighbours) with the
-profile's ops and sizes (``job_groups``; services.scheduler.preflight runs them), and says
-how the job's traffic would run here (``judge_job``): each kind's busbw, its slowest group
-against its peers, and the identity ReduceScatter + AllGather against AllReduce per group
-and size (docs/workloads.md). It never changes the fabric judgement: monitoring and
-preflight judge the fabric alike, and this is what the job sees of that fabric.
+profile's ops and sizes (``job_groups``), runs them (``run_job_phase``) and says how the
+job's traffic would run here (``judge_job``): each kind's busbw, its slowest group against
+its peers, and the identity ReduceScatter + AllGather against AllReduce per group and size
+(docs/workloads.md). It never changes the fabric judgement: monitoring and preflight judge
+the fabric alike, and this is what the job sees of that fabric.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from agents.spec import Finding, GroupSpec, Measurement, nodes_of
+from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo, nodes_of
 from agents.workloads import COMM_KINDS, JobLayout, Workload, disjoint_rounds
 from services.analyzer.evidence import MAD_TO_SIGMA
-from services.scheduler.planner import ProbeShape
+from services.check.planner import node_members
+from services.check.rounds import Progress, Rounds
+from services.check.shape import ProbeShape
 
 Comms = Mapping[str, Sequence[tuple[str, ...]]]
 # The identity's time ratio (RS + AG) / AR of a healthy group sits near 1 (a ring
@@ -32,6 +34,47 @@ IDENTITY_Z = 4.0
 IDENTITY_MIN_TOLERANCE = 0.25
 # A communicator this far below its kind's median busbw is named as the job's slowest.
 SLOW_SHARE = 0.8
+
+
+def resolve_job(job: JobLayout | None, layout: Mapping[str, Sequence[int]]) -> JobLayout:
+    """The job's layout over these nodes' ranks (default: tensor parallel over one node's
+    GPUs); LayoutError when it does not fit them."""
+    per_node = max((len(ix) for ix in layout.values()), default=1)
+    return (job or JobLayout()).resolve(sum(len(ix) for ix in layout.values()), per_node)
+
+
+def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
+                  layout: dict[str, list[int]], ranks: Sequence[RankInfo], shape: ProbeShape,
+                  fabric: Sequence[Measurement], fabric_sizes: Sequence[int],
+                  progress: Progress | None = None) -> tuple[Rounds, dict[str, Any]]:
+    """The job's own communicators under ``job`` (resolved) over ``layout``'s ranks, run at
+    the profile's sizes, and the verdict's ``workload`` section on them. ``fabric``, what the
+    fabric phase measured at ``fabric_sizes``, adds the identity on its own groups (fsdp runs
+    all three ops there): a node's AllReduce off its halves is named by its intra-node group.
+    ``ok`` is False when the job's traffic runs badly here (a communicator slower than its
+    peers, an AllReduce off its halves), even where no link is to blame."""
+    comms = job.communicators(node_members(layout, list(layout)))
+    algos, no_algos = algos_for(backend.name, work)
+    node_profiles = {r.node: r.profile for r in ranks}
+    kind_of = kinds(comms)
+    job_run = Rounds()
+    for groups in job_groups(work, comms, shape, algos):
+        if progress is not None:
+            first = groups[0]
+            progress(f"job round {job_run.rounds + 1}: {len(groups)} {kind_of[first.group_key]} "
+                     f"group(s), {', '.join(first.ops)}"
+                     f"{f' ({first.algo})' if first.algo else ''}")
+        job_run.take(groups, backend.run_round(groups), node_profiles)
+    summary = judge_job(work, job, comms, job_run.measurements)
+    summary.update(rounds=job_run.rounds, fabric_s=round(job_run.fabric_s, 3))
+    if no_algos:
+        summary["algos"] = no_algos
+    if work.identity_sizes:
+        table, off = identity(fabric, {m.group: m.scope for m in fabric}, fabric_sizes)
+        summary["identity"] = table + summary["identity"]
+        summary["findings"] = [f.to_dict() for f in off] + summary["findings"]
+    summary["ok"] = not summary["findings"]
+    return job_run, summary
 
 
 def job_groups(workload: Workload, comms: Comms, shape: ProbeShape,

@@ -1,0 +1,202 @@
+"""The check, round by round: plan a round from the judgement so far, probe, judge all of it
+again; until the plan has nothing left to ask or the budget is spent. What a preflight runs
+on a job's nodes and what each monitoring cycle runs on the fleet.
+
+Backend-agnostic: it sees only ``ProbeBackend`` (nccl, gloo, sim). Each round is planned
+from what the rounds before it showed (``services.analyzer.judge``), so suspects are
+re-tested and localized before anyone is blamed. Everything a process configures (the
+thresholds, the budget) comes in as an argument: the check reads no settings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from agents.spec import GroupSpec, ProbeBackend, RankInfo
+from agents.workloads import JobLayout, fabric_ops, workload
+from services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
+from services.analyzer.judge import JudgeCache, Judgement, judge
+from services.analyzer.verdict import build_verdict
+from services.check.planner import AdaptivePlanner, layout_of
+from services.check.rounds import Progress, Rounds
+from services.check.shape import ProbeShape, ProbeSpec
+from services.check.workload import resolve_job, run_job_phase
+from services.config import CHECK_MAX_FABRIC_S, CHECK_MAX_ROUNDS, CHECK_MAX_WALL_S
+
+if TYPE_CHECKING:
+    from services.config import Settings
+
+# The undecided groups a verdict lists by name; more are counted.
+UNDECIDED_LISTED = 100
+
+
+@dataclass(frozen=True)
+class CheckBudget:
+    """What one check may spend (RINGWATCH_CHECK_MAX_ROUNDS, _MAX_FABRIC_S, _MAX_WALL_S):
+    rounds, modeled fabric seconds (the probing itself) and wall seconds. A check that
+    reaches any of them stops planning, and its verdict says ``complete: false`` with the
+    groups it left undecided; no fleet, however slow or noisy, keeps a check or a
+    scheduler's monitoring cycle going."""
+
+    max_rounds: int = CHECK_MAX_ROUNDS
+    max_fabric_s: float = CHECK_MAX_FABRIC_S
+    max_wall_s: float = CHECK_MAX_WALL_S
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CheckBudget:
+        return cls(settings.check_max_rounds, settings.check_max_fabric_s,
+                   settings.check_max_wall_s)
+
+    def spent(self, run: Rounds, wall_s: float) -> str | None:
+        """Which part of the budget ``run`` has used up, if any."""
+        if run.rounds >= self.max_rounds:
+            return f"rounds ({self.max_rounds})"
+        if run.fabric_s >= self.max_fabric_s:
+            return f"fabric time ({self.max_fabric_s:g} s)"
+        if wall_s >= self.max_wall_s:
+            return f"wall time ({self.max_wall_s:g} s)"
+        return None
+
+
+@dataclass
+class CheckResult(Rounds):
+    """What a check measured (both phases), the judgement of it, and with a profile the
+    job's ``workload`` section; ``verdict()`` is what the CLI prints and a scheduler
+    completes an API preflight with."""
+
+    backend: str = field(kw_only=True)
+    nodes: list[str] = field(kw_only=True)
+    judgement: Judgement = field(kw_only=True)
+    # What of the budget stopped the plan before it had nothing left to ask (None: none).
+    stopped_by: str | None = None
+    # With a profile: how the job's communicators ran (services.check.workload).
+    workload: dict[str, Any] | None = None
+
+    @property
+    def undecided_groups(self) -> list[dict[str, Any]]:
+        """Groups the check measured but could not decide either way (never exclusions)."""
+        return [{"scope": v.scope, "nodes": list(v.nodes)}
+                for v in self.judgement.verdicts.values() if not v.bad and not v.cleared]
+
+    @property
+    def undecided(self) -> int:
+        return len(self.undecided_groups)
+
+    @property
+    def complete(self) -> bool:
+        """Exactly when nothing is undecided and no budget cut the plan short."""
+        return self.stopped_by is None and self.undecided == 0
+
+    def verdict(self) -> dict[str, Any]:
+        """The verdict (docs/formats.md): fabric and wall time, whether the budget cut the
+        plan short (``complete``, with the groups it left ``undecided``); with a profile,
+        unhealthy too where the job's traffic runs badly, without excluding a node."""
+        verdict = build_verdict(
+            backend=self.backend, nodes=self.nodes, findings=self.judgement.findings,
+            rounds=self.rounds, duration_s=self.fabric_s,
+            extra={"wall_s": round(self.wall_s, 3), "complete": self.complete,
+                   "undecided": self.undecided,
+                   "undecided_groups": self.undecided_groups[:UNDECIDED_LISTED],
+                   "stopped_by": self.stopped_by},
+        )
+        if self.workload is not None:
+            verdict["healthy"] = verdict["healthy"] and self.workload["ok"]
+            verdict["workload"] = self.workload
+        return verdict
+
+
+def run_check(
+    backend: ProbeBackend,
+    nodes: Sequence[str] | None = None,
+    *,
+    ranks: Sequence[RankInfo] | None = None,
+    spec: ProbeSpec = ProbeSpec(),
+    thresholds: Thresholds | None = None,
+    expected: Expected | None = None,
+    history: Mapping[LinkKey, Sequence[float]] | None = None,
+    rotation: int = 0,
+    budget: CheckBudget = CheckBudget(),
+    profile: str | None = None,
+    job: JobLayout | None = None,
+    progress: Progress | None = None,
+    label: str = "round",
+) -> CheckResult:
+    """Probe ``nodes`` (all of ``ranks``' nodes when None; ``ranks``: the backend's when None)
+    and judge them: the one check behind a preflight, a served preflight and a monitoring
+    cycle.
+
+    ``spec`` is what every group runs; ``thresholds`` judge the results (None: the
+    analyzer's for the backend; a process passes its settings'); ``expected``, the busbw
+    model (None: the backend's); ``history``, each link's past busbw as the API holds it
+    (``GET /v1/baselines``), gives a link its own normal in the check as on ingest, so the
+    plan follows up what the API will find; ``rotation`` picks the node-pair matching;
+    ``budget`` bounds the plan. ``fabric_s`` is fabric time (the slowest group of each
+    round, summed); ``wall_s`` the wall time of the fabric phase. A hang is a finding,
+    never an exception.
+
+    ``profile`` (agents.workloads: ddp, fsdp, moe, pipeline) adds its ops to the fabric
+    check (monitoring's judgement), then runs the job's own communicators at its sizes
+    under ``job`` (its tp/pp/dp layout; default: tensor parallel over each node's GPUs,
+    data parallel across nodes) and reports them in ``workload``. A layout that does not
+    fit the ranks raises LayoutError before anything runs.
+    """
+    ranks = list(ranks if ranks is not None else backend.ranks())
+    layout = layout_of(ranks, nodes)
+    work = workload(profile) if profile is not None else None
+    if work is not None and layout:  # a layout that does not fit is refused before anything runs
+        job = resolve_job(job, layout)
+    shape = spec.shape(backend, fabric_ops(work, spec.ops) if work else spec.ops, spec.sizes)
+    result = _fabric_phase(backend, layout, ranks, shape, budget, progress, label,
+                           thresholds=thresholds or thresholds_for(backend.name),
+                           expected=expected or getattr(backend, "expected_busbw", None),
+                           history=history, rotation=rotation)
+    if work is None or job is None or not layout:
+        return result
+    job_run, result.workload = run_job_phase(
+        backend, work, job, layout, ranks, spec.shape(backend, work.ops, work.sizes),
+        result.measurements, shape.sizes, progress)
+    result.absorb(job_run)
+    # What the job's groups showed of the ranks themselves (a hang, wrong data, an error)
+    # is a finding like any other; their speed is the workload section's.
+    result.judgement = replace(result.judgement,
+                               findings=result.judgement.findings + job_run.probe_findings)
+    return result
+
+
+def _fabric_phase(backend: ProbeBackend, layout: dict[str, list[int]],
+                  ranks: Sequence[RankInfo], shape: ProbeShape, budget: CheckBudget,
+                  progress: Progress | None, label: str, *, thresholds: Thresholds,
+                  expected: Expected | None,
+                  history: Mapping[LinkKey, Sequence[float]] | None,
+                  rotation: int) -> CheckResult:
+    """Plan a round from the judgement so far, run it, judge everything again; until the
+    planner has nothing left to ask or ``budget`` is spent."""
+    started = time.perf_counter()
+    nodes = list(layout)
+    mine = [r for r in ranks if r.node in layout]
+    node_profiles = {r.node: r.profile for r in mine}
+    # The measurements only grow from round to round: what was worked out for them is kept.
+    cache = JudgeCache()
+    run = CheckResult(backend=backend.name, nodes=nodes,
+                      judgement=judge([], [], nodes, mine, thresholds=thresholds))
+    planner = AdaptivePlanner(layout, shape, max_rounds=budget.max_rounds, rotation=rotation)
+    while not (spent := budget.spent(run, time.perf_counter() - started)) and (
+            groups := planner.next_round(run.judgement.verdicts, run.judgement.blamed)):
+        _say(progress, label, run.rounds + 1, groups)
+        run.take(groups, backend.run_round(groups), node_profiles)
+        run.judgement = judge(run.measurements, run.probe_findings, nodes, mine,
+                              thresholds=thresholds, expected=expected, history=history,
+                              cache=cache)
+    if planner.phase != "done":
+        run.stopped_by = spent or f"rounds ({budget.max_rounds})"
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+def _say(progress: Progress | None, label: str, i: int, groups: list[GroupSpec]) -> None:
+    if progress is not None:
+        scopes = ", ".join(sorted({g.scope for g in groups}))
+        progress(f"{label} {i}: {len(groups)} group(s) ({scopes})")
