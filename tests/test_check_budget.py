@@ -48,3 +48,16 @@ def test_every_check_ends_within_its_budget(scenario) -> None:
     # A shortfall the whole fleet shares excludes nobody by itself.
     if not scenario["faults"]:
         assert v["exclude"] == []
+
+
+def test_the_check_stands_below_the_scheduler_store_and_api() -> None:
+    """services.check is the room every caller shares: it imports none of its callers (the
+    scheduler, the CLI, the API) and no database code."""
+    import subprocess
+    import sys
+
+    code = ("import sys, services.check; print(sorted({m for m in sys.modules if m.split('.')[0] "
+            "== 'api' or m.startswith(('services.scheduler', 'services.store', 'services.cli'))}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -66,3 +66,13 @@ def test_probe_redop_reaches_the_output_and_avg_on_gloo_is_exit_2(tmp_path: Path
         r = cli("probe", *argv, env=dict(os.environ))
         assert r.returncode == 2, (argv, r.stdout)
         assert len(r.stderr.strip().splitlines()) == 1 and "redop" in r.stderr
+
+
+def test_the_cli_hands_its_settings_to_the_check(tmp_path: Path) -> None:
+    """The check reads no settings itself: the process that runs it passes its budget (and
+    thresholds) down, so RINGWATCH_CHECK_MAX_ROUNDS still bounds `ringwatch preflight`."""
+    path = scenario(tmp_path, {"nodes": 8, "gpus_per_node": 4, "seed": 3})
+    r = cli("preflight", "--fabric", path, "--json",
+            env={**os.environ, "RINGWATCH_CHECK_MAX_ROUNDS": "2"})
+    v = json.loads(r.stdout)
+    assert v["rounds"] == 2 and v["stopped_by"] == "rounds (2)" and v["complete"] is False
