@@ -184,10 +184,6 @@ class FindingIn(BaseModel):
             bounded_json(value, key)
         return self
 
-    def named_nodes(self) -> set[str]:
-        """Every node this finding speaks of (a scoped token may name only its own)."""
-        return {n for n in (self.node, *(self.nodes or ())) if n}
-
 
 class ShipperState(Strict):
     """What the sender's spool held when it wrote this batch."""

@@ -267,3 +267,15 @@ def test_a_node_whose_probe_hung_was_probed_and_is_excluded_at_once(api) -> None
                  json={"nodes": ["node-000", "node-002"], "max_age_s": 60})
     assert r.status_code == 200, r.text
     assert r.json()["unprobed"] == [] and r.json()["exclude"] == ["node-002"]
+
+
+def test_a_request_made_while_the_waiting_places_filled_is_answered_as_it_stands() -> None:
+    import asyncio
+
+    from services.preflight.waiting import PreflightWaiters
+
+    waiters = PreflightWaiters(factory=None, capacity=1)  # type: ignore[arg-type]
+    waiters._waiting = 1  # another caller took the last place while this one was written
+    body = {"id": "r1", "status": "pending"}
+    # Answered at once with its id (202), not refused: the request exists already.
+    assert asyncio.run(waiters.wait(body, 30.0)) is body

@@ -81,25 +81,19 @@ class CheckResult(Rounds):
         return [{"scope": v.scope, "nodes": list(v.nodes)}
                 for v in self.judgement.verdicts.values() if not v.bad and not v.cleared]
 
-    @property
-    def undecided(self) -> int:
-        return len(self.undecided_groups)
-
-    @property
-    def complete(self) -> bool:
-        """Exactly when nothing is undecided and no budget cut the plan short."""
-        return self.stopped_by is None and self.undecided == 0
-
     def verdict(self) -> dict[str, Any]:
         """The verdict (docs/formats.md): fabric and wall time, whether the budget cut the
         plan short (``complete``, with the groups it left ``undecided``); with a profile,
         unhealthy too where the job's traffic runs badly, without excluding a node."""
+        undecided = self.undecided_groups
+        # Complete exactly when nothing is undecided and no budget cut the plan short.
         verdict = build_verdict(
             backend=self.backend, nodes=self.nodes, findings=self.judgement.findings,
             rounds=self.rounds, duration_s=self.fabric_s,
-            extra={"wall_s": round(self.wall_s, 3), "complete": self.complete,
-                   "undecided": self.undecided,
-                   "undecided_groups": self.undecided_groups[:UNDECIDED_LISTED],
+            extra={"wall_s": round(self.wall_s, 3),
+                   "complete": self.stopped_by is None and not undecided,
+                   "undecided": len(undecided),
+                   "undecided_groups": undecided[:UNDECIDED_LISTED],
                    "stopped_by": self.stopped_by},
         )
         if self.workload is not None:

@@ -46,10 +46,12 @@ class PreflightWaiters:
                 "GET /v1/preflight/{id}", retry_after_s=5.0)
 
     async def wait(self, body: dict[str, Any], wait_s: float) -> dict[str, Any]:
-        """``body`` once its request is answered, or as it stands after ``wait_s``."""
-        if body["status"] not in ("pending", "running") or wait_s <= 0:
+        """``body`` once its request is answered, or as it stands after ``wait_s``. The
+        request exists by now: when the waiting places filled while it was written, it is
+        answered as it stands (202 with its id), not refused."""
+        if (body["status"] not in ("pending", "running") or wait_s <= 0
+                or self._waiting >= self.capacity):
             return body
-        self.check_room()
         event = asyncio.Event()
         self._events.setdefault(body["id"], []).append(event)
         self._waiting += 1
