@@ -14,6 +14,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,14 @@ SETUP_PER_DOUBLING_S = 0.005
 NOISE_CLIP = 4.0
 # The p2p word of a pair that has no NVLink (nvidia-smi topo: same PCIe host bridge).
 PCIE_WORD = "PHB"
+# Groups up to this many ranks over up to SMALL_NODES nodes (GPU pairs, a node, node pairs)
+# are modeled in plain Python: numpy's per-call cost outweighs its work on so few links.
+SMALL_RANKS = 64
+SMALL_NODES = 8
+# Parsed groups and modeled op times kept per backend and fabric; past this many entries a
+# cache starts again, so a long-lived monitor's memory stays bounded.
+CACHE_LIMIT = 1 << 16
+_U64 = (1 << 64) - 1
 
 
 def node_name(i: int) -> str:
@@ -63,6 +72,19 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
+
+
+def _alike(a: np.ndarray) -> bool:
+    return a.size == 0 or bool((a == a.flat[0]).all())
+
+
+def _splitmix_int(x: int) -> int:
+    """``_splitmix`` of one value in plain integers: the same bits, none of numpy's per-call
+    cost."""
+    z = (x + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 @dataclass
@@ -258,6 +280,10 @@ class Fabric:
         self.pair[:, idx, idx] = np.inf
         # Slowest pair of each whole node: what its all-to-all waits for.
         self.node_min_pair = self.pair.min(axis=(1, 2)) if self.g > 1 else np.full(self.n, np.inf)
+        # Every link alike (the nominal fabric): a group's times follow from its shape alone.
+        self.uniform = (self.variation == 0 and not self.path_fault and not self.fallback
+                        and _alike(self.pair[:, ~np.eye(self.g, dtype=bool)])
+                        and _alike(self.nic))
 
     def _apply(self, f: dict[str, Any]) -> None:
         if self.cycle < f.get("start", 0):
@@ -302,44 +328,118 @@ class Fabric:
             mult[(lo == x) & (hi == y)] *= factor
         return mult
 
+    def path_mult_one(self, a: int, b: int) -> float:
+        """``path_mult`` of the one path a <-> b, bit for bit, for the small groups."""
+        lo, hi = (a, b) if a < b else (b, a)
+        key = (((self.seed & 0xFFFFFFFF) << 40) ^ (lo << 20) ^ hi) & _U64
+        u = float(_splitmix_int(key) >> 11) / float(1 << 53)
+        mult = 1 - self.variation + 2 * self.variation * u
+        factor = self.path_fault.get((lo, hi))
+        return mult if factor is None else mult * factor
+
 
 @dataclass
-class _Group:
-    """One group's ranks as arrays, and the rates its algorithms will see."""
+class _Arrays:
+    """One group's ranks as arrays, for the vectorized model of the large groups."""
 
     nodes: np.ndarray  # node index per rank, in ring order
     local: np.ndarray  # local GPU index per rank
     uniq: np.ndarray  # distinct nodes of the group
     counts: np.ndarray  # ranks of each distinct node in the group
 
-    @property
-    def n(self) -> int:
-        return int(self.nodes.size)
+
+class _Group:
+    """One group's ranks as lists (node and local GPU index per rank in ring order, the
+    distinct nodes and each one's rank count), and as arrays when a large group needs them.
+    ``key`` is its members: what its modeled op times are kept under."""
+
+    def __init__(self, key: tuple[str, ...], nodes: list[int], local: list[int]) -> None:
+        self.key, self.nodes, self.local, self.n = key, nodes, local, len(nodes)
+        self.by_node: dict[int, list[int]] = {}
+        for node, gpu in zip(nodes, local, strict=True):
+            self.by_node.setdefault(node, []).append(gpu)
+        self.uniq = sorted(self.by_node)
+        self.counts = [len(self.by_node[x]) for x in self.uniq]
+        # An empty group takes the arrays' path, which refuses it as it always did.
+        self.small = 0 < self.n <= SMALL_RANKS and len(self.uniq) <= SMALL_NODES
+
+    @cached_property
+    def ranks(self) -> list[tuple[int, int]]:
+        return list(zip(self.nodes, self.local, strict=True))
+
+    @cached_property
+    def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where its ranks sit, nodes by their order in the group: all that a uniform
+        fabric's times depend on."""
+        order = {node: k for k, node in enumerate(self.uniq)}
+        return tuple(order[x] for x in self.nodes), tuple(self.local)
+
+    @cached_property
+    def arrays(self) -> _Arrays:
+        nodes = np.array(self.nodes, dtype=np.int64)
+        return _Arrays(nodes, np.array(self.local, dtype=np.int64),
+                       np.array(self.uniq, dtype=np.int64),
+                       np.array(self.counts, dtype=np.int64))
 
 
 class CostModel:
-    """Alpha-beta time of one collective on a group, from a Fabric's link rates."""
+    """Alpha-beta time of one collective on a group, from a Fabric's link rates.
+
+    The fabric does not change under a model (a new cycle's faults build a new one), so each
+    group's op time is worked out once. Small groups are modeled over the rates as lists,
+    large ones over the arrays; both give the same floats."""
 
     def __init__(self, fabric: Fabric) -> None:
         self.f = fabric
+        self._op_times: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+    @cached_property
+    def _pair(self) -> list[list[list[float]]]:
+        return self.f.pair.tolist()  # type: ignore[no-any-return]
+
+    @cached_property
+    def _nic(self) -> list[float]:
+        return self.f.nic.tolist()  # type: ignore[no-any-return]
+
+    @cached_property
+    def _node_min_pair(self) -> list[float]:
+        return self.f.node_min_pair.tolist()  # type: ignore[no-any-return]
 
     def ring_bw(self, grp: _Group) -> float:
         """A ring runs at its slowest edge. Each node's NICs carry its share of channels:
         one NIC per GPU (rails), so a node's cross edge has count/g of its NIC rate."""
-        f = self.f
-        a_n, a_l = grp.nodes, grp.local
+        if grp.small:
+            return self._ring_bw_small(grp)
+        f, arr = self.f, grp.arrays
+        a_n, a_l = arr.nodes, arr.local
         b_n, b_l = np.roll(a_n, -1), np.roll(a_l, -1)
         same = a_n == b_n
         bw = np.empty(grp.n)
         bw[same] = f.pair[a_n[same], a_l[same], b_l[same]]
         cross = ~same
         if cross.any():
-            share = dict(zip(grp.uniq.tolist(), (grp.counts / f.g).tolist(), strict=True))
+            share = dict(zip(grp.uniq, (arr.counts / f.g).tolist(), strict=True))
             x, y = a_n[cross], b_n[cross]
             sx = np.array([share[i] for i in x.tolist()])
             sy = np.array([share[i] for i in y.tolist()])
             bw[cross] = np.minimum(f.nic[x] * sx, f.nic[y] * sy) * f.path_mult(x, y)
         return float(bw.min())
+
+    def _ring_bw_small(self, grp: _Group) -> float:
+        f, pair, nic = self.f, self._pair, self._nic
+        share = {node: count / f.g for node, count in zip(grp.uniq, grp.counts, strict=True)}
+        nodes, local = grp.nodes, grp.local
+        worst = math.inf
+        prev_n, prev_l = nodes[-1], local[-1]
+        for a_n, a_l in zip(nodes, local, strict=True):
+            if prev_n == a_n:
+                bw = pair[a_n][prev_l][a_l]
+            else:
+                bw = (min(nic[prev_n] * share[prev_n], nic[a_n] * share[a_n])
+                      * f.path_mult_one(prev_n, a_n))
+            worst = min(worst, bw)
+            prev_n, prev_l = a_n, a_l
+        return worst
 
     def alltoall_time_per_byte(self, grp: _Group) -> float:
         """Seconds per byte of per-rank buffer: the slowest flow decides.
@@ -348,48 +448,102 @@ class CostModel:
         Network: a node's NICs carry count * (n - count) / n of a buffer; a flow between
         two nodes ends when the busier NIC of the two has drained, slowed by its path.
         """
-        f, n = self.f, grp.n
+        if grp.small:
+            return self._alltoall_small(grp)
+        f, n, arr = self.f, grp.n, grp.arrays
         worst = 0.0
-        for node, count in zip(grp.uniq.tolist(), grp.counts.tolist(), strict=True):
+        shared = arr.counts >= 2
+        if shared.any():
+            slowest = f.node_min_pair[arr.uniq]
+            for k in np.flatnonzero(shared & (arr.counts != f.g)).tolist():
+                node = grp.uniq[k]
+                loc = np.array(grp.by_node[node])
+                slowest[k] = f.pair[node][np.ix_(loc, loc)].min()
+            nvlink = (arr.counts[shared] - 1) / n / (slowest[shared] * 1e9)
+            worst = max(worst, float(nvlink.max()))
+        if arr.uniq.size > 1:
+            nic = f.nic[arr.uniq] * arr.counts / f.g
+            drain = arr.counts * (n - arr.counts) / n / (nic * 1e9)
+            worst = max(worst, self._slowest_flow(grp, drain))
+        return worst
+
+    def _slowest_flow(self, grp: _Group, drain: np.ndarray) -> float:
+        """The slowest flow between two of a large group's nodes, max(drain[i], drain[j]) /
+        path_mult over the node pairs, bit for bit as the whole pairwise table has it but
+        from the pairs that can reach it: an unfaulted path's multiplier is at least
+        1 - variation, so a pair whose busier node stays at or under the busiest node's
+        slowest flow even there is skipped. Faulted paths are always worked out."""
+        f, uniq, k, v = self.f, grp.arrays.uniq, len(grp.uniq), self.f.variation
+
+        def flows(i: np.ndarray, j: np.ndarray) -> float:
+            return float((np.maximum(drain[i], drain[j]) / f.path_mult(uniq[i], uniq[j])).max())
+
+        if not (0 <= v < 1 and all(0 < x <= 1 for x in f.path_fault.values())
+                and np.isfinite(drain).all() and drain.min() > 0):
+            return flows(*np.triu_indices(k, 1))
+        top = int(drain.argmax())
+        slowest = flows(np.full(k - 1, top), np.delete(np.arange(k), top))
+        heavy = np.flatnonzero(drain / (1 - v) > slowest)
+        pos = {node: x for x, node in enumerate(grp.uniq)}
+        faulted = [(pos[a], pos[b]) for a, b in f.path_fault if a in pos and b in pos]
+        i = np.concatenate([np.repeat(heavy, k), np.array([a for a, _ in faulted], np.int64)])
+        j = np.concatenate([np.tile(np.arange(k), heavy.size),
+                            np.array([b for _, b in faulted], np.int64)])
+        keep = i != j
+        return max(slowest, flows(i[keep], j[keep])) if keep.any() else slowest
+
+    def _alltoall_small(self, grp: _Group) -> float:
+        f, n, pair, nic = self.f, grp.n, self._pair, self._nic
+        worst = 0.0
+        for node, count in zip(grp.uniq, grp.counts, strict=True):
             if count < 2:
                 continue
             if count == f.g:
-                slowest = float(f.node_min_pair[node])
+                slowest = self._node_min_pair[node]
             else:
-                loc = grp.local[grp.nodes == node]
-                slowest = float(f.pair[node][np.ix_(loc, loc)].min())
+                loc, rows = grp.by_node[node], pair[node]
+                slowest = min(rows[a][b] for a in loc for b in loc)
             worst = max(worst, (count - 1) / n / (slowest * 1e9))
-        if grp.uniq.size > 1:
-            nic = f.nic[grp.uniq] * grp.counts / f.g
-            drain = grp.counts * (n - grp.counts) / n / (nic * 1e9)
-            i, j = np.triu_indices(grp.uniq.size, 1)
-            flows = np.maximum(drain[i], drain[j]) / f.path_mult(grp.uniq[i], grp.uniq[j])
-            worst = max(worst, float(flows.max()))
+        drain = [c * (n - c) / n / (nic[node] * c / f.g * 1e9)
+                 for node, c in zip(grp.uniq, grp.counts, strict=True)]
+        for i in range(len(drain)):
+            for j in range(i + 1, len(drain)):
+                flow = max(drain[i], drain[j]) / f.path_mult_one(grp.uniq[i], grp.uniq[j])
+                worst = max(worst, flow)
         return worst
 
     def tree_bw(self, grp: _Group) -> float:
         """A tree runs at its slowest edge too, but its edges are not the ring's: inside a
         node a chain over consecutive local ranks, across nodes a binary tree over the
         group's nodes in order (parent (i - 1) // 2), at ``TREE_BW_SHARE`` of the rate."""
-        f = self.f
+        f, pair, nic = self.f, self._pair, self._nic
         bw = [math.inf]
-        for node in grp.uniq.tolist():
-            loc = np.sort(grp.local[grp.nodes == node])
-            if loc.size > 1:
-                bw.append(float(f.pair[node, loc[:-1], loc[1:]].min()))
-        if grp.uniq.size > 1:
-            share = grp.counts / f.g
-            child = np.arange(1, grp.uniq.size)
-            parent = (child - 1) // 2
-            x, y = grp.uniq[child], grp.uniq[parent]
-            nic = np.minimum(f.nic[x] * share[child], f.nic[y] * share[parent])
-            bw.append(float((nic * f.path_mult(x, y)).min()))
+        for node in grp.uniq:
+            loc = sorted(grp.by_node[node])
+            if len(loc) > 1:
+                rows = pair[node]
+                bw.append(min(rows[a][b] for a, b in zip(loc, loc[1:], strict=False)))
+        if len(grp.uniq) > 1:
+            share = [count / f.g for count in grp.counts]
+            if grp.small:
+                for c in range(1, len(grp.uniq)):
+                    p = (c - 1) // 2
+                    x, y = grp.uniq[c], grp.uniq[p]
+                    bw.append(min(nic[x] * share[c], nic[y] * share[p])
+                              * f.path_mult_one(x, y))
+            else:
+                arr, sh = grp.arrays, np.array(share)
+                child = np.arange(1, arr.uniq.size)
+                parent = (child - 1) // 2
+                xs, ys = arr.uniq[child], arr.uniq[parent]
+                link = np.minimum(f.nic[xs] * sh[child], f.nic[ys] * sh[parent])
+                bw.append(float((link * f.path_mult(xs, ys)).min()))
         return TREE_BW_SHARE * min(bw)
 
     def latency(self, op: str, grp: _Group, algo: str | None = None) -> float:
         """Small-message cost: NCCL moves to trees at scale, so steps grow with log n; a
         ring told to stay a ring takes n - 1 steps each way."""
-        alpha = self.f.hw.alpha_net_s if grp.uniq.size > 1 else self.f.hw.alpha_nvlink_s
+        alpha = self.f.hw.alpha_net_s if len(grp.uniq) > 1 else self.f.hw.alpha_nvlink_s
         steps = math.ceil(math.log2(max(grp.n, 2)))
         if op == "allreduce":
             return 2 * (grp.n - 1) * alpha if algo == "ring" else 2 * steps * alpha
@@ -401,6 +555,16 @@ class CostModel:
         """(latency seconds, seconds per byte of size_bytes) of one iteration; ``algo``
         ("ring", "tree") for AllReduce on a communicator told to use it, None for NCCL's
         own choice."""
+        key = (grp.shape if self.f.uniform else grp.key, op, algo)
+        times = self._op_times.get(key)
+        if times is None:
+            times = self._op_time(op, grp, algo)
+            if len(self._op_times) >= CACHE_LIMIT:
+                self._op_times.clear()
+            self._op_times[key] = times
+        return times
+
+    def _op_time(self, op: str, grp: _Group, algo: str | None) -> tuple[float, float]:
         n = grp.n
         slow = self.fallback_factor(op, grp, algo)
         if op == "alltoall":
@@ -415,7 +579,7 @@ class CostModel:
         """The slowest fallback of any node of the group for this op and algorithm."""
         if not self.f.fallback:
             return 1.0
-        nodes = set(grp.uniq.tolist())
+        nodes = set(grp.uniq)
         factors = [v for (node, o, a), v in self.f.fallback.items()
                    if node in nodes and o == op and a == algo]
         return min(factors, default=1.0)
@@ -444,6 +608,8 @@ class SimBackend:
                                     for f in self.scenario.faults)
         self._index = {node_name(i): i for i in range(self.scenario.nodes)}
         self._expected_cache: dict[tuple[Any, ...], float] = {}
+        self._groups: dict[tuple[str, ...], _Group] = {}
+        self._places: dict[str, tuple[int, int]] = {}
         self._ranks: list[RankInfo] | None = None
 
     @classmethod
@@ -496,14 +662,26 @@ class SimBackend:
                         telemetry={"p2p": p2p, "sim": True}, profile=f.hw.name)
 
     def _group(self, members: tuple[str, ...] | list[str]) -> _Group:
-        nodes = np.empty(len(members), dtype=np.int64)
-        local = np.empty(len(members), dtype=np.int64)
-        for k, name in enumerate(members):
-            node, _, idx = name.partition("/")
-            nodes[k] = self._index[node]
-            local[k] = int(idx)
-        uniq, counts = np.unique(nodes, return_counts=True)
-        return _Group(nodes, local, uniq, counts)
+        """The group of these members, parsed once: the planner asks the same groups again."""
+        key = tuple(members)
+        grp = self._groups.get(key)
+        if grp is None:
+            places, nodes, local = self._places, [], []
+            for name in key:
+                place = places.get(name)
+                if place is None:
+                    node, _, idx = name.partition("/")
+                    place = self._index[node], int(idx)
+                    if len(places) >= CACHE_LIMIT:
+                        places.clear()
+                    places[name] = place
+                nodes.append(place[0])
+                local.append(place[1])
+            grp = _Group(key, nodes, local)
+            if len(self._groups) >= CACHE_LIMIT:
+                self._groups.clear()
+            self._groups[key] = grp
+        return grp
 
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         started = time.perf_counter()
@@ -517,62 +695,71 @@ class SimBackend:
     def _run_group(self, spec: GroupSpec, out: RoundResult) -> float:
         grp = self._group(spec.members)
         f = self.fabric
-        ranks = list(zip(grp.nodes.tolist(), grp.local.tolist(), strict=True))
-        hung = [r for r in ranks if r in f.hung]
-        if hung:
-            # The others wait at the collective until the group's deadline.
-            out.findings += [Finding(kind="hang", node=node_name(n), gpu=g,
-                                     detail={"scope": spec.scope, "world_size": grp.n})
-                             for n, g in hung]
-            return spec.deadline_s
-        errored = [r for r in ranks if r in f.errored]
-        if errored:
-            # The failing rank aborts the group; its peers see the collective break at once.
-            out.findings += [Finding(kind="probe_error", node=node_name(n), gpu=g, detail={
-                "scope": spec.scope, "world_size": grp.n, "origin": "local",
-                "stage": f"{spec.ops[0]}/{spec.sizes[0]}", "error": f.errored[(n, g)]})
-                for n, g in errored]
-            return SETUP_S
-        corrupt = [r for r in ranks if r in f.corrupt]
-        out.findings += [Finding(kind="data_corruption", node=node_name(n), gpu=g,
-                                 detail={"scope": spec.scope}) for n, g in corrupt]
+        corrupt: list[tuple[int, int]] = []
+        if f.hung or f.errored or f.corrupt:
+            ranks = grp.ranks
+            hung = [r for r in ranks if r in f.hung]
+            if hung:
+                # The others wait at the collective until the group's deadline.
+                out.findings += [Finding(kind="hang", node=node_name(n), gpu=g,
+                                         detail={"scope": spec.scope, "world_size": grp.n})
+                                 for n, g in hung]
+                return spec.deadline_s
+            errored = [r for r in ranks if r in f.errored]
+            if errored:
+                # The failing rank aborts the group; its peers see the collective break at once.
+                out.findings += [Finding(kind="probe_error", node=node_name(n), gpu=g, detail={
+                    "scope": spec.scope, "world_size": grp.n, "origin": "local",
+                    "stage": f"{spec.ops[0]}/{spec.sizes[0]}", "error": f.errored[(n, g)]})
+                    for n, g in errored]
+                return SETUP_S
+            corrupt = [r for r in ranks if r in f.corrupt]
+            out.findings += [Finding(kind="data_corruption", node=node_name(n), gpu=g,
+                                     detail={"scope": spec.scope}) for n, g in corrupt]
         seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2))
+        repeats = spec.warmup + spec.iters
         for op in spec.ops:
             lat, per_byte = self.model.op_time(op, grp, spec.algo)
             for size in spec.sizes:
                 t = (lat + per_byte * size) * self._noise()
-                seconds += (spec.warmup + spec.iters) * t
-                out.measurements.append(self._measurement(spec, op, size, t, grp.n, bool(corrupt)))
+                seconds += repeats * t
+                out.measurements.append(self._measurement(spec, op, size, t, grp, bool(corrupt)))
         return seconds
 
     def _noise(self) -> float:
         sigma = self.scenario.noise
         if sigma == 0:
             return 1.0
-        z = float(np.clip(self._noise_rng.standard_normal(), -NOISE_CLIP, NOISE_CLIP))
+        z = min(max(self._noise_rng.standard_normal(), -NOISE_CLIP), NOISE_CLIP)
         return math.exp(sigma * z)
 
-    def _measurement(self, spec: GroupSpec, op: str, size: int, t: float, n: int,
+    def _measurement(self, spec: GroupSpec, op: str, size: int, t: float, grp: _Group,
                      corrupt: bool) -> Measurement:
         algbw = size / t / 1e9
         m = Measurement(op=op, scope=spec.scope, members=list(spec.members), size_bytes=size,
                         dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
                         time_us=t * 1e6, algbw_gbs=algbw,
-                        busbw_gbs=algbw * busbw_factor(op, n),
+                        busbw_gbs=algbw * busbw_factor(op, grp.n),
                         wrong=max(1, size // 4096) if corrupt else 0,
                         redop=redop_for(op, spec.redop), timing=TIMING_MODEL,
                         algo=spec.algo if op == "allreduce" else None)
-        m.preset_gbs = self.expected_busbw(m)
+        m.preset_gbs = self._expected(m.op, m.size_bytes, grp, m.algo)
         return m
 
     def expected_busbw(self, m: Measurement) -> float | None:
         """The hardware preset for this measurement: fault-free, variation-free links."""
-        key = (m.op, m.size_bytes, tuple(m.members), m.algo)
+        members = tuple(m.members)
+        found = self._expected_cache.get((m.op, m.size_bytes, members, m.algo))
+        if found is not None:
+            return found
+        return self._expected(m.op, m.size_bytes, self._group(members), m.algo)
+
+    def _expected(self, op: str, size: int, grp: _Group, algo: str | None) -> float:
+        key = (op, size, grp.key, algo)
         if key not in self._expected_cache:
-            grp = self._group(m.members)
-            lat, per_byte = self._nominal.op_time(m.op, grp, m.algo)
-            t = lat + per_byte * m.size_bytes
-            self._expected_cache[key] = m.size_bytes / t / 1e9 * busbw_factor(m.op, grp.n)
+            lat, per_byte = self._nominal.op_time(op, grp, algo)
+            t = lat + per_byte * size
+            self._expected_cache[key] = size / t / 1e9 * busbw_factor(op, grp.n)
         return self._expected_cache[key]
 
 
