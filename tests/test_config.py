@@ -1,5 +1,7 @@
 """Settings: one object from RINGWATCH_* variables; placeholder secrets refused outside the demo."""
 
+import os
+
 import pytest
 
 from services.analyzer.evidence import CusumPolicy
@@ -40,3 +42,20 @@ def test_bad_settings_are_refused(monkeypatch) -> None:
     monkeypatch.setenv("RINGWATCH_HYSTERESIS_K_BAD", "5")
     with pytest.raises(ValueError, match="k_bad"):
         Settings().hysteresis()
+
+
+def test_default_thresholds_are_the_settings_defaults(monkeypatch) -> None:
+    """What a check on defaults uses without building Settings (services.config) is what
+    Settings gives when no RINGWATCH_* variable is set."""
+    from services.check import CheckBudget
+    from services.config import default_thresholds, settings_in_environment
+
+    for name in [k for k in os.environ if k.lower().startswith("ringwatch_")]:
+        monkeypatch.delenv(name)
+    assert not settings_in_environment()
+    for backend in ("sim", "gloo", "nccl"):
+        assert default_thresholds(backend) == Settings().thresholds(backend)
+    assert CheckBudget() == CheckBudget.from_settings(Settings())
+    # Settings matches variables in any case; so must the test for whether one is set.
+    monkeypatch.setenv("ringwatch_rated_floor", "0.3")
+    assert settings_in_environment() and Settings().rated_floor == 0.3

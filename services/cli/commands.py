@@ -1,7 +1,8 @@
 """The ``ringwatch`` subcommands. Each returns the process exit code.
 
 Each imports what it needs inside itself, so starting the CLI stays light: no command
-loads torch or Ray unless its backend does (gloo, nccl, --local, --address)."""
+loads torch or Ray unless its backend does (gloo, nccl, --local, --address), nor httpx
+unless it asks the API, nor pydantic for a sim check with no RINGWATCH_* variable set."""
 
 from __future__ import annotations
 
@@ -9,21 +10,24 @@ import argparse
 import json
 import os
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
 from contextlib import closing
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from agents.spec import node_order
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
 from services.cli.output import print_json, print_tokens, print_verdict
-from services.config import get_settings
+from services.config import default_thresholds, get_settings, settings_in_environment
+
+if TYPE_CHECKING:
+    import httpx
+
+    from services.analyzer.assess import Thresholds
+    from services.check import CheckBudget
+    from services.config import Settings
 
 # Progress lines that the next one replaces on a terminal: a check's rounds, a wait.
 _TRANSIENT = re.compile(r"^(?:\S+ )?(?:\S+ )?(?:job )?round \d+|.*waiting for a scheduler")
@@ -265,6 +269,8 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    import socket
+
     from services.check import CheckBudget
     from services.scheduler.api_client import SchedulerApi
     from services.scheduler.cycle import Rotation, run_scheduler
@@ -322,17 +328,16 @@ def _fleet_id(backend: Any) -> str:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from services.check import CheckBudget
     from services.scheduler.cycle import run_cycle
     from services.scheduler.probe_table import format_table
 
-    settings = get_settings()
+    settings = _check_settings()
     options = _probe_options(args)
     with closing(make_backend(args, progress)) as backend:
         _fits(options, backend)
-        cycle = run_cycle(backend, options, progress=progress,
-                          thresholds=settings.thresholds(backend.name),
-                          budget=CheckBudget.from_settings(settings))
+        thresholds, budget = _check_config(settings, backend.name)
+        cycle = run_cycle(backend, options, progress=progress, thresholds=thresholds,
+                          budget=budget)
     progress.end()
     if args.json:
         print_json({"backend": cycle.backend,
@@ -350,6 +355,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
+    import subprocess
+
     from agents.collectives import check_redop, preset_sizes
     from agents.spec import OPS, redop_for
     from services.selftest import nccl_tests, report
@@ -429,9 +436,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         raise CliError("--nodes is empty")
     if has_backend(args):
         from agents.workloads import LayoutError
-        from services.check import CheckBudget, run_check
+        from services.check import run_check
 
-        settings = get_settings()
+        settings = _check_settings()
         job = _job_layout(args)
         started = time.monotonic()
         with closing(make_backend(args, progress)) as backend:
@@ -439,9 +446,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             unknown = sorted(set(nodes or []) - known, key=node_order)
             if unknown:
                 raise CliError(f"unknown node(s): {', '.join(unknown)}")
+            thresholds, budget = _check_config(settings, backend.name)
             try:
-                verdict = run_check(backend, nodes, thresholds=settings.thresholds(backend.name),
-                                    budget=CheckBudget.from_settings(settings),
+                verdict = run_check(backend, nodes, thresholds=thresholds, budget=budget,
                                     profile=args.profile, job=job, progress=progress,
                                     label="preflight round").verdict()
             except LayoutError as exc:
@@ -458,6 +465,21 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     progress.end()
     print_verdict(verdict, args.json)
     return 0 if verdict["healthy"] else 1
+
+
+def _check_settings() -> Settings | None:
+    """Settings for a check run in this process; None where no RINGWATCH_* variable is set,
+    so that a check on the defaults does not load pydantic."""
+    return get_settings() if settings_in_environment() else None
+
+
+def _check_config(settings: Settings | None, backend: str) -> tuple[Thresholds, CheckBudget]:
+    """The thresholds and budget of a check on ``backend``."""
+    from services.check import CheckBudget
+
+    if settings is None:
+        return default_thresholds(backend), CheckBudget()
+    return settings.thresholds(backend), CheckBudget.from_settings(settings)
 
 
 def _job_layout(args: argparse.Namespace):
@@ -487,6 +509,8 @@ def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
                    confirm: bool = False, workload: dict[str, Any] | None = None) -> dict[str, Any]:
     """Ask the API; while a scheduler probes, poll with progress until the verdict is in.
     ``workload``: the profile and the job's tp/pp/dp (a scheduler then always probes)."""
+    import httpx
+
     settings = get_settings()
     _require_reader_token(settings)
     headers = {"Authorization": f"Bearer {settings.token}"}
@@ -508,6 +532,8 @@ def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
 
 
 def _api_call(client: httpx.Client, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    import httpx
+
     try:
         resp = client.request(method, path, **kw)
     except httpx.HTTPError as exc:
@@ -526,6 +552,8 @@ def _api_message(resp: httpx.Response) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
     from services.cli import status
 
     settings = get_settings()
@@ -583,6 +611,8 @@ def _read_rank_table(path: str) -> list:
 
 def _api_rankmap_check(entries: list) -> dict[str, Any] | None:
     """The full check from the API at RINGWATCH_API_URL; None when no API answers there."""
+    import httpx
+
     from services.rankmap import checks
 
     settings = get_settings()

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.spec import (
     Finding,
@@ -33,8 +33,10 @@ from agents.workloads import JobLayout, LayoutError
 from services.analyzer.assess import LinkKey, Thresholds
 from services.check import CheckBudget, ProbeSpec, run_check
 from services.check.planner import layout_of
-from services.scheduler.api_client import SchedulerApi
-from services.scheduler.shipper import Shipper
+
+if TYPE_CHECKING:  # httpx under both: `ringwatch probe --fabric` sends nothing
+    from services.scheduler.api_client import SchedulerApi
+    from services.scheduler.shipper import Shipper
 
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)

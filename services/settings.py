@@ -1,0 +1,176 @@
+"""``Settings``: every ringwatch process's settings, read from ``RINGWATCH_*`` variables.
+Apart from ``services.config`` (which re-exports it) so that the constants and
+``get_settings`` load without pydantic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from services.analyzer.evidence import CusumPolicy
+from services.analyzer.hysteresis import Policy
+from services.config import (
+    CHECK_MAX_FABRIC_S,
+    CHECK_MAX_ROUNDS,
+    CHECK_MAX_WALL_S,
+    ENV_PREFIX,
+    PLACEHOLDER_SECRET,
+    RATED_FLOOR,
+    STATE_DIR,
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    # Empty: start an embedded Postgres under STATE_DIR (the demo and the tests).
+    database_url: str = ""
+    api_url: str = "http://127.0.0.1:8420"
+    # Token the scheduler and CLI present to the API.
+    token: str = ""
+    # Token created at start-up with the admin role when the table is empty (bootstrap).
+    bootstrap_admin_token: str = ""
+    probe_interval_s: float = Field(default=300.0, gt=0)
+    # The most of any GPU's time scheduled probing may take; stretches the interval.
+    max_duty_cycle: float = Field(default=0.005, gt=0, le=1)
+    state_dir: Path = STATE_DIR
+    # Webhook delivery: retries with exponential backoff up to this age.
+    webhook_max_age_s: float = Field(default=24 * 3600.0, gt=0)
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    notifier_poll_s: float = Field(default=1.0, gt=0)
+    # Analyzer: busbw below this fraction of its expectation is degraded. Unset: the
+    # analyzer's default for the backend (services.analyzer.assess.thresholds_for), the
+    # same for monitoring and preflight.
+    degraded_ratio: float | None = Field(default=None, gt=0, lt=1)
+    # Below this share of its hardware profile's rated busbw a link is degraded even when
+    # every peer is as slow (agents.profiles; docs/profiles.md).
+    rated_floor: float = Field(default=RATED_FLOOR, gt=0, lt=1)
+    # Hysteresis of incidents: k bad of the last n cycles open one, m good in a row close
+    # it. Defaults: services.analyzer.hysteresis.Policy (the one place they are defined).
+    hysteresis_k_bad: int = Field(default=Policy.k_bad, ge=1)
+    hysteresis_n_window: int = Field(default=Policy.n_window, ge=1)
+    hysteresis_m_good: int = Field(default=Policy.m_good, ge=1)
+    # Slow drift: each place's one-sided CUSUM, in sigmas, opens a finding past the
+    # threshold (h); the slack (k) is half the loss (in sigmas) it is tuned to find. Defaults:
+    # services.analyzer.evidence.CusumPolicy (docs/analysis.md, "Slow drift").
+    drift_threshold: float = Field(default=CusumPolicy.threshold, gt=0)
+    drift_slack: float = Field(default=CusumPolicy.slack, gt=0)
+    # Weighing a group's repeated measurements (a sequential test per group; on gloo the
+    # plain two-of-two rule instead): the chance one decision calls a healthy link slow, and
+    # misses a loss of ``min_loss``; the least loss worth finding; the most measurements
+    # one decision may take; how far healthy links of one kind differ for good (one sigma,
+    # relative; a run that measures it smaller uses its own figure). Unset: the analyzer's
+    # defaults (services.analyzer.evidence.Weighing; docs/analysis.md, "Weighing evidence").
+    false_alarm: float | None = Field(default=None, gt=0, lt=0.5)
+    miss: float | None = Field(default=None, gt=0, lt=0.5)
+    min_loss: float | None = Field(default=None, gt=0, lt=1)
+    max_repeats: int | None = Field(default=None, ge=1, le=100)
+    link_variation: float | None = Field(default=None, ge=0, lt=0.5)
+    # The largest request body the API reads (a 1024 x 8 cycle's batch is a few MB).
+    max_body_bytes: int = Field(default=64 << 20, ge=1024)
+    # Backpressure: batches stored at once, how long another waits for a turn before a 503
+    # with Retry-After, and the most measurements one batch may carry (413 beyond).
+    max_concurrent_ingests: int = Field(default=2, ge=1)
+    ingest_wait_s: float = Field(default=10.0, ge=0)
+    max_batch_measurements: int = Field(default=200_000, ge=1)
+    # Nodes one batch may create, and nodes the fleet may hold in all (413 / 422 beyond):
+    # one token cannot grow the node table, and every read over it, without bound.
+    max_new_nodes_per_batch: int = Field(default=8192, ge=1)
+    max_nodes: int = Field(default=16384, ge=1)
+    # Days each resolution of the time series is kept: raw probes, hourly and daily rollups.
+    retention_raw_days: float = Field(default=14.0, gt=0)
+    retention_hourly_days: float = Field(default=90.0, gt=0)
+    retention_daily_days: float = Field(default=730.0, gt=0)
+    # Seconds between maintenance passes in `ringwatch serve` (partitions, rollups,
+    # retention); 0 leaves them to `ringwatch maintain`.
+    maintenance_interval_s: float = Field(default=60.0, ge=0)
+    # Tokens made without an expiry of their own (and the bootstrap token) live this many
+    # days; 0: they never expire.
+    token_ttl_days: float = Field(default=365.0, ge=0)
+    # Measurement times further ahead of the server's clock than this are refused (422):
+    # they would pin "latest" and open partitions for days that have not come.
+    max_clock_skew_s: float = Field(default=600.0, gt=0)
+    # Preflight requests one token may have waiting for a scheduler at once (429 beyond).
+    max_pending_preflights_per_token: int = Field(default=16, ge=1)
+    # The budget of one check (preflight or monitoring cycle); docs/analysis.md, "Budget".
+    check_max_rounds: int = Field(default=CHECK_MAX_ROUNDS, ge=1)
+    check_max_fabric_s: float = Field(default=CHECK_MAX_FABRIC_S, gt=0)
+    check_max_wall_s: float = Field(default=CHECK_MAX_WALL_S, gt=0)
+    # Callers waiting on ?wait= at once, across all tokens (each is an asyncio event, not a thread).
+    max_waiting_preflights: int = Field(default=1024, ge=1)
+    # /metrics: seconds one rendered scrape is served again (many scrapers, one scan; 0:
+    # every scrape reads the database), and whether it needs a token (any valid one).
+    metrics_cache_s: float = Field(default=10.0, ge=0)
+    metrics_token_required: bool = False
+    # Per-link series cover links read within this many seconds, and every link that is not
+    # ok (0: every link; the rotation leaves a row for each node pair it ever probed).
+    metrics_link_max_age_s: float = Field(default=3600.0, ge=0)
+    # GET /v1/fleet/pairs sends the whole node-pair map up to this many nodes (n(n-1)/2
+    # bytes: 8 MiB at 4096), beyond it 422 and the map in tiles of at most this many rows
+    # by as many columns (docs/scale.md, "Node-pair map bounds").
+    max_pair_map_nodes: int = Field(default=4096, ge=2)
+    # Webhooks. The key their secrets are encrypted with at rest: a Fernet key, or a
+    # passphrase of 16+ characters a key is derived from (docs/webhooks.md). The networks a
+    # webhook may reach although they are loopback, link-local or private: CIDRs, as a JSON
+    # list or comma-separated. Deliveries one notifier sends at once (different webhooks go
+    # out side by side, so a stalled receiver holds up only its own).
+    secret_key: SecretStr = SecretStr("")
+    webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webhook_concurrency: int = Field(default=8, ge=1, le=256)
+
+    @field_validator("webhook_allowed_networks", mode="before")
+    @classmethod
+    def _networks(cls, value: object) -> list[str]:
+        import ipaddress
+        import json
+
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else [v for v in text.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ValueError("a list of CIDRs (JSON) or CIDRs separated by commas")
+        return [str(ipaddress.ip_network(str(v).strip(), strict=False)) for v in value]
+
+    demo: bool = False
+
+    def retention(self):  # -> services.store.timeseries.Retention
+        from services.store.timeseries import Retention
+
+        return Retention(self.retention_raw_days, self.retention_hourly_days,
+                         self.retention_daily_days)
+
+    def hysteresis(self) -> Policy:
+        return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)
+
+    def drift(self) -> CusumPolicy:
+        return CusumPolicy(slack=self.drift_slack, threshold=self.drift_threshold)
+
+    def thresholds(self, backend: str):  # -> services.analyzer.assess.Thresholds
+        """The judgement's thresholds for results from ``backend``."""
+        from dataclasses import replace
+
+        from services.analyzer.assess import thresholds_for
+
+        t = replace(thresholds_for(backend), rated_floor=self.rated_floor)
+        weighing: dict[str, Any] = {name: value for name, value in (
+            ("false_alarm", self.false_alarm), ("miss", self.miss), ("min_loss", self.min_loss),
+            ("max_repeats", self.max_repeats), ("variation_prior", self.link_variation))
+            if value is not None}
+        if weighing:
+            t = replace(t, weighing=replace(t.weighing, **weighing))
+        return t if self.degraded_ratio is None else replace(t, degraded_ratio=self.degraded_ratio)
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+    def check_secrets(self) -> None:
+        """Refuse placeholder secrets outside the demo."""
+        if self.demo:
+            return
+        for name in ("token", "bootstrap_admin_token"):
+            if getattr(self, name) == PLACEHOLDER_SECRET:
+                raise ValueError(f"RINGWATCH_{name.upper()} is the placeholder {PLACEHOLDER_SECRET!r}")
