@@ -81,8 +81,10 @@ def member(node: str, local_index: int) -> str:
     return f"{node}/{local_index}"
 
 
+@lru_cache(maxsize=1 << 17)
 def split_member(name: str) -> tuple[str, int]:
-    """``"node-001/3"`` -> ``("node-001", 3)``; ValueError on anything else."""
+    """``"node-001/3"`` -> ``("node-001", 3)``; ValueError on anything else. Kept per name:
+    a check reads the same ranks' names in every group and judgement."""
     m = _MEMBER.match(name)
     if m is None:
         raise ValueError(f"member {name!r} is not NODE/LOCAL_INDEX")

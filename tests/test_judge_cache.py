@@ -30,7 +30,15 @@ def seen(j: Judgement) -> tuple:
     return assessed, decisions, [f.to_dict() for f in j.findings]
 
 
-def test_a_cached_judgement_is_the_fresh_one_after_every_round(monkeypatch):
+def shortfall(seed: int) -> dict:
+    """A fleet whose network runs at 60 % of its rating, one node's NIC at half of that:
+    most measurements are explained by the fleet's shortfall, round after round."""
+    return {"nodes": 12, "gpus_per_node": 8, "gpu": "H100-SXM", "net_gbs": 30, "noise": 0.03,
+            "seed": seed, "faults": [{"kind": "nic", "node": "node-005", "factor": 0.5}]}
+
+
+@pytest.mark.parametrize("make", [scenario, shortfall], ids=["faults", "shortfall"])
+def test_a_cached_judgement_is_the_fresh_one_after_every_round(monkeypatch, make):
     real = loop.judge
     compared = []
 
@@ -42,11 +50,15 @@ def test_a_cached_judgement_is_the_fresh_one_after_every_round(monkeypatch):
         return cached
 
     monkeypatch.setattr(loop, "judge", both)
-    verdict = run_check(SimBackend(scenario(5))).verdict()
+    verdict = run_check(SimBackend(make(5))).verdict()
     # Many rounds, and the faults found: the comparison ran over a whole check.
-    assert len(compared) == verdict["rounds"] >= 20
+    assert len(compared) == verdict["rounds"] >= 5
     assert compared == sorted(compared)
-    assert {f["kind"] for f in verdict["findings"]} >= {"nic_degraded", "nvlink_degraded"}
+    kinds = {f["kind"] for f in verdict["findings"]}
+    if make is scenario:
+        assert verdict["rounds"] >= 20 and kinds >= {"nic_degraded", "nvlink_degraded"}
+    else:
+        assert kinds == {"fabric_below_rated", "nic_degraded"}
 
 
 def test_a_list_that_does_not_extend_the_last_one_is_judged_afresh():

@@ -189,7 +189,7 @@ def _verdict(scope, members, bad, old=None, ratio=None):
     a = (Assessment(m, 1.0, 0.5 if bad else 1.0, bad, "peers") if ratio is None
          else Assessment(m, 1.0, ratio, False, "peers", variation=0.03))
     v.by_op.setdefault("alltoall", []).append(a)
-    v._decisions = None  # weighed again with the new measurement, as a fresh judgement does
+    v.reweigh()  # weighed again with the new measurement, as a fresh judgement does
     return v
 
 
@@ -411,7 +411,7 @@ def test_a_provisional_slow_pair_is_measured_again_though_its_node_is_blamed():
     other = _verdict("gpu_pair", ["node-000/2", "node-000/3"], bad=False)
     other.by_op["alltoall"][0] = Assessment(other.by_op["alltoall"][0].measurement, 1.0, 0.945,
                                             False, "peers")
-    other._decisions = None
+    other.reweigh()
     verdicts = {(v.scope, v.members): v for v in (slow, other)}
     assert slow.provisional and other.decisions["alltoall"].decision == "undecided"
     again = planner._repeats(verdicts, {"node-000"})

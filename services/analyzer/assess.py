@@ -15,7 +15,7 @@ from statistics import NormalDist
 import numpy as np
 
 from agents.spec import Measurement, group_nodes
-from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, pooled_noise
+from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, noise_terms, stepped
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]
@@ -31,8 +31,9 @@ class Thresholds:
 
     degraded_ratio: float = 0.7
     critical_ratio: float = 0.5
-    # Fewer peers than this and the peer source is not used.
-    min_peers: int = 1
+    # Fewer peers than this and the peer source is not used: one peer is one noisy reading,
+    # not a centre (a two-node fleet's intra-node groups are judged by the hardware model).
+    min_peers: int = 2
     # A high quantile: in a small fleet the median of the peers can itself be faulty.
     peer_quantile: float = 0.75
     # From this many peers on, their median: one faulty peer in eight can no longer move
@@ -261,46 +262,88 @@ def node_weights(groups: Sequence[tuple[str, ...]]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PeerCentre:
-    """What a measurement's peers say: their centre, their relative spread, how many."""
+    """What a measurement's peers say: their centre, their relative spread, and the
+    centre's own relative standard error (the spread over the root of how many peers,
+    ``evidence.stepped``: a kind that gained a few groups keeps the same centre)."""
 
     value: float
     spread: float
-    count: int
+    se: float
 
 
-def _centres(measurements: Sequence[Measurement], groups: Mapping[tuple[str, ...], list[int]],
-             t: Thresholds) -> list[PeerCentre | None]:
-    """The peer centre of each group of one peer key (``groups``: each group's measurement
-    indices), in ``groups``' order."""
-    if len(groups) - 1 < max(t.min_peers, 1):
-        return [None] * len(groups)
-    idx = list(groups.values())
-    values = np.array([_group_value([measurements[i].busbw_gbs for i in ix]) for ix in idx])
+@dataclass
+class KindGroups:
+    """The groups of one peer key as ``_centres`` reads them, kept while they grow: each
+    group's value over its repeats and its noise terms (worked out again only for a group
+    that got a measurement), and the node weights (again only when a group joined)."""
+
+    sizes: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    noise_ss: list[float] = field(default_factory=list)
+    noise_dof: list[int] = field(default_factory=list)
+    weights: np.ndarray = field(default_factory=lambda: np.empty(0))
+
+    def update(self, measurements: Sequence[Measurement],
+               groups: Mapping[tuple[str, ...], list[int]]) -> None:
+        """Take in ``groups`` (each group's measurement indices, in the order they joined)."""
+        joined = len(groups) != len(self.sizes)
+        for j, ix in enumerate(groups.values()):
+            if j < len(self.sizes) and self.sizes[j] == len(ix):
+                continue
+            busbw = [measurements[i].busbw_gbs for i in ix]
+            ss, dof = noise_terms(busbw)
+            if j < len(self.sizes):
+                self.sizes[j], self.values[j] = len(ix), _group_value(busbw)
+                self.noise_ss[j], self.noise_dof[j] = ss, dof
+            else:
+                self.sizes.append(len(ix))
+                self.values.append(_group_value(busbw))
+                self.noise_ss.append(ss)
+                self.noise_dof.append(dof)
+        if joined:
+            self.weights = node_weights(list(groups))
+
+    def noise(self, min_pairs: int = 8) -> float | None:
+        """The per-measurement relative noise, pooled over the groups measured more than once
+        (``evidence.noise_terms``); None with fewer than ``min_pairs`` degrees of freedom."""
+        dof = sum(self.noise_dof)
+        return math.sqrt(sum(self.noise_ss) / dof) if dof >= min_pairs else None
+
+
+def _centres(kind: KindGroups, t: Thresholds) -> list[PeerCentre | None]:
+    """The peer centre of each group of one peer key, in the order the groups joined."""
+    if len(kind.sizes) - 1 < max(t.min_peers, 1):
+        return [None] * len(kind.sizes)
+    idx = kind.sizes
+    values = np.array(kind.values)
     spread = _relative_spread(values)
-    weights = node_weights(list(groups))
+    weights = kind.weights
     if len(idx) - 1 < t.median_peers:
         q = t.peer_quantile
         centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
                    else weighted_leave_one_out_quantile(values, weights, q))
-        return [PeerCentre(float(e), spread, len(idx) - 1) if np.isfinite(e) and e > 0 else None
-                for e in centres]
+        return _peer_centres(centres, spread, len(idx) - 1)
     # Each group's mean is off its centre by its lasting offset and the noise of its
     # repeats; the noise is measured where groups were repeated, else the peers' spread
     # stands in for it (wider: a group is then taken as healthy more readily).
-    noise = pooled_noise([[measurements[i].busbw_gbs for i in ix] for ix in idx])
-    noise = max(noise if noise is not None else spread, t.weighing.min_noise)
-    n = np.array([len(ix) for ix in idx], dtype=float)
+    noise = kind.noise()
+    noise = max(stepped(noise) if noise is not None else spread, t.weighing.min_noise)
+    n = np.array(idx, dtype=float)
     sd = np.sqrt(t.weighing.variation_prior ** 2 + noise ** 2 / n)
     centres, healthy_spread, healthy = healthy_centres(values, weights, sd, t.weighing.min_loss)
     if healthy < (1.0 - MEDIAN_SLOW_SHARE) * len(idx):
-        return [PeerCentre(float(e), healthy_spread, max(healthy - 1, 1))
-                if np.isfinite(e) and e > 0 else None for e in centres]
+        return _peer_centres(centres, stepped(healthy_spread), max(healthy - 1, 1))
     # Few slow groups: the median of them all is robust to them, and it is what a large
     # fleet's thousands of decisions were tuned against (the mixture, which leaves out the
     # far tail of the noise too, sat a few tenths of a percent higher there).
     centres = weighted_leave_one_out_quantile(values, weights, 0.5)
-    return [PeerCentre(float(e), spread, len(idx) - 1) if np.isfinite(e) and e > 0 else None
-            for e in centres]
+    return _peer_centres(centres, spread, len(idx) - 1)
+
+
+def _peer_centres(centres: np.ndarray, spread: float, count: int) -> list[PeerCentre | None]:
+    se = stepped(MEDIAN_SE * spread / math.sqrt(max(count, 1)))
+    return [PeerCentre(e, spread, se) if math.isfinite(e) and e > 0 else None
+            for e in centres.tolist()]
 
 
 def _group_value(busbw: list[float]) -> float:
@@ -311,11 +354,12 @@ def _group_value(busbw: list[float]) -> float:
 
 
 def _relative_spread(values: np.ndarray) -> float:
-    """MAD of the log values, scaled to a standard deviation: robust to a few slow peers."""
+    """MAD of the log values, scaled to a standard deviation: robust to a few slow peers
+    (``evidence.stepped``)."""
     logs = np.log(values[values > 0])
     if logs.size < 2:
         return 0.0
-    return float(MAD_TO_SIGMA * np.median(np.abs(logs - np.median(logs))))
+    return stepped(float(MAD_TO_SIGMA * np.median(np.abs(logs - np.median(logs)))))
 
 
 # A hardware figure is reached by healthy links to within about this (relative, one sigma):
@@ -362,7 +406,7 @@ def _choose(peer: PeerCentre | None, own: Baseline | None, preset: float | None,
         if peer is None or own.median >= peer.value * (1 - w.band_z * w.variation_prior):
             chosen = Chosen(own.median, "history", spread, centre_se)
     if chosen is None and peer is not None:
-        se = MEDIAN_SE * peer.spread / math.sqrt(max(peer.count, 1))
+        se = peer.se
         if preset is not None and preset > 0 and abs(math.log(peer.value / preset)) <= (
                 w.band_z * PRESET_VARIATION):
             # The hardware model agrees with the peers: the centre is known at least as well
@@ -425,6 +469,7 @@ class AssessCache:
     # Peer keys that got a measurement since their centres were worked out.
     stale: set[PeerKey] = field(default_factory=set)
     centres: dict[PeerKey, dict[tuple[str, ...], PeerCentre | None]] = field(default_factory=dict)
+    kinds: dict[PeerKey, KindGroups] = field(default_factory=dict)
     largest: dict[tuple[str, str, tuple[str, ...]], int] = field(default_factory=dict)
     shares: dict[tuple[str, int, str], list[float]] = field(
         default_factory=lambda: defaultdict(list))
@@ -484,13 +529,20 @@ class AssessCache:
 
     def refresh_centres(self, t: Thresholds) -> None:
         """The peer centres (``_centres``) of the kinds that got a measurement since they
-        were worked out; their measurements are to be assessed again."""
+        were worked out; the measurements of groups whose centre moved are to be assessed
+        again."""
         ms = self.measurements
         for key in self.stale:
             groups = self.groups[key]
-            self.centres[key] = dict(zip(groups, _centres(ms, groups, t), strict=True))
-            for ix in groups.values():
-                self.dirty.update(ix)
+            kind = self.kinds.setdefault(key, KindGroups())
+            kind.update(ms, groups)
+            old = self.centres.get(key, {})
+            new = self.centres[key] = dict(zip(groups, _centres(kind, t), strict=True))
+            for group, ix in groups.items():
+                # A group whose centre did not move keeps its assessments (its new
+                # measurements are dirty already).
+                if group not in old or old[group] != new[group]:
+                    self.dirty.update(ix)
         self.stale.clear()
 
     def path_efficiency(self) -> dict[tuple[str, int, str], float]:
@@ -534,6 +586,10 @@ def assess(
             continue
         a = _assessment(m, t, _choose(peer, c.normals[i], preset, t, union), is_judged)
         if i < len(c.made):
+            # New inputs, the same assessment (a peer count that grew, a centre that did not
+            # move): the same object, so that its group is not folded and weighed again.
+            if c.made[i][1] == a:
+                a = c.made[i][1]
             c.made[i] = (inputs, a)
         else:
             c.made.append((inputs, a))

@@ -24,11 +24,11 @@ from services.analyzer.inventory import inventory_findings
 from services.analyzer.localize import (
     GroupKey,
     GroupVerdict,
-    SummaryCache,
+    VerdictCache,
     group_verdicts,
     localize,
 )
-from services.analyzer.shortfall import fleet_shortfall
+from services.analyzer.shortfall import Explained, fleet_shortfall
 
 
 def preset_of(m: Measurement) -> float | None:
@@ -40,12 +40,13 @@ def preset_of(m: Measurement) -> float | None:
 class JudgeCache:
     """What ``judge`` keeps between calls on a list of measurements that only grows (a
     check judging everything again after every round): each measurement's assessment
-    (``AssessCache``) and each group's summary of its assessments (``OpSummary``). Only
-    what the new measurements change is worked out again; the judgement is the same as
-    without it."""
+    (``AssessCache``), the copies a fleet-wide shortfall explains (``Explained``) and each
+    group's verdict (``VerdictCache``). Only what the new measurements change is worked
+    out again; the judgement is the same as without it."""
 
     assess: AssessCache = field(default_factory=AssessCache)
-    summaries: SummaryCache = field(default_factory=dict)
+    verdicts: VerdictCache = field(default_factory=VerdictCache)
+    explained: Explained = field(default_factory=dict)
     # The inventory's findings of the ranks last judged (a check's ranks do not change
     # between rounds), under the identities of those rank objects.
     inventory: tuple[tuple[int, ...], list[Finding]] | None = None
@@ -96,9 +97,10 @@ def judge(
     assessed = assess(list(measurements), thresholds, expected or preset_of, history,
                       cache.assess if cache is not None else None)
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
-    assessments, fleet = fleet_shortfall(assessed, thresholds.degraded_ratio)
+    assessments, fleet = fleet_shortfall(assessed, thresholds.degraded_ratio,
+                                         cache.explained if cache is not None else None)
     verdicts = group_verdicts(assessments, thresholds.weighing,
-                              cache.summaries if cache is not None else None)
+                              cache.verdicts if cache is not None else None)
     findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)
     wanted = set(nodes)
     inventory = (cache.inventory_of(rank_list) if cache is not None

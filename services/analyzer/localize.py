@@ -12,8 +12,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from typing import NamedTuple
+from functools import cached_property, lru_cache
+from typing import NamedTuple, TypeVar
 
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, node_order, split_member
 from services.analyzer.assess import Assessment, PeerKey, peer_key, series_op, spans_paths
@@ -24,6 +24,7 @@ from services.analyzer.evidence import (
     Weighing,
     by_majority,
     noise_terms,
+    stepped,
     unconfirmed,
     weigh_log_mean,
     weigh_mean,
@@ -38,6 +39,7 @@ NIC_BAD_SHARE = 0.75
 NIC_BAD_SHARE_SECOND = 0.6
 
 GroupKey = tuple[str, tuple[str, ...]]
+K = TypeVar("K")
 # A kind's between-group variation is measured from at least this many groups' first
 # measurements; the variance of a MAD-based estimate is 1 / 0.37 of a plain one's.
 MIN_VARIATION_GROUPS = 30
@@ -94,13 +96,16 @@ def summarize(items: list[Assessment]) -> OpSummary:
 # Per group and op, its summary: kept by a caller that judges a growing list of
 # measurements again and again (``group_verdicts``' ``cache``).
 SummaryCache = dict[tuple[str, tuple[str, ...], str], OpSummary]
+# NIC decisions pooled over a set of node-pair verdicts, under those verdicts.
+Pooled = dict[tuple["GroupVerdict", ...], Decision | None]
 
 
-@dataclass
+@dataclass(eq=False)
 class GroupVerdict:
     """Every judged measurement of one group of ranks (possibly over several rounds), and
     the weighing of them: per op a sequential test (``evidence.weigh``) decides degraded,
-    healthy, or not yet."""
+    healthy, or not yet. Compared and hashed by identity: a judgement's verdicts key the
+    NIC decisions pooled over them."""
 
     scope: str
     members: tuple[str, ...]
@@ -119,8 +124,7 @@ class GroupVerdict:
     _checked: dict[str, OpSummary] = field(default_factory=dict, repr=False)
     # Shared by the verdicts of one judgement: NIC decisions pooled over a set of them
     # (``_pooled``), asked for again by each pass of the NIC and path rules.
-    _pooled: dict[tuple[int, ...], tuple[tuple[GroupVerdict, ...], Decision | None]] = field(
-        default_factory=dict, repr=False)
+    _pooled: Pooled = field(default_factory=dict, repr=False)
 
     @property
     def decisions(self) -> dict[str, Decision]:
@@ -188,12 +192,14 @@ class GroupVerdict:
             return self.variation.get(peer_key(s.live[0].measurement), s.variation)
         return s.variation
 
-    @property
+    # What is read of the decisions is kept once read: the NIC, path and plan rules ask it
+    # of every group again and again (``reweigh`` forgets it).
+    @cached_property
     def bad(self) -> bool:
         """Decided slow for some op."""
         return any(d.degraded for d in self.decisions.values())
 
-    @property
+    @cached_property
     def cleared(self) -> bool:
         """Decided healthy for every op it ran, or explained whole by a fleet-wide
         shortfall (decided by that finding: nothing of it is left to localize)."""
@@ -201,11 +207,19 @@ class GroupVerdict:
             return self.explained
         return all(d.cleared for d in self.decisions.values())
 
-    @property
+    @cached_property
     def explained(self) -> bool:
         """Every measurement of it is explained by a fleet-wide shortfall."""
         return bool(self.by_op) and all(a.explained for items in self.by_op.values()
                                         for a in items)
+
+    def reweigh(self) -> None:
+        """Forget what was worked out of its assessments, after they changed in place."""
+        self._decisions = None
+        self._pair_means.clear()
+        self._checked.clear()
+        for name in ("bad", "cleared", "explained", "provisional", "pending_ops"):
+            self.__dict__.pop(name, None)
 
     @property
     def suspect(self) -> bool:
@@ -213,13 +227,13 @@ class GroupVerdict:
         cleared)."""
         return not self.cleared
 
-    @property
+    @cached_property
     def provisional(self) -> bool:
         """Slow on one measurement only: decided, but to be measured again."""
         ds = self.decisions.values()
         return any(d.degraded for d in ds) and all(d.provisional for d in ds if d.degraded)
 
-    @property
+    @cached_property
     def pending_ops(self) -> tuple[str, ...]:
         """Ops still undecided with repeats left: what a repeat of this group measures."""
         ds = self.decisions
@@ -260,32 +274,145 @@ def _nodes_of(members: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted({split_member(x)[0] for x in members}))
 
 
+# One op of one group's part of the run's noise: its op, squared deviations, degrees of
+# freedom (``OpSummary.noise_ss``); and its first reading against its peers: its kind,
+# log ratio and the centre's error (``measured_variation``).
+NoiseTerm = tuple[str, float, int]
+FirstReading = tuple[PeerKey, float, float]
+
+
+@dataclass
+class VerdictCache:
+    """What ``group_verdicts`` keeps between calls on a list of assessments that only grows
+    (a check's, judged again after every round; ``assess`` hands back the same object for
+    a measurement whose assessment did not change). Only the groups with a new or changed
+    assessment are folded again; a group whose assessments and estimates (noise,
+    variation) are the ones it was last weighed under keeps its verdict, and with it its
+    decisions and the NIC decisions pooled over it. The verdicts are the same as without
+    it."""
+
+    weighing: Weighing | None = None
+    summaries: SummaryCache = field(default_factory=dict)
+    # The assessments last folded; per index its group and op, and whether it is judged.
+    last: list[Assessment] = field(default_factory=list)
+    slots: list[tuple[GroupKey, str]] = field(default_factory=list)
+    placed: list[bool] = field(default_factory=list)
+    # Per group and op, the indices of its assessments, ascending.
+    indices: dict[GroupKey, dict[str, list[int]]] = field(default_factory=dict)
+    # Per group its judged assessments by op, and the index of its first.
+    by_group: dict[GroupKey, dict[str, list[Assessment]]] = field(default_factory=dict)
+    first: dict[GroupKey, int] = field(default_factory=dict)
+    terms: dict[tuple[GroupKey, str], NoiseTerm] = field(default_factory=dict)
+    firsts: dict[tuple[GroupKey, str], FirstReading] = field(default_factory=dict)
+    noise: dict[str, float] = field(default_factory=dict)
+    variation: dict[PeerKey, float] = field(default_factory=dict)
+    verdicts: dict[GroupKey, GroupVerdict] = field(default_factory=dict)
+    pooled: Pooled = field(default_factory=dict)
+
+    def changes(self, items: list[Assessment]) -> list[int] | None:
+        """The indices of ``items`` not folded yet, where it is the last list grown or with
+        some assessments made again; None where it is another list."""
+        n = len(self.last)
+        if len(items) < n:
+            return None
+        changed = [i for i, (a, b) in enumerate(zip(items[:n], self.last, strict=True))
+                   if a is not b]
+        if any(items[i].measurement is not self.last[i].measurement for i in changed):
+            return None
+        return changed + list(range(n, len(items)))
+
+    def fold(self, items: list[Assessment], changed: list[int]) -> set[GroupKey]:
+        """Take in ``items`` at the ``changed`` indices: the groups whose judged
+        assessments changed."""
+        n = len(self.last)
+        touched: set[GroupKey] = set()
+        for i in changed:
+            a = items[i]
+            if i >= n:
+                m = a.measurement
+                key, op = (m.scope, m.group), m.series
+                self.slots.append((key, op))
+                self.placed.append(False)
+                self.indices.setdefault(key, {}).setdefault(op, []).append(i)
+            now = a.judged and a.ratio is not None
+            if now or self.placed[i]:
+                touched.add(self.slots[i][0])
+            self.placed[i] = now
+        self.last = items
+        for key in touched:
+            self._regroup(key, items)
+        return touched
+
+    def _regroup(self, key: GroupKey, items: list[Assessment]) -> None:
+        ops = []
+        for op, ix in self.indices[key].items():
+            kept = [i for i in ix if self.placed[i]]
+            self.terms.pop((key, op), None)
+            self.firsts.pop((key, op), None)
+            if not kept:
+                continue
+            listed = [items[i] for i in kept]
+            ops.append((kept[0], op, listed))
+            s = _summary(self.summaries, key, op, listed)
+            self.terms[(key, op)] = (op, s.noise_ss, s.noise_dof)
+            if (first := _first_reading(s)) is not None:
+                self.firsts[(key, op)] = first
+        if ops:
+            ops.sort(key=lambda x: x[0])
+            self.by_group[key] = {op: listed for _, op, listed in ops}
+            self.first[key] = ops[0][0]
+        else:
+            self.by_group.pop(key, None)
+            self.first.pop(key, None)
+
+
 def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None = None,
-                   cache: SummaryCache | None = None) -> dict[GroupKey, GroupVerdict]:
+                   cache: VerdictCache | None = None) -> dict[GroupKey, GroupVerdict]:
     """Judged assessments folded per group (scope and member set), each weighed with the
-    run's own measured noise. ``cache``: one dict kept across calls on a growing list of
-    measurements (a check's), where each group's ``OpSummary`` is kept; the verdicts are
-    the same without it."""
+    run's own measured noise. ``cache``: one ``VerdictCache`` kept across calls on a
+    growing list of assessments (a check's); the verdicts are the same without it."""
     w = weighing or Weighing()
-    summaries: SummaryCache = cache if cache is not None else {}
+    items = list(assessments)
+    c = cache if cache is not None else VerdictCache()
+    changed = c.changes(items) if c.weighing is w else None
+    if changed is None:
+        vars(c).update(vars(VerdictCache(w)))
+        changed = list(range(len(items)))
+    touched = c.fold(items, changed)
+    noise = noise_of(c.terms.values())
+    variation = variation_of(c.firsts.values(), noise, w)
+    ops = _changed(c.noise, noise)
+    kinds = _changed(c.variation, variation)
     out: dict[GroupKey, GroupVerdict] = {}
-    noise: dict[str, float] = {}
-    variation: dict[PeerKey, float] = {}
-    pooled: dict[tuple[int, ...], tuple[tuple[GroupVerdict, ...], Decision | None]] = {}
-    for a in assessments:
-        m = a.measurement
-        if not a.judged or a.ratio is None:
-            continue
-        members = m.group
-        key = (m.scope, members)
-        if key not in out:
-            out[key] = GroupVerdict(m.scope, members, _nodes_of(members), weighing=w,
-                                    noise=noise, variation=variation, _summaries=summaries,
-                                    _pooled=pooled)
-        out[key].by_op.setdefault(series_op(m), []).append(a)
-    noise.update(measured_noise(out.values()))
-    variation.update(measured_variation(out.values(), noise, w))
+    # In the order of each group's first judged assessment, as a fresh fold finds them.
+    for key in sorted(c.by_group, key=c.first.__getitem__):
+        by_op = c.by_group[key]
+        v = c.verdicts.get(key)
+        if v is None or key in touched or not ops.isdisjoint(by_op) or (kinds and any(
+                peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)):
+            v = GroupVerdict(key[0], key[1], _nodes_of(key[1]), by_op=by_op, weighing=w,
+                             _summaries=c.summaries, _checked={
+                                 op: c.summaries[(key[0], key[1], op)] for op in by_op})
+        v.noise, v.variation = noise, variation
+        out[key] = v
+    alive = {id(v) for v in out.values()}
+    c.pooled = {k: d for k, d in c.pooled.items() if all(id(v) in alive for v in k)}
+    for v in out.values():
+        v._pooled = c.pooled
+    c.noise, c.variation, c.verdicts = noise, variation, out
     return out
+
+
+def _summary(cache: SummaryCache, key: GroupKey, op: str, items: list[Assessment]) -> OpSummary:
+    """``summarize(items)``, from ``cache`` where they are the ones it was made from."""
+    s = cache.get((key[0], key[1], op))
+    if s is None or not s.fits(items):
+        s = cache[(key[0], key[1], op)] = summarize(items)
+    return s
+
+
+def _changed(old: Mapping[K, float], new: Mapping[K, float]) -> set[K]:
+    return {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
 
 
 def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, float],
@@ -315,19 +442,31 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
     low, so the upper side is not bent by them. It is not used to go below the prior: a
     group that runs at its slowest link (an intra-node ring) spreads further below its
     centre than above it."""
-    firsts: dict[PeerKey, list[float]] = defaultdict(list)
+    return variation_of((x for v in verdicts for op in v.by_op
+                         if (x := _first_reading(v.summary(op))) is not None), noise, w)
+
+
+def _first_reading(s: OpSummary) -> FirstReading | None:
+    """A group's first live reading judged against its peers (every group has one, whatever
+    came of it, so no repeat bends the figure)."""
+    live = s.live
+    if not live or live[0].source != "peers" or not live[0].ratio:
+        return None
+    return peer_key(live[0].measurement), math.log(live[0].ratio), live[0].centre_se
+
+
+def variation_of(firsts: Iterable[FirstReading], noise: Mapping[str, float],
+                 w: Weighing) -> dict[PeerKey, float]:
+    """``measured_variation`` from the groups' first readings."""
+    logs_of: dict[PeerKey, list[float]] = defaultdict(list)
     centre_se: dict[PeerKey, list[float]] = defaultdict(list)
-    for v in verdicts:
-        for items in v.by_op.values():
-            live = [a for a in items if not a.explained]
-            if not live or live[0].source != "peers" or not live[0].ratio:
-                continue
-            key = peer_key(live[0].measurement)
-            firsts[key].append(math.log(live[0].ratio))
-            centre_se[key].append(live[0].centre_se)
+    for key, log_ratio, se in firsts:
+        logs_of[key].append(log_ratio)
+        centre_se[key].append(se)
     prior = w.variation_prior ** 2
     out: dict[PeerKey, float] = {}
-    for key, logs in firsts.items():
+    for key in sorted(logs_of):
+        logs = logs_of[key]
         sigma = noise.get(key[0])
         if sigma is None or len(logs) < MIN_VARIATION_GROUPS:
             continue
@@ -335,11 +474,12 @@ def measured_variation(verdicts: Iterable[GroupVerdict], noise: Mapping[str, flo
         centre = statistics.median(logs)
         var, se = _variation_estimate([abs(x - centre) for x in logs], known, prior)
         if var + 2 * se < prior:
-            out[key] = math.sqrt(max(var + 2 * se, w.min_variation ** 2))
+            out[key] = max(stepped(math.sqrt(max(var + 2 * se, w.min_variation ** 2))),
+                           w.min_variation)
         elif var - 2 * se > prior:
             upper, upper_se = _variation_estimate([x for x in logs if x > 0.0], known, prior)
             if upper - 2 * upper_se > prior:
-                out[key] = math.sqrt(min(var, upper))
+                out[key] = stepped(math.sqrt(min(var, upper)))
     return out
 
 
@@ -364,16 +504,21 @@ def measured_noise(verdicts: Iterable[GroupVerdict], min_dof: int = 8) -> dict[s
     A group's first reading is what decided whether it was measured again (one far from
     its expectation is repeated, one near it may be cleared at once), so it is left out
     where the group has two more: their scatter is not selected on."""
-    ss: dict[str, float] = defaultdict(float)
+    return noise_of(((op, x.noise_ss, x.noise_dof) for v in verdicts for op, items in v.by_op.items()
+                     if len(items) >= 2 and (x := v.summary(op)).noise_dof), min_dof)
+
+
+def noise_of(terms: Iterable[NoiseTerm], min_dof: int = 8) -> dict[str, float]:
+    """``measured_noise`` from the groups' noise terms (summed exactly: the same figure
+    whatever order the groups come in)."""
+    ss: dict[str, list[float]] = defaultdict(list)
     dof: dict[str, int] = defaultdict(int)
-    for v in verdicts:
-        for op, items in v.by_op.items():
-            if len(items) >= 2:
-                x = v.summary(op)
-                if x.noise_dof:
-                    ss[op] += x.noise_ss
-                    dof[op] += x.noise_dof
-    return {op: math.sqrt(ss[op] / d) for op, d in dof.items() if d >= min_dof}
+    for op, s, d in terms:
+        if d:
+            ss[op].append(s)
+            dof[op] += d
+    return {op: stepped(math.sqrt(math.fsum(ss[op]) / d))
+            for op, d in sorted(dof.items()) if d >= min_dof}
 
 
 def p2p_link_types(ranks: Iterable[RankInfo] | None,
@@ -577,15 +722,14 @@ def _pair_evidence(v: GroupVerdict, op: str) -> PairEvidence | None:
 
 
 def _pooled(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
-    """``_pool_nic``, once per set of groups of one judgement."""
+    """``_pool_nic``, once per set of groups (a check's verdicts keep it across rounds)."""
     if not groups:
         return None
     memo = groups[0]._pooled
-    key = tuple(id(v) for v in groups)
-    hit = memo.get(key)
-    if hit is None or any(a is not b for a, b in zip(hit[0], groups, strict=True)):
-        hit = memo[key] = (tuple(groups), _pool_nic(groups, w))
-    return hit[1]
+    key = tuple(groups)
+    if key not in memo:
+        memo[key] = _pool_nic(groups, w)
+    return memo[key]
 
 
 def _pool_nic(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
@@ -634,7 +778,7 @@ def weigh_nics(of_node: Mapping[str, list[GroupVerdict]]) -> dict[str, NicCase]:
     slow = {n for n, d in first.items() if d.degraded}
     out: dict[str, NicCase] = {}
     for node, vs in of_node.items():
-        kept = [v for v in vs if not (set(v.nodes) - {node}) & slow]
+        kept = [v for v in vs if not (set(v.nodes) - {node}) & slow] if slow else vs
         d = _pooled(kept, kept[0].weighing) if kept else None
         if d is not None:
             out[node] = NicCase(d, tuple(kept))
@@ -669,18 +813,31 @@ def by_node(pairs: Iterable[GroupVerdict]) -> dict[str, list[GroupVerdict]]:
     return of_node
 
 
-def _nic_findings(pairs: list[GroupVerdict], share: float = NIC_BAD_SHARE) -> list[Finding]:
+@dataclass(frozen=True)
+class NicEvidence:
+    """Node-pair groups by node, each NIC weighed over its partners (``weigh_nics``) and
+    the nodes proven fine by them: what the NIC rule reads, once per set of pairs."""
+
+    of_node: dict[str, list[GroupVerdict]]
+    nics: dict[str, NicCase]
+    proven: set[str]
+
+    @classmethod
+    def of(cls, pairs: list[GroupVerdict]) -> NicEvidence:
+        of_node = by_node(pairs)
+        nics = weigh_nics(of_node)
+        return cls(of_node, nics, proven_nodes(of_node, nics))
+
+
+def _nic_findings(e: NicEvidence, share: float = NIC_BAD_SHARE) -> list[Finding]:
     """A node slow with (nearly) every partner, while a partner is fine elsewhere; or whose
     partners together show it slow (``weigh_nics``): its NIC."""
-    of_node = by_node(pairs)
-    nics = weigh_nics(of_node)
-    proven = proven_nodes(of_node, nics)
     out = []
-    for node, vs in sorted(of_node.items()):
+    for node, vs in sorted(e.of_node.items()):
         bad = [v for v in vs if v.bad]
         decided = [v for v in vs if v.bad or v.cleared]
-        nic = nics.get(node)
-        if (len(_slow_with_proven(node, vs, proven)) >= 2
+        nic = e.nics.get(node)
+        if (len(_slow_with_proven(node, vs, e.proven)) >= 2
                 and len(bad) >= share * len(decided)):
             out.append(_finding("nic_degraded", bad, node=node))
         elif nic is not None and nic.decision.degraded:
@@ -786,11 +943,15 @@ def localize(
     for node in sorted(set(local) - blamed):
         findings += _node_findings(node, local[node]["intra_node"], local[node]["gpu_pair"], links)
     blamed |= {f.node for f in findings if f.kind in EXCLUDING_KINDS and f.node}
-    for share in (NIC_BAD_SHARE, NIC_BAD_SHARE_SECOND):
-        nic = _nic_findings(_two_node(verdicts, blamed), share)
-        findings += nic
-        blamed |= {f.node for f in nic if f.node}
     pairs = _two_node(verdicts, blamed)
+    evidence = NicEvidence.of(pairs)
+    for share in (NIC_BAD_SHARE, NIC_BAD_SHARE_SECOND):
+        nic = _nic_findings(evidence, share)
+        findings += nic
+        if new := {f.node for f in nic if f.node} - blamed:
+            blamed |= new
+            pairs = _two_node(verdicts, blamed)
+            evidence = NicEvidence.of(pairs)
     findings += [_finding("net_path_degraded", v, nodes=sorted(v.nodes, key=node_order))
                  for v in _path_suspects(pairs)]
     findings += _lone_pairs(pairs, findings)

@@ -37,14 +37,30 @@ BLIND_SOURCES = frozenset({"paths"})
 FLEET_SHARE = 0.5
 
 
-def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float
-                    ) -> tuple[list[Assessment], list[Finding]]:
+# An assessment's explained copy under the original's identity (with the original, which
+# keeps that identity from being reused): a check judging again after every round gets the
+# same copy back, and the groups it belongs to are not folded and weighed again.
+Explained = dict[int, tuple[Assessment, Assessment]]
+
+
+def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float,
+                    memo: Explained | None = None) -> tuple[list[Assessment], list[Finding]]:
     """The assessments with a fleet-wide shortfall's measurements no longer ``bad`` (they
-    are explained by it), and its findings (at most one per scope).
+    are explained by it), and its findings (at most one per scope). ``memo``: kept across
+    calls on a growing list (``Explained``); the result is the same without it.
 
     NVLink first: a collective across nodes also runs over each node's NVLink, so where
     NVLink is short fleet-wide the slowness of those nodes' network groups is explained
     by it and does not count against the network."""
+    copies: Explained = {}
+
+    def explain(a: Assessment) -> Assessment:
+        hit = memo.get(id(a)) if memo is not None else None
+        copy = hit[1] if hit is not None and hit[0] is a else replace(
+            a, bad=False, explained=True)
+        copies[id(a)] = (a, copy)
+        return copy
+
     # Only a node whose every judged measurement is below can be short; fewer than two such
     # nodes are no fleet (and a check asks this after every round of thousands of groups).
     if len({n for a in assessments if _below(a) for n in a.measurement.nodes}) < 2:
@@ -70,7 +86,7 @@ def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float
                 for i in idx:
                     nodes = set(out[i].measurement.nodes)
                     if nodes <= short_nvlink and _below(out[i]):
-                        out[i] = replace(out[i], bad=False, explained=True)
+                        out[i] = explain(out[i])
         below = sorted((n for n, idx in by_node.items() if all(_below(out[i]) for i in idx)),
                        key=node_order)
         if len(below) < 2 or len(below) < FLEET_SHARE * len(by_node):
@@ -80,9 +96,12 @@ def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float
                                         degraded_ratio)
         findings.append(_finding(cls, below, len(by_node), [out[i] for i in explained]))
         for i in explained:
-            out[i] = replace(out[i], bad=False, explained=True)
+            out[i] = explain(out[i])
         if cls == "nvlink":
             short_nvlink = set(below)
+    if memo is not None:
+        memo.clear()
+        memo.update(copies)
     return out, findings
 
 

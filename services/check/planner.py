@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from agents.matchings import circle_matching, circle_matchings
 from agents.spec import GroupSpec, RankInfo, member
+from services.analyzer.evidence import Decision
 from services.analyzer.localize import (
     GroupKey,
     GroupVerdict,
@@ -333,8 +334,7 @@ class AdaptivePlanner:
             ops = x.pending_ops
             if not ops and (scope, members) in paths:
                 ops = tuple(op for op, d in sorted(x.decisions.items()) if d.pending)
-            if ops and _only_steers(x) and all(
-                    x.decisions[op].llr >= x.weighing.follow_up_llr for op in ops):
+            if ops and _only_steers(x) and all(_leads(x, x.decisions[op]) for op in ops):
                 # Nothing is concluded from this group but where to look next, and what is
                 # not cleared is looked into anyway: once it clearly leans slow, its
                 # narrower tests (GPU pairs, the search's smaller unions) run instead of its
@@ -519,6 +519,14 @@ class AdaptivePlanner:
         if len(union) == 2:
             return pair_group(self.nodes, union[0], union[1], self.shape)
         return self.union_shape.group("inter_node", node_members(self.nodes, union))
+
+
+def _leads(x: GroupVerdict, d: Decision) -> bool:
+    """``x`` (a group that only steers) leans slow clearly enough to follow up on ``d``. An
+    intra-node group on more than one reading: one low reading under noise is no lead, and
+    following it costs its node all the GPU-pair rounds."""
+    return d.llr >= x.weighing.follow_up_llr and (
+        x.scope != "intra_node" or d.repeats >= x.weighing.confirm_repeats)
 
 
 def _only_steers(x: GroupVerdict) -> bool:
