@@ -53,11 +53,12 @@ def settings_in_environment() -> bool:
     return any(name.lower().startswith(prefix) for name in os.environ)
 
 
-def default_thresholds(backend: str) -> Thresholds:
-    """``Settings().thresholds(backend)`` where no ``RINGWATCH_*`` variable is set, without
-    loading pydantic."""
+def default_thresholds(backend: str, rated_floor: float = RATED_FLOOR) -> Thresholds:
+    """The analyzer's thresholds for ``backend`` under the process's rated floor: what
+    ``Settings.thresholds`` starts from, and all of it where no ``RINGWATCH_*`` variable is
+    set (without loading pydantic)."""
     from dataclasses import replace
 
     from services.analyzer.assess import thresholds_for
 
-    return replace(thresholds_for(backend), rated_floor=RATED_FLOOR)
+    return replace(thresholds_for(backend), rated_floor=rated_floor)

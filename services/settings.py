@@ -152,9 +152,9 @@ class Settings(BaseSettings):
         """The judgement's thresholds for results from ``backend``."""
         from dataclasses import replace
 
-        from services.analyzer.assess import thresholds_for
+        from services.config import default_thresholds
 
-        t = replace(thresholds_for(backend), rated_floor=self.rated_floor)
+        t = default_thresholds(backend, self.rated_floor)
         weighing: dict[str, Any] = {name: value for name, value in (
             ("false_alarm", self.false_alarm), ("miss", self.miss), ("min_loss", self.min_loss),
             ("max_repeats", self.max_repeats), ("variation_prior", self.link_variation))

@@ -139,11 +139,7 @@ class GroupVerdict:
         s = self._checked.get(op)
         if s is not None and len(s.items) == len(items) and s.items[-1] is items[-1]:
             return s  # checked in full when this verdict first asked (its lists only grow)
-        key = (self.scope, self.members, op)
-        s = self._summaries.get(key)
-        if s is None or not s.fits(items):
-            s = self._summaries[key] = summarize(items)
-        self._checked[op] = s
+        s = self._checked[op] = _summary(self._summaries, (self.scope, self.members), op, items)
         return s
 
     def _weigh(self, op: str) -> Decision:

@@ -64,6 +64,8 @@ def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float,
     # Only a node whose every judged measurement is below can be short; fewer than two such
     # nodes are no fleet (and a check asks this after every round of thousands of groups).
     if len({n for a in assessments if _below(a) for n in a.measurement.nodes}) < 2:
+        if memo is not None:
+            memo.clear()
         return list(assessments), []
     judged: dict[str, dict[str, list[int]]] = {"nvlink": defaultdict(list),
                                               "network": defaultdict(list)}
