@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -57,8 +58,11 @@ class CudaApi:
         them on the current stream. Thread-local capture mode, as nccl-tests uses: NCCL may
         allocate while its first captured op connects."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            body()
+        with warnings.catch_warnings():
+            # In-place AllReduce on one rank is no work for NCCL: its graph is empty, rightly.
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                body()
         return graph
 
     def sleep(self, cycles: int) -> None:
@@ -129,6 +133,11 @@ class ProbeDevice(Protocol):
         """Hold this device's work queue for ``seconds`` (an injected slow rank)."""
         ...
 
+    def prepare_delay(self) -> None:
+        """Measure what ``delay`` needs now, before a loop that delays is captured: work
+        timed inside a capture is recorded, not run."""
+        ...
+
 
 def _host_sleep(seconds: float) -> None:
     """Sleep precisely: the scheduler's sleep for most of it, a spin for the last 2 ms."""
@@ -170,6 +179,9 @@ class HostDevice:
 
     def delay(self, seconds: float) -> None:
         _host_sleep(seconds)
+
+    def prepare_delay(self) -> None:
+        pass
 
 
 class _CudaLoop:
@@ -227,6 +239,9 @@ class CudaDevice:
     def delay(self, seconds: float) -> None:
         if seconds > 0:
             cuda.sleep(max(1, int(seconds * self._clock())))
+
+    def prepare_delay(self) -> None:
+        self._clock()
 
     def _clock(self) -> float:
         """GPU spin cycles per second, measured once: the clock under load, not the spec sheet's."""

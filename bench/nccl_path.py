@@ -87,16 +87,17 @@ def slow_accuracy_processes(sizes: list[int], factors: list[float], repeats: int
               + "".join(f"{slowed[f][size] / base[size]:>16.2f}" for f in factors))
 
 
-def slow_accuracy(backend: str, n: int, sizes: list[int], factors: list[float]) -> None:
-    print(f"\ninjected slow factor on {backend}, {n} ranks, allreduce: measured slowdown "
+def slow_accuracy(backend: str, n: int, sizes: list[int], factors: list[float],
+                  op: str = "allreduce") -> None:
+    print(f"\ninjected slow factor on {backend}, {n} ranks, {op}: measured slowdown "
           f"(target 1/factor), median of {TRIALS} repeats")
     print(f"  {'size':>10}{'base us':>11}" + "".join(f"{f'x{1 / f:.0f} at f={f}':>16}"
                                                    for f in factors))
     for size in sizes:
-        base, _ = group_time_us(backend, n, "allreduce", size)
+        base, _ = group_time_us(backend, n, op, size)
         cells = []
         for f in factors:
-            t, _ = group_time_us(backend, n, "allreduce", size, slow=f)
+            t, _ = group_time_us(backend, n, op, size, slow=f)
             cells.append(f"{t / base:>16.2f}")
         print(f"  {size:>10}{base:>11.1f}" + "".join(cells))
 
@@ -143,4 +144,6 @@ def main(flags: list[str]) -> None:
     if not quick:
         sizes.append(1 << 30)
     gpu_sweep(sizes)
-    slow_accuracy("nccl", 1, [1 << 20, 16 << 20, 128 << 20], [0.5, 0.25])
+    # AllGather: on one rank an in-place AllReduce is no work (0.5 us), which a delay
+    # kernel's own launch would swamp.
+    slow_accuracy("nccl", 1, [1 << 20, 16 << 20, 128 << 20], [0.5, 0.25], op="allgather")

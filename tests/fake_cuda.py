@@ -2,7 +2,9 @@
 
 It keeps CUDA's shapes and rules where the code under test could get them wrong: events
 must be recorded before they are read and give milliseconds; a device index past the
-count is an error; a captured graph runs nothing until ``replay``; the "NCCL" process
+count is an error; a captured graph runs nothing until ``replay``, and its body runs
+under capture's rules there (what CUDA would forbid while capturing, waiting on an event or
+the device, raises); the "NCCL" process
 group it forms is a real gloo group, so every host-side line of the NCCL path (launch,
 sync, timing loop, data check, teardown) runs here against real collectives.
 """
@@ -22,14 +24,20 @@ import torch.distributed as dist
 CLOCK_HZ = 1e9  # the fake GPU spins at 1 GHz
 
 
+CAPTURING = "CUDA error: operation not permitted when stream is capturing"
+
+
 class FakeEvent:
-    def __init__(self) -> None:
+    def __init__(self, cuda: FakeCuda) -> None:
         self.at: float | None = None
+        self._cuda = cuda
 
     def record(self, stream: Any = None) -> None:
         self.at = time.perf_counter()
 
     def synchronize(self) -> None:
+        if self._cuda.capturing():
+            raise RuntimeError(CAPTURING)
         if self.at is None:
             raise RuntimeError("CUDA error: synchronize on an event that was never recorded")
 
@@ -40,12 +48,19 @@ class FakeEvent:
 
 
 class FakeGraph:
-    def __init__(self, body: Callable[[], None], log: list[str]) -> None:
-        self._body, self._log = body, log
+    """The body runs at replay (its collectives are real gloo ones), under the rules of the
+    capture it stands for: Python that CUDA would have run while capturing runs here."""
+
+    def __init__(self, body: Callable[[], None], cuda: FakeCuda) -> None:
+        self._body, self._cuda = body, cuda
 
     def replay(self) -> None:
-        self._log.append("replay")
-        self._body()
+        self._cuda.log.append("replay")
+        self._cuda._local.capturing = True
+        try:
+            self._body()
+        finally:
+            self._cuda._local.capturing = False
 
 
 class FakeCuda:
@@ -65,6 +80,9 @@ class FakeCuda:
 
     def current(self) -> int:
         return getattr(self._local, "device", 0)
+
+    def capturing(self) -> bool:
+        return getattr(self._local, "capturing", False)
 
     def available(self) -> bool:
         return self._available
@@ -86,15 +104,17 @@ class FakeCuda:
 
     def synchronize(self, index: int) -> None:
         self._check(index)
+        if self.capturing():
+            raise RuntimeError(CAPTURING)
 
     def event(self) -> FakeEvent:
-        return FakeEvent()
+        return FakeEvent(self)
 
     def capture(self, body: Callable[[], None]) -> FakeGraph:
         if self.current() in self.capture_fails_on:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
         self.log.append("capture")
-        return FakeGraph(body, self.log)
+        return FakeGraph(body, self)
 
     def sleep(self, cycles: int) -> None:
         if not isinstance(cycles, int) or cycles < 1:

@@ -63,8 +63,9 @@ def test_every_op_and_dtype_runs_graph_timed_and_checked(fake_cuda: FakeCuda, op
     assert [r["wrong"] for r in results] == [1 if rank == n - 1 else 0 for rank in range(n)]
     assert all(r["timing"] == "cuda_graph" and "timing_note" not in r for r in results)
     assert all(len(r["times_s"]) == 2 and min(r["times_s"]) > 0 for r in results)
-    # Each rank captured once and replayed once per repeat; ranks bound their own GPU.
-    assert fake_cuda.log.count("capture") == n and fake_cuda.log.count("replay") == 2 * n
+    # Each rank captured once, replayed once untimed (a graph's first launch uploads it),
+    # then once per repeat; ranks bound their own GPU.
+    assert fake_cuda.log.count("capture") == n and fake_cuda.log.count("replay") == 3 * n
     assert sorted(set(fake_cuda.bound)) == list(range(n))
 
 
@@ -98,16 +99,18 @@ def test_an_injected_slow_rank_queues_its_delay_on_the_device(fake_cuda: FakeCud
                          repeats=2, slow_factor=0.5 if rank == 1 else None, calibrate=True)
 
     results = on_nccl_path(2, probe)
-    # One delay per iteration, inside the graph: clock calibration (2 sleeps), one check
-    # loop at the first guess, then the corrected delay for every iteration of both repeats.
+    # One delay per iteration, inside the graph: clock calibration (2 sleeps), the check
+    # graph at the first guess (its untimed first replay and the check loop), then the
+    # corrected delay's graph (its first replay and both repeats).
     delays = fake_cuda.sleeps[2:]
-    assert len(delays) == 3 * iters
-    check, timed = delays[:iters], delays[iters:]
+    assert len(delays) == 5 * iters
+    check, timed = delays[:2 * iters], delays[2 * iters:]
     assert len(set(check)) == 1 and len(set(timed)) == 1
     assert [r["timing"] for r in results] == ["cuda_graph", "cuda_graph"]
     assert timed[0] > 0
-    # Every rank ran the same loops: calibration, check, two repeats; each one replayed.
-    assert fake_cuda.log.count("replay") == 2 * (1 + 1 + 2)
+    # Every rank ran the same loops: calibration, check, two repeats; each one replayed,
+    # and each of the three graphs replayed once untimed first.
+    assert fake_cuda.log.count("replay") == 2 * (3 + 1 + 1 + 2)
     assert [r["wrong"] for r in results] == [0, 0]
 
 
