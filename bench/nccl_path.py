@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from agents.collectives import OPS, plan
 from agents.device import CudaDevice, HostDevice, ProbeDevice
-from agents.probe import _sync_point, make_group, run_probe
+from agents.probe import _sync_point, leave_group, make_group, run_probe
 
 TRIALS = 3
 
@@ -36,7 +36,12 @@ def on_group(n: int, backend: str, fn: Callable[[int, Any, ProbeDevice], Any]) -
         try:
             device: ProbeDevice = CudaDevice(rank) if backend == "nccl" else HostDevice()
             pg = make_group(backend, store, rank, n, 120, device=device)
-            out[rank] = fn(rank, pg, device)
+            try:
+                out[rank] = fn(rank, pg, device)
+            finally:
+                # Shut down as agents do: a group left to the collector was seen to raise
+                # an async "unhandled system error" from NCCL's watchdog on an H200.
+                leave_group(pg, failed=False)
         except BaseException as exc:  # reported below, with the rank's traceback lost
             errors.append(exc)
 
