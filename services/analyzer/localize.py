@@ -150,17 +150,17 @@ class GroupVerdict:
             return by_majority([a.bad for a in live], self.weighing)
         spread = max(s.spread, self.weighing.min_noise)
         noise = self.noise.get(op)
-        measured = noise is not None
         if noise is None:
             # Nothing repeated yet to tell noise from lasting offsets. One measurement's
             # ratio scatters by the peers' spread, whatever its parts; the mean of several
-            # is given no credit for averaging until the noise is measured.
+            # is given no credit for averaging until the noise is measured. Futility is
+            # weighed on that stand-in too: a group leaning healthy whose repeats left could
+            # not show a loss is done (a two-node fleet measures its noise late).
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
             variation = self.lasting_variation(s)
         d = weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
                            variation=variation, centre_se=s.centre_se, w=self.weighing,
-                           futility=measured,
                            early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
                            terminal=len(self.members) == 2 and len(self.nodes) == 1)
         if self.prunes and len(live) < self.weighing.confirm_clear:
