@@ -3,10 +3,11 @@
     python -m bench.check_cost            # 1024 x 8 and 4096 x 8
     python -m bench.check_cost --quick    # 1024 x 8 only
 
-Each case is a fresh process, as a Slurm prolog or a terminal starts it; printed: its CPU
-seconds (user + system, the CLI's start included), peak resident memory, wall seconds, and
-the check's modeled fabric seconds and rounds. Then the top costs of the first case from a
-profile of the check alone (in this process). Nothing is asserted; the targets are in
+Each run is a fresh process, as a Slurm prolog or a terminal starts it, three runs a case
+(one with --quick); printed: the median CPU seconds (user + system, the CLI's start
+included, that process's own), the largest peak resident memory, the median wall seconds,
+and the check's modeled fabric seconds and rounds. Then the top costs of the first case
+from a profile of the check alone (in this process). Nothing is asserted; the targets are in
 docs/scale.md ("The check's cost").
 """
 
@@ -17,13 +18,16 @@ import io
 import json
 import os
 import pstats
-import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+# The figures swing by about 10 % from run to run on a 2-core machine: each case is run
+# this many times and its median printed.
+RUNS = 3
 THREE_FAULTS = [{"kind": "nic", "node": "node-011", "factor": 0.6},
                 {"kind": "nvlink", "node": "node-003", "gpus": [2, 5], "factor": 0.5},
                 {"kind": "hang", "node": "node-404", "gpu": 1}]
@@ -41,25 +45,37 @@ def cases(quick: bool) -> list[tuple[str, dict]]:
 
 
 def run_cli(scenario: dict) -> dict[str, float]:
-    """One ``ringwatch preflight --fabric`` process: its CPU, peak memory and verdict."""
+    """One ``ringwatch preflight --fabric`` process: its own CPU and peak memory (read from
+    that child's rusage alone) and its verdict."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(scenario, f)
     try:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "services.cli.main", "preflight",
-                               "--fabric", f.name, "--json"], capture_output=True, text=True,
-                              env={**os.environ})
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "preflight",
+                                 "--fabric", f.name, "--json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, env={**os.environ})
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.monotonic() - started
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
     finally:
         Path(f.name).unlink()
-    verdict = json.loads(proc.stdout) if proc.stdout.strip() else {}
-    return {"cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            # ru_maxrss of children is the largest child so far: each case runs alone here.
-            "rss_mb": after.ru_maxrss / 1024, "wall": wall, "rc": proc.returncode,
+    verdict = json.loads(out) if out.strip() else {}
+    return {"cpu": usage.ru_utime + usage.ru_stime, "rss_mb": usage.ru_maxrss / 1024,
+            "wall": wall, "rc": proc.returncode,
             "fabric": verdict.get("duration_s", float("nan")),
             "rounds": verdict.get("rounds", 0), "exclude": len(verdict.get("exclude", []))}
+
+
+def median_of(scenario: dict, runs: int) -> dict[str, float]:
+    """``run_cli`` ``runs`` times: the median CPU and wall seconds, the largest peak."""
+    rs = [run_cli(scenario) for _ in range(runs)]
+    out = dict(rs[0])
+    for k in ("cpu", "wall"):
+        out[k] = statistics.median(r[k] for r in rs)
+    out["rss_mb"] = max(r["rss_mb"] for r in rs)
+    return out
 
 
 def profile(scenario: dict, top: int = 15) -> str:
@@ -77,10 +93,12 @@ def profile(scenario: dict, top: int = 15) -> str:
 
 def main(flags: list[str]) -> None:
     chosen = cases("--quick" in flags)
+    runs = 1 if "--quick" in flags else RUNS
+    print(f"each case {runs} fresh process(es): median CPU and wall, largest peak")
     print(f"{'case':<34} {'cpu s':>7} {'peak MB':>8} {'wall s':>7} {'fabric s':>9} "
           f"{'rounds':>6} {'excluded':>8}")
     for name, scenario in chosen:
-        r = run_cli(scenario)
+        r = median_of(scenario, runs)
         print(f"{name:<34} {r['cpu']:>7.2f} {r['rss_mb']:>8.0f} {r['wall']:>7.2f} "
               f"{r['fabric']:>9.2f} {r['rounds']:>6} {r['exclude']:>8}", flush=True)
     print(f"\ntop costs of '{chosen[0][0]}' (the check alone, cumulative):")

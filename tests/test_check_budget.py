@@ -76,3 +76,23 @@ def test_a_fault_free_two_node_fleet_is_decided_in_a_few_rounds() -> None:
         rounds.append(result.rounds)
     assert rounds[0] <= 4  # the sim's default seed, as `preflight --fabric` runs it
     assert sorted(rounds)[len(rounds) // 2] <= 4
+
+
+def test_a_check_sweeps_young_objects_less_often_and_puts_the_threshold_back() -> None:
+    import gc
+
+    from services.check import loop
+
+    before = gc.get_threshold()
+    seen = []
+    backend = SimBackend({"nodes": 4, "gpus_per_node": 4, "gpu": "H100-SXM"})
+    run_round = backend.run_round
+
+    def watched(groups):  # what the collector is set to while the check runs
+        seen.append(gc.get_threshold())
+        return run_round(groups)
+
+    backend.run_round = watched  # type: ignore[method-assign]
+    run_check(backend)
+    assert seen and all(t[0] >= loop.YOUNG_THRESHOLD for t in seen)
+    assert gc.get_threshold() == before
