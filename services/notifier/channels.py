@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from services.store import events
+
 Render = Callable[[str, int, dict[str, Any]], dict[str, Any]]
 
 # How far a signature's time may be from the receiver's clock (docs/webhooks.md).
@@ -71,8 +73,8 @@ def _parse(header: str) -> tuple[int | None, list[str]]:
     return t, macs
 
 
-def render_json(event_type: str, sequence: int, payload: dict[str, Any]) -> dict[str, Any]:
-    return {"event": event_type, **payload, "sequence": sequence}
+# The documented body, as the events module shapes it.
+render_json: Render = events.body
 
 
 def _summary(event_type: str, payload: dict[str, Any]) -> str:

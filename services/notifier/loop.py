@@ -42,7 +42,7 @@ from services.notifier.secret_box import (
 )
 from services.store import db
 from services.store import webhooks as store
-from services.store.health import OUTBOX_CHANNEL
+from services.store.events import OUTBOX_CHANNEL
 from services.store.models import OutboxEvent, Webhook, WebhookDelivery
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from services.config import Settings
 from services.errors import NotConfigured, NotFound
 from services.notifier.secret_box import SecretUnreadable, require_box
 from services.notifier.url_policy import check_url
-from services.store import health as health_store
+from services.store import events as outbox
 from services.store import webhooks as store
 from services.store.models import Webhook
 
@@ -105,8 +105,7 @@ def deliveries(session: Session, webhook_id: int, limit: int = 100,
 def send_test(session: Session, webhook_id: int) -> dict[str, Any]:
     """Queue a test event for one webhook (through the outbox, like any other)."""
     _existing(session, webhook_id)
-    event = health_store.enqueue_event(session, "webhook.test",
-                                       {"finding": None, "webhook_id": webhook_id, "test": True})
+    event = outbox.emit(session, outbox.WebhookTest(webhook_id=webhook_id))
     store.add_delivery(session, webhook_id, event.id)
-    store.mark_dispatched(session, event.id)
+    outbox.mark_dispatched(session, [event.id])
     return {"queued": True, "event_id": event.id}

@@ -18,8 +18,7 @@ from agents.spec import node_order, utcnow
 from agents.workloads import JobLayout, LayoutError
 from services.errors import BadInput, NotFound, TooManyRequests
 from services.monitor.stored_verdict import verdict_from_store
-from services.store import db
-from services.store import health as health_store
+from services.store import db, events
 from services.store import measurements as measurement_store
 from services.store import preflight as store
 from services.store.models import PreflightRequest
@@ -173,9 +172,5 @@ def _check_verdict(verdict: dict[str, Any], nodes: list[str]) -> None:
 
 
 def _failed_event(session: Session, req: PreflightRequest, api_url: str) -> None:
-    verdict = req.verdict or {}
-    health_store.enqueue_event(session, "preflight.failed", {
-        "preflight_id": req.id, "nodes": list(req.nodes), "exclude": verdict.get("exclude", []),
-        "findings": verdict.get("findings", []), "finding": (verdict.get("findings") or [None])[0],
-        "links": [], "url": f"{api_url}/v1/preflight/{req.id}",
-    })
+    events.emit(session, events.preflight_failed(req.id, list(req.nodes), req.verdict or {},
+                                                 api_url))

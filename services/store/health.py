@@ -1,4 +1,5 @@
-"""Link health, fault states, findings (incidents) and the event outbox."""
+"""Link health, fault states and findings (incidents). The events their changes send
+are written by services.store.events, in the same transaction."""
 
 from __future__ import annotations
 
@@ -9,9 +10,7 @@ from typing import Any
 from sqlalchemy import func, insert, select, text, tuple_
 from sqlalchemy.orm import Session
 
-from services.store.models import FaultState, Finding, LinkHealth, OutboxEvent
-
-OUTBOX_CHANNEL = "ringwatch_outbox"
+from services.store.models import FaultState, Finding, LinkHealth
 
 
 def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Any]:
@@ -163,16 +162,6 @@ def list_findings(session: Session, status: str | None = None, limit: int = 500,
     if before_id is not None:
         q = q.where(Finding.id < before_id)
     return list(session.scalars(q))
-
-
-def enqueue_event(session: Session, event_type: str, payload: dict[str, Any]) -> OutboxEvent:
-    """Write an event in the caller's transaction: it exists iff the change does."""
-    event = OutboxEvent(event_type=event_type, payload=payload)
-    session.add(event)
-    session.flush()
-    # Delivered to listening notifiers at commit, never for a rolled-back change.
-    session.execute(text(f"NOTIFY {OUTBOX_CHANNEL}"))
-    return event
 
 
 def health_counts(session: Session) -> dict[str, int]:

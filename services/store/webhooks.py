@@ -1,4 +1,5 @@
-"""Webhooks, and the delivery queue the notifier works from.
+"""Webhooks, and the delivery queue the notifier fills from the outbox (services.store.events)
+and works from.
 
 Deliveries are claimed with ``FOR UPDATE SKIP LOCKED`` by a named holder under a lease,
 so several notifier processes can run at once without sending one delivery twice; only
@@ -16,6 +17,7 @@ from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from services.store import events as outbox
 from services.store.models import OutboxEvent, Webhook
 from services.store.models import WebhookDelivery as Delivery
 
@@ -85,10 +87,7 @@ def seal_secrets(session: Session, sealed_prefix: str, seal: Callable[[str], str
 
 def dispatch_outbox(session: Session, limit: int = 100) -> int:
     """Fan undispatched events out into one delivery per subscribed webhook."""
-    events = session.scalars(
-        select(OutboxEvent).where(OutboxEvent.dispatched_at.is_(None))
-        .order_by(OutboxEvent.id).limit(limit).with_for_update(skip_locked=True)
-    ).all()
+    events = outbox.pending(session, limit)
     if not events:
         return 0
     hooks = session.scalars(select(Webhook).where(Webhook.active.is_(True))).all()
@@ -99,10 +98,7 @@ def dispatch_outbox(session: Session, limit: int = 100) -> int:
     ]
     if rows:
         session.execute(insert(Delivery).values(rows).on_conflict_do_nothing())
-    now = func.now()
-    session.execute(
-        update(OutboxEvent).where(OutboxEvent.id.in_([e.id for e in events])).values(dispatched_at=now)
-    )
+    outbox.mark_dispatched(session, [e.id for e in events])
     return len(events)
 
 
@@ -210,7 +206,3 @@ def add_delivery(session: Session, webhook_id: int, event_id: int) -> None:
     session.execute(insert(Delivery).values(
         webhook_id=webhook_id, event_id=event_id, delivery_id=str(uuid.uuid4()), status="pending",
         attempts=0).on_conflict_do_nothing())
-
-
-def mark_dispatched(session: Session, event_id: int) -> None:
-    session.execute(update(OutboxEvent).where(OutboxEvent.id == event_id).values(dispatched_at=func.now()))
