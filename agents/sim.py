@@ -25,6 +25,7 @@ from agents.fabric_presets import preset
 from agents.spec import (
     ALGOS,
     TIMING_MODEL,
+    BackendDefaults,
     Finding,
     GroupSpec,
     Measurement,
@@ -585,8 +586,9 @@ class CostModel:
         return min(factors, default=1.0)
 
 
-class SimBackend:
-    """ProbeBackend over a modeled fabric; every result is labelled backend "sim"."""
+class SimBackend(BackendDefaults):
+    """ProbeBackend over a modeled fabric; every result is labelled backend "sim". Its
+    faults are the scenario's (none injected), and it holds nothing to read or release."""
 
     name = "sim"
     # Large enough that bandwidth, not latency, dominates even 8192-rank groups.
@@ -629,9 +631,6 @@ class SimBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def close(self) -> None:
-        pass
 
     def begin_cycle(self, index: int) -> None:
         """Model monitoring cycle ``index``: drifting faults at that cycle's factor, faults

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property, lru_cache
@@ -404,13 +405,53 @@ class ProbeSetupError(Exception):
     mistake to refuse up front with one line, never a fabric finding."""
 
 
-class ProbeBackend(Protocol):
-    """What the scheduler and preflight need from a backend: nccl, gloo and sim alike."""
+# A hardware model's busbw for a measurement, in GB/s (None where it has no figure for it).
+ExpectedBusbw = Callable[[Measurement], float | None]
 
+
+class ProbeBackend(Protocol):
+    """Everything the check, the scheduler and the CLI ask of a backend (nccl, gloo, sim):
+    the whole surface is declared, so callers use plain attribute access and a backend with
+    nothing to say on a member gives its neutral value (``BackendDefaults`` holds them)."""
+
+    # The collective backend every measurement is labelled with: nccl, gloo or sim.
     name: str
+
+    @property
+    def injected(self) -> Sequence[InjectedFault]:
+        """Faults injected into the ranks, reported with each batch; () where none are."""
+        ...
+
+    @property
+    def repeats(self) -> int:
+        """Timed loops each rank runs per op and size, the median kept (deadlines scale
+        with it); 1 where one loop is trusted."""
+        ...
+
+    @property
+    def preflight_sizes(self) -> tuple[int, ...] | None:
+        """The sizes a check probes unless told; None: the defaults for the backend's kind
+        of fabric (``agents.collectives.default_sizes``)."""
+        ...
+
+    @property
+    def preflight_deadline_s(self) -> float | None:
+        """A group's deadline unless told; None: worked out from the work it runs."""
+        ...
+
+    @property
+    def expected_busbw(self) -> ExpectedBusbw | None:
+        """The backend's own hardware model of a measurement's busbw; None: judge by the
+        preset each measurement carries."""
+        ...
 
     def ranks(self) -> list[RankInfo]:
         """Every rank this backend can probe, with its identity."""
+        ...
+
+    def refresh_ranks(self) -> None:
+        """Read the ranks' identities again before a cycle, so a GPU or link lost since the
+        start shows in its inventory; nothing where identities cannot change."""
         ...
 
     def begin_cycle(self, index: int) -> None:
@@ -419,9 +460,50 @@ class ProbeBackend(Protocol):
         faults and draw that cycle's noise; real backends do nothing."""
         ...
 
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """Each GPU rank's NVLink counters and new XID errors by member, read around a
+        cycle; {} where the ranks have none."""
+        ...
+
+    def busy_nodes(self) -> dict[str, str]:
+        """Nodes where other work holds what probes need, with why: a scheduled cycle skips
+        them rather than slow a job; {} where nothing else runs."""
+        ...
+
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         """Run disjoint groups concurrently; never raises for a sick rank (a hang is a finding)."""
         ...
 
     def close(self) -> None:
+        """Release the ranks; a second call does nothing."""
         ...
+
+
+class BackendDefaults:
+    """The neutral value of every ProbeBackend member a backend may have nothing to say on:
+    a backend derives from it and states only what differs. Callers still type their
+    backend as ``ProbeBackend``."""
+
+    repeats: int = 1
+    preflight_sizes: tuple[int, ...] | None = None
+    preflight_deadline_s: float | None = None
+    expected_busbw: ExpectedBusbw | None = None
+
+    @property
+    def injected(self) -> Sequence[InjectedFault]:
+        return ()
+
+    def refresh_ranks(self) -> None:
+        """Nothing to read again: the ranks are as they started."""
+
+    def begin_cycle(self, index: int) -> None:
+        """Nothing to move: real links drift on their own."""
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def busy_nodes(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing held."""

@@ -6,6 +6,7 @@ import pytest
 
 from agents.sim import SimBackend
 from agents.spec import (
+    BackendDefaults,
     Finding,
     GroupSpec,
     Measurement,
@@ -18,7 +19,7 @@ from services.check import run_check
 from tests.scenarios import DESIGN_SCENARIO
 
 
-class SlowRankBackend:
+class SlowRankBackend(BackendDefaults):
     """A ProbeBackend double: a group runs at the pace of its slowest rank; hung ranks hang."""
 
     name = "gloo"
@@ -33,9 +34,6 @@ class SlowRankBackend:
 
     def ranks(self) -> list[RankInfo]:
         return self._ranks
-
-    def begin_cycle(self, index: int) -> None:
-        """Nothing to do: the double's ranks keep their pace."""
 
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         self.rounds.append(groups)
@@ -58,9 +56,6 @@ class SlowRankBackend:
                         time_us=size / bw / 1e3, algbw_gbs=bw, busbw_gbs=bw, wrong=0))
             out.fabric_time_s = max(out.fabric_time_s, 0.5)
         return out
-
-    def close(self) -> None:
-        pass
 
 
 def test_healthy_fleet_is_healthy():

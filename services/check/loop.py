@@ -148,7 +148,7 @@ def run_check(
     shape = spec.shape(backend, fabric_ops(work, spec.ops) if work else spec.ops, spec.sizes)
     result = _fabric_phase(backend, layout, ranks, shape, budget, progress, label,
                            thresholds=thresholds or thresholds_for(backend.name),
-                           expected=expected or getattr(backend, "expected_busbw", None),
+                           expected=expected or backend.expected_busbw,
                            history=history, rotation=rotation)
     if work is None or job is None or not layout:
         return result

@@ -56,14 +56,14 @@ class ProbeSpec:
         shape = ProbeShape(ops=tuple(ops), sizes=tuple(sizes or probe_sizes(backend)),
                            dtype=self.dtype, warmup=self.warmup, iters=self.iters,
                            redop=self.redop)
-        deadline = (self.deadline_s or getattr(backend, "preflight_deadline_s", None)
+        deadline = (self.deadline_s or backend.preflight_deadline_s
                     or group_deadline_s(backend.name, shape.ops, shape.sizes,
                                         warmup=shape.warmup, iters=shape.iters,
-                                        repeats=getattr(backend, "repeats", 1)))
+                                        repeats=backend.repeats))
         return replace(shape, deadline_s=deadline)
 
 
 def probe_sizes(backend: ProbeBackend) -> tuple[int, ...]:
     """The sizes a check probes unless told: the backend's own choice where it has one, else
     one latency and one bandwidth-bound size for its kind of fabric."""
-    return tuple(getattr(backend, "preflight_sizes", None) or default_sizes(backend.name))
+    return tuple(backend.preflight_sizes or default_sizes(backend.name))

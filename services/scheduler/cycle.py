@@ -111,9 +111,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
     on the nodes no other work holds, judged against each link's own normal where
     ``history`` holds one; around it, the NVML counters read before and after."""
     backend.begin_cycle(rotation)
-    refresh = getattr(backend, "refresh_ranks", None)
-    if refresh is not None:
-        refresh()
+    backend.refresh_ranks()
     ranks = backend.ranks()
     layout = layout_of(ranks, only)
     skipped = _busy(backend, layout) if skip_busy else {}
@@ -121,20 +119,19 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         if progress:
             progress(f"skipping {node}: {reason}")
         del layout[node]
-    read = getattr(backend, "counters", None)
-    before = read() if read else {}
+    before = backend.counters()
     run = run_check(backend, list(layout), ranks=ranks, spec=options, thresholds=thresholds,
                     history=history, rotation=rotation, budget=budget,
                     profile=options.profile, job=options.job, progress=progress,
                     label="round")
-    after = read() if read else {}
+    after = backend.counters()
     nvml, snapshots = _counter_findings(before, after)
     return CycleResult(
         backend=backend.name, ranks=ranks, measurements=run.measurements,
         findings=run.probe_findings + nvml, judged=run.judgement.findings + nvml,
         rounds=run.rounds, counters=snapshots,
         fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
-        injected=[f.to_dict() for f in getattr(backend, "injected", [])], skipped=skipped,
+        injected=[f.to_dict() for f in backend.injected], skipped=skipped,
         busy_s=run.busy_s, workload=run.workload)
 
 
@@ -185,10 +182,7 @@ def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[s
 
 
 def _busy(backend: ProbeBackend, layout: dict[str, list[int]]) -> dict[str, str]:
-    busy_nodes = getattr(backend, "busy_nodes", None)
-    if busy_nodes is None:
-        return {}
-    return {n: r for n, r in busy_nodes().items() if n in layout}
+    return {n: r for n, r in backend.busy_nodes().items() if n in layout}
 
 
 def _kinds(findings: list[Finding]) -> str:
@@ -295,7 +289,7 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     asked = set(req["nodes"])
     batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in asked],
                         measurements=checked.measurements, findings=checked.probe_findings,
-                        injected=[f.to_dict() for f in getattr(backend, "injected", [])])
+                        injected=[f.to_dict() for f in backend.injected])
     if shipper.ship(batch.to_batch()):
         # Results still spooled: leave the request to be claimed again once the API takes them.
         return True

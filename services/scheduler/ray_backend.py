@@ -30,6 +30,7 @@ from agents.collectives import check_redop, plan
 from agents.outcome import hang_suspects, rank_progress
 from agents.probe import ProbeAgent
 from agents.spec import (
+    BackendDefaults,
     Finding,
     GroupSpec,
     InjectedFault,
@@ -107,8 +108,11 @@ class _GroupRun:
         return [r for r in range(self.spec.world_size) if r not in self.replies and r not in self.died]
 
 
-class RayBackend:
-    """gloo or nccl probes on a Ray cluster: local logical nodes or an existing cluster."""
+class RayBackend(BackendDefaults):
+    """gloo or nccl probes on a Ray cluster: local logical nodes or an existing cluster.
+    Real links have no model: sizes, deadlines and presets are the check's defaults."""
+
+    name: str  # "gloo" or "nccl", as constructed
 
     def __init__(
         self,
@@ -341,9 +345,6 @@ class RayBackend:
                         ray.get([s.handle.where.remote() for s in slots]), strict=True))
 
     # ---- rounds -------------------------------------------------------------------
-
-    def begin_cycle(self, index: int) -> None:
-        """Nothing to do: real links drift on their own."""
 
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         """Run disjoint groups concurrently; a group past its deadline becomes hang findings."""
