@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench chaos serve install clean
+.PHONY: demo test test-fast lint bench chaos serve install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH" >&2; exit 2; }
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The tests that need no Postgres, no processes, no Ray and no GPU (markers set in tests/conftest.py).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not db and not slow and not ray and not gpu" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check agents services api tests migrations bench

@@ -8,11 +8,13 @@ under test, and a shared server keeps nothing of ours.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import pytest
@@ -24,6 +26,65 @@ from services.store import db
 from services.store.models import Base
 
 os.makedirs("/tmp/ray", exist_ok=True)  # ray.cluster_utils writes its address there
+
+# Markers for the fast layer (``make test-fast`` deselects db, slow, ray and gpu), set here
+# so that no test has to remember them:
+# - db: the test's fixture closure holds one of conftest's database fixtures. Every other
+#   fixture that needs Postgres (``api``, the modules' ``env``/``server``/``served``) takes
+#   one of them, and tests/api_fixtures.py has builders, not fixtures.
+# - slow: ray-marked; or a fixture that starts a server or a browser; or the test's own
+#   code calls something that starts processes (the subprocess module, tests/procs.py's
+#   CLI and server, the selftest's rank processes, the chaos suite's faults), resolved in
+#   its module so an in-process ``main as cli`` does not count; or its module starts them
+#   through helpers of its own, which the test's code does not show (SLOW_MODULES).
+DB_FIXTURES = frozenset({"admin_url", "database_url", "session_factory", "clean_db", "session"})
+SLOW_FIXTURES = frozenset({"server", "served", "browser"})
+STARTERS = frozenset({"subprocess", "tests.procs.cli", "tests.procs.start_server",
+                      "tests.procs.running_api", "services.selftest.runner.run_world",
+                      "bench.chaos.suite.run_fault"})
+SLOW_MODULES = frozenset({"test_cli_imports.py", "test_notifier_process.py"})
+
+
+def _names(code: CodeType) -> set[str]:
+    """The global and attribute names ``code`` uses, nested functions included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _names(const)
+    return names
+
+
+def _calls_a_starter(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    code = inspect.unwrap(function).__code__
+    found = vars(item.module)  # type: ignore[attr-defined]
+    for name in _names(code):
+        if name not in found:
+            if name == "subprocess":  # imported inside the test
+                return True
+            continue
+        obj = found[name]
+        qualified = getattr(obj, "__name__", "") if inspect.ismodule(obj) else \
+            f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+        if qualified in STARTERS:
+            return True
+    return False
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("ray") is not None or item.path.name in SLOW_MODULES
+            or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+            or _calls_a_starter(item))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not DB_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.db)
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
