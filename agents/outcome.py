@@ -18,8 +18,9 @@ from collections.abc import Collection
 from typing import Any
 
 from agents.collectives import algbw_gbs, busbw_gbs
+from agents.groups import split_member
 from agents.probe import arrived_key, done_key, entered_key
-from agents.spec import Finding, GroupSpec, Measurement, redop_for, split_member, weakest_timing
+from agents.spec import Finding, GroupSpec, Measurement, redop_for, weakest_timing
 
 Reply = dict[str, Any]
 # (kind, member) of the faults injected into a backend: findings they cause say so.

@@ -33,15 +33,9 @@ from agents.device import (
     check_cuda,
     device_for,
 )
+from agents.groups import member
 from agents.patterns import check_tolerance, count_wrong, expected_output, make_input, torch_dtype
-from agents.spec import (
-    TIMING_CUDA_GRAPH,
-    InjectedFault,
-    ProbeSetupError,
-    RankInfo,
-    member,
-    redop_for,
-)
+from agents.spec import TIMING_CUDA_GRAPH, InjectedFault, ProbeSetupError, RankInfo, redop_for
 
 # An injected hang sleeps this long; the driver kills the agent long before.
 _HANG_SLEEP_S = 24 * 3600.0

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from agents.groups import node_of
+
 OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
 # Below this size a collective is latency-bound: no rated figure applies.
 MIN_RATED_BYTES = 64 << 20
@@ -175,7 +177,7 @@ def rated_busbw(profile: Profile, op: str, members: list[str] | tuple[str, ...],
         return None
     per_node: dict[str, int] = {}
     for m in members:
-        node = m.rpartition("/")[0]
+        node = node_of(m)
         per_node[node] = per_node.get(node, 0) + 1
     nvlink = profile.nvlink_busbw.get(op)
     if len(per_node) == 1:
@@ -203,7 +205,7 @@ def annotate(measurements: Any, node_profiles: dict[str, str | None],
     for m in measurements:
         if m.rated_gbs is not None:
             continue
-        names = {node_profiles.get(x.rpartition("/")[0]) for x in m.members}
+        names = {node_profiles.get(n) for n in m.nodes}
         if not names or None in names:
             continue
         rated = [rated_busbw(get(str(n), table), m.op, m.members, m.size_bytes) for n in names]

@@ -22,6 +22,7 @@ import numpy as np
 
 from agents.collectives import busbw_factor
 from agents.fabric_presets import preset
+from agents.groups import split_member
 from agents.spec import (
     ALGOS,
     TIMING_MODEL,
@@ -669,8 +670,8 @@ class SimBackend(BackendDefaults):
             for name in key:
                 place = places.get(name)
                 if place is None:
-                    node, _, idx = name.partition("/")
-                    place = self._index[node], int(idx)
+                    node, idx = split_member(name)
+                    place = self._index[node], idx
                     if len(places) >= CACHE_LIMIT:
                         places.clear()
                     places[name] = place

@@ -7,12 +7,13 @@ scheduler ships these as JSON (``to_dict``) in the body of ``POST /v1/measuremen
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any, Literal, Protocol
+
+from agents.groups import Group, member, nodes_of
 
 Scope = Literal["intra_node", "gpu_pair", "inter_node", "world"]
 SCOPES: tuple[str, ...] = ("intra_node", "gpu_pair", "inter_node", "world")
@@ -59,64 +60,6 @@ def weakest_timing(timings: list[str]) -> str:
     gaps that graph-timed ranks do not."""
     order = {t: i for i, t in enumerate(TIMINGS)}
     return max(timings, key=lambda t: order.get(t, len(order))) if timings else TIMING_HOST
-
-
-# A node's name: hostname-like ASCII (letters, digits, ".", "_", "-"; a letter or digit
-# first). Invisible, bidirectional and look-alike characters are refused by construction:
-# five names that all render as "node-000" cannot be five nodes.
-NODE_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}"
-_NODE = re.compile(rf"^{NODE_NAME}$")
-_MEMBER = re.compile(rf"^(?P<node>{NODE_NAME})/(?P<local>\d{{1,6}})$")
-
-
-def check_node_name(name: str) -> str:
-    """``name`` when it is a node name (``NODE_NAME``); ValueError saying why otherwise."""
-    if not _NODE.match(name):
-        raise ValueError(f"node name {name!r} is not hostname-like: 1-253 ASCII letters, "
-                         "digits, '.', '_' or '-', starting with a letter or digit")
-    return name
-
-
-def member(node: str, local_index: int) -> str:
-    """A rank's name in a group: ``NODE/LOCAL_INDEX``."""
-    return f"{node}/{local_index}"
-
-
-@lru_cache(maxsize=1 << 17)
-def split_member(name: str) -> tuple[str, int]:
-    """``"node-001/3"`` -> ``("node-001", 3)``; ValueError on anything else. Kept per name:
-    a check reads the same ranks' names in every group and judgement."""
-    m = _MEMBER.match(name)
-    if m is None:
-        raise ValueError(f"member {name!r} is not NODE/LOCAL_INDEX")
-    return m["node"], int(m["local"])
-
-
-@lru_cache(maxsize=1 << 16)
-def group_nodes(members: tuple[str, ...]) -> frozenset[str]:
-    """The set of nodes of a group's members, kept per group: the judgement asks it of the
-    same groups after every round of a check."""
-    return frozenset(nodes_of(members))
-
-
-def nodes_of(members: tuple[str, ...] | list[str]) -> list[str]:
-    """The distinct nodes of a member list, in first-seen order."""
-    seen: dict[str, None] = {}
-    for m in members:
-        seen.setdefault(split_member(m)[0], None)
-    return list(seen)
-
-
-_DIGIT_RUN = re.compile(r"(\d+)")
-
-
-def node_order(name: str) -> tuple[str | tuple[int, str], ...]:
-    """Sort key that orders node names as people count them: digit runs compare as numbers,
-    so node-341 comes before node-1019 (as text it would not), and names without digits keep
-    their text order. Distinct names never tie (node-01 before node-1). For node lists people
-    read (a verdict's ``exclude``, a finding's nodes); identity keys stay sorted as text."""
-    parts = _DIGIT_RUN.split(name)  # text, digits, text, ...: digit runs at odd positions
-    return tuple((int(p), p) if i % 2 else p for i, p in enumerate(parts))
 
 
 def redop_for(op: str, redop: str) -> str:
@@ -188,9 +131,9 @@ class GroupSpec:
         return len(self.members)
 
     @property
-    def group_key(self) -> tuple[str, ...]:
-        """``members`` sorted, as ``Measurement.group``: the group whatever its ring order."""
-        return tuple(sorted(self.members))
+    def group(self) -> Group:
+        """The group whatever its ring order, as ``Measurement.group``."""
+        return Group(self.members)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -244,10 +187,9 @@ class Measurement:
         return series_op(self.op, self.algo)
 
     @cached_property
-    def group(self) -> tuple[str, ...]:
-        """``members`` sorted: the group's identity whatever the ring order, worked out
-        once (as ``nodes``)."""
-        return tuple(sorted(self.members))
+    def group(self) -> Group:
+        """The group's identity whatever the ring order, worked out once (as ``nodes``)."""
+        return Group(self.members)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from agents.spec import NODE_NAME, check_node_name, split_member
+from agents.groups import NODE_NAME, check_node_name, split_member
 from services.config import PLACEHOLDER_SECRET
 
 Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
@@ -30,7 +30,7 @@ AlgoT = Literal["ring", "tree"]
 ProfileT = Literal["ddp", "fsdp", "moe", "pipeline"]
 Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
                 "probe.error"]
-# Hostname-like ASCII (agents.spec.NODE_NAME): no separators, whitespace, control,
+# Hostname-like ASCII (agents.groups.NODE_NAME): no separators, whitespace, control,
 # invisible, bidirectional or look-alike characters.
 NodeName = Annotated[str, Field(min_length=1, max_length=253,
                                 json_schema_extra={"pattern": f"^{NODE_NAME}$"}),

@@ -24,6 +24,9 @@ PLACEHOLDER_SECRET = "change-me"
 CHECK_MAX_ROUNDS = 512
 CHECK_MAX_FABRIC_S = 600.0
 CHECK_MAX_WALL_S = 1800.0
+# How far ahead of the server's clock a measurement's time may be (clock skew); beyond
+# it, "latest" would be pinned by a time that has not come. RINGWATCH_MAX_CLOCK_SKEW_S.
+MAX_CLOCK_SKEW_S = 600.0
 # Settings.rated_floor's default, here so that default_thresholds needs no pydantic.
 RATED_FLOOR = 0.5
 

@@ -17,6 +17,7 @@ from services.config import (
     CHECK_MAX_ROUNDS,
     CHECK_MAX_WALL_S,
     ENV_PREFIX,
+    MAX_CLOCK_SKEW_S,
     PLACEHOLDER_SECRET,
     RATED_FLOOR,
     STATE_DIR,
@@ -92,7 +93,7 @@ class Settings(BaseSettings):
     token_ttl_days: float = Field(default=365.0, ge=0)
     # Measurement times further ahead of the server's clock than this are refused (422):
     # they would pin "latest" and open partitions for days that have not come.
-    max_clock_skew_s: float = Field(default=600.0, gt=0)
+    max_clock_skew_s: float = Field(default=MAX_CLOCK_SKEW_S, gt=0)
     # Preflight requests one token may have waiting for a scheduler at once (429 beyond).
     max_pending_preflights_per_token: int = Field(default=16, ge=1)
     # The budget of one check (preflight or monitoring cycle); docs/analysis.md, "Budget".

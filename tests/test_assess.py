@@ -157,7 +157,7 @@ def test_a_fleet_with_half_its_node_pairs_slow_judges_them_against_the_healthy_o
     assert all((a.ratio or 1.0) < 0.88 for a in out[5:])
     # The weighted median of the pairs, which each node counts in about once, sits among
     # the slow ones here: half the nodes' pairs run through a slow NIC.
-    groups = {tuple(m.members): m.busbw_gbs for m in healthy + slow}
+    groups = {m.group: m.busbw_gbs for m in healthy + slow}
     median = weighted_leave_one_out_quantile(np.array(list(groups.values())),
                                              node_weights(list(groups)), 0.5)
     assert float(median[0]) < 90.0

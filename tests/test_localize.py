@@ -150,7 +150,7 @@ def _first_readings(logs, centre_se=0.005):
     out = []
     for i, x in enumerate(logs):
         m = inter(2 * i, 2 * i + 1, 100.0)
-        v = GroupVerdict(m.scope, m.group, (node(2 * i), node(2 * i + 1)))
+        v = GroupVerdict(m.scope, m.group.members, (node(2 * i), node(2 * i + 1)))
         v.by_op["allreduce"] = [Assessment(m, 100.0, math.exp(x), False, "peers",
                                            centre_se=centre_se)]
         out.append(v)
@@ -196,7 +196,7 @@ def _union_verdict(ratios, nodes=(0, 1, 2, 3)):
     """A union of ``nodes`` measured once per ratio against its path model, under a noise
     the run has measured (5 %)."""
     m = meas(ranks_of(*nodes), 100.0, op="alltoall")
-    v = GroupVerdict(m.scope, m.group, tuple(node(n) for n in nodes), noise={"alltoall": 0.05})
+    v = GroupVerdict(m.scope, m.group.members, tuple(node(n) for n in nodes), noise={"alltoall": 0.05})
     v.by_op["alltoall"] = [Assessment(m, 100.0, r, False, "paths", spread=0.03,
                                       variation=0.03) for r in ratios]
     return v
@@ -212,7 +212,7 @@ def test_a_union_is_not_cleared_on_one_reading_however_high():
     assert two.cleared and two.pending_ops == ()
     # A node pair, which names what it finds, is weighed as before.
     m = meas(ranks_of(0, 1), 100.0, op="alltoall")
-    pair = GroupVerdict(m.scope, m.group, (node(0), node(1)), noise={"alltoall": 0.05})
+    pair = GroupVerdict(m.scope, m.group.members, (node(0), node(1)), noise={"alltoall": 0.05})
     pair.by_op["alltoall"] = [Assessment(m, 100.0, 1.15, False, "peers", spread=0.03,
                                          variation=0.03)]
     assert pair.cleared

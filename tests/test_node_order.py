@@ -7,10 +7,11 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.spec import Finding, check_node_name, node_order
+from agents.groups import check_node_name, node_order
+from agents.spec import Finding
 from services.analyzer.verdict import build_verdict
 
-# Node names (agents.spec.NODE_NAME), kept short.
+# Node names (agents.groups.NODE_NAME), kept short.
 names = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,23}\Z").map(check_node_name)
 no_digits = st.from_regex(r"\A[A-Za-z._-]{1,24}\Z")
 

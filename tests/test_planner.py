@@ -7,8 +7,8 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agents.groups import Group, nodes_of
 from agents.matchings import circle_matching, matching_count
-from agents.spec import nodes_of
 from services.analyzer.evidence import Weighing
 from services.check.planner import (
     ALL_PAIRS_MAX,
@@ -214,7 +214,7 @@ def drive(nodes, slow_paths, missed=frozenset(), stalled=frozenset(), blamed_aft
         for g in groups:
             inside = frozenset(nodes_of(g.members))
             bad = inside not in missed and any(p <= inside for p in slow_paths)
-            key = (g.scope, tuple(sorted(g.members)))
+            key = (g.scope, g.group)
             verdicts[key] = _verdict(g.scope, g.members, bad, verdicts.get(key),
                                      UNDECIDED_RATIO if inside in stalled else None)
     return rounds
@@ -389,16 +389,16 @@ def test_a_group_that_only_steers_the_plan_is_followed_up_not_remeasured_once_it
     planner = AdaptivePlanner(nodes, ProbeShape(sizes=(1,)))
     union = [f"node-00{i}/0" for i in range(4)]
     pair = ["node-004/0", "node-005/0"]
-    verdicts = {("inter_node", tuple(union)): _leaning("inter_node", union, 0.88),
-                ("inter_node", tuple(pair)): _leaning("inter_node", pair, 0.88)}
-    d = verdicts[("inter_node", tuple(union))].decisions["alltoall"]
+    verdicts = {("inter_node", Group(union)): _leaning("inter_node", union, 0.88),
+                ("inter_node", Group(pair)): _leaning("inter_node", pair, 0.88)}
+    d = verdicts[("inter_node", Group(union))].decisions["alltoall"]
     assert d.pending and d.llr >= Weighing().follow_up_llr
     # The node pair names a path, so it is weighed until decided; the union only says
     # where to search, and the search keeps it anyway (not cleared).
     again = {g.members for g in planner._repeats(verdicts, set())}
     assert again == {tuple(pair)}
     # One that barely leans slow is measured again all the same.
-    verdicts[("inter_node", tuple(union))] = _leaning("inter_node", union, 0.94)
+    verdicts[("inter_node", Group(union))] = _leaning("inter_node", union, 0.94)
     assert len(planner._repeats(verdicts, set())) == 2
 
 
@@ -412,7 +412,7 @@ def test_a_provisional_slow_pair_is_measured_again_though_its_node_is_blamed():
     other.by_op["alltoall"][0] = Assessment(other.by_op["alltoall"][0].measurement, 1.0, 0.945,
                                             False, "peers")
     other.reweigh()
-    verdicts = {(v.scope, v.members): v for v in (slow, other)}
+    verdicts = {v.key: v for v in (slow, other)}
     assert slow.provisional and other.decisions["alltoall"].decision == "undecided"
     again = planner._repeats(verdicts, {"node-000"})
     assert [g.members for g in again] == [slow.members]
@@ -443,12 +443,12 @@ def test_confirm_rounds_follow_a_search_and_only_a_search():
     # The world group of the proven nodes is cleared: no search, and nothing new to confirm.
     p = planner_with_one_repair_each_time()
     [world] = p.next_round({}, set())
-    cleared = {("world", world.members): _cleared("world", world.members)}
+    cleared = {("world", world.group): _cleared("world", world.members)}
     assert p.next_round(cleared, set()) == [] and p.phase == "done" and repairs == []
     # A slow world group is searched, and what the search leaves gets its confirm rounds.
     p = planner_with_one_repair_each_time()
     [world] = p.next_round({}, set())
-    slow = {("world", world.members): _leaning("world", world.members, 0.7)}
+    slow = {("world", world.group): _leaning("world", world.members, 0.7)}
     assert p.next_round(slow, set())  # the search's first unions
     p.active = []  # the search has run out of regions
     assert p.next_round(slow, set()) and repairs == ["confirm"]
@@ -479,12 +479,12 @@ def test_a_pair_that_may_name_a_path_is_measured_on_its_undecided_op():
             _pair(ranks[1] + ranks[3], allreduce=[1.0] * 3, alltoall=[1.0] * 3)]
     assert slow.bad and slow.pending_ops == ()
     assert slow.decisions["alltoall"].pending and all(v.cleared for v in fine)
-    verdicts = {(v.scope, v.members): v for v in [slow, *fine]}
+    verdicts = {v.key: v for v in [slow, *fine]}
     again = planner._repeats(verdicts, set())
     assert [(g.members, g.ops) for g in again] == [(slow.members, ("alltoall",))]
     # With node-001 proven nowhere else the pair is a question of its NIC, not a path:
     # nothing more to measure on it here.
-    del verdicts[(fine[1].scope, fine[1].members)]
+    del verdicts[fine[1].key]
     assert planner._repeats(verdicts, set()) == []
 
 
@@ -504,7 +504,7 @@ def test_a_node_is_re_paired_beside_a_tail_of_other_nodes_undecided_groups():
     def planned(n_nodes):
         planner = AdaptivePlanner(layout(n_nodes, 2), ProbeShape(sizes=(1,)))
         planner.phase = "repair"
-        verdicts = {(v.scope, v.members): v for v in groups}
+        verdicts = {v.key: v for v in groups}
         return {(tuple(nodes_of(g.members)), g.ops) for g in planner.next_round(verdicts, set())}
 
     got = planned(20)

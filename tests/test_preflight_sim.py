@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from agents.groups import nodes_of, split_member
 from agents.sim import SimBackend
-from agents.spec import (
-    BackendDefaults,
-    Finding,
-    GroupSpec,
-    Measurement,
-    RankInfo,
-    RoundResult,
-    nodes_of,
-    split_member,
-)
+from agents.spec import BackendDefaults, Finding, GroupSpec, Measurement, RankInfo, RoundResult
 from services.check import run_check
 from tests.scenarios import DESIGN_SCENARIO
 

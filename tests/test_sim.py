@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from agents.groups import member
 from agents.sim import SimBackend
-from agents.spec import GroupSpec, member
+from agents.spec import GroupSpec
 
 SIZE = 1 << 28
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from services.monitor.ingest import ingest_batch
+from services.monitor.ingest import IngestRequest, ingest_batch
 from services.store import db, timeseries
 from services.store.models import series_1d, series_1h
 from services.store.timeseries import Retention, day_of
@@ -25,7 +25,7 @@ GROUPS = {"a": ["node-000/0", "node-000/1"], "b": ["node-000/0", "node-001/0"]}
 
 def _store(factory, rows: list[dict[str, Any]]) -> None:
     with db.transaction(factory) as s:
-        ingest_batch(s, batch_id=uuid.uuid4().hex, backend="gloo", measurements=rows)
+        ingest_batch(s, IngestRequest(uuid.uuid4().hex, "gloo", rows))
 
 
 def _probes(start: datetime, hours: int, per_hour: int, rng: random.Random) -> list[dict[str, Any]]:

@@ -9,8 +9,9 @@ import random
 
 import pytest
 
+from agents.groups import Group, nodes_of
 from agents.sim import SimBackend
-from agents.spec import Measurement, RoundResult, nodes_of
+from agents.spec import Measurement, RoundResult
 from services.analyzer.assess import Thresholds, link_key
 from services.analyzer.evidence import DEGRADED, HEALTHY, UNDECIDED, Weighing, weigh
 from services.analyzer.judge import judge
@@ -33,7 +34,7 @@ def test_a_link_always_slower_but_stable_is_normal_for_itself():
     # node-005 has always run 5 % under its peers, with the same jitter as they have.
     slow = intra(5, 95.0)
     ms[5] = slow
-    history = {("allreduce", "intra_node", 1 << 28, "float32", tuple(sorted(slow.members))):
+    history = {("allreduce", "intra_node", 1 << 28, "float32", Group(slow.members)):
                [95.0 * (1 + rng.gauss(0, 0.05)) for _ in range(50)]}
     j = judge(ms, [], thresholds=SIM, history=history)
     assert j.findings == []

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from agents import outcome
+from agents.groups import Group, member
 from agents.probe import ProbeAgent
 from agents.sim import SimBackend, node_name
-from agents.spec import GroupSpec, InjectedFault, Measurement, member
+from agents.spec import GroupSpec, InjectedFault, Measurement
 from agents.workloads import WORKLOADS, JobLayout, LayoutError, disjoint_rounds
 from services.analyzer.assess import link_key
 from services.check import run_check
@@ -181,8 +182,8 @@ def test_an_injected_slow_allreduce_on_gloo_breaks_the_identity_of_its_group_onl
     # machine (healthy ratios of 2-3 here), so the band is the sim's to test; what gloo
     # shows is the slowed AllReduce pulling its own group's ratio far below its peers' (a
     # quarter of it, less the noise of a shared machine, which can halve one peer's).
-    slowed = ratios[(("node-002/0", "node-002/1"), size)]
-    peers = sorted(r for (g, _), r in ratios.items() if g[0] != "node-002/0")
+    slowed = ratios[(Group(["node-002/0", "node-002/1"]), size)]
+    peers = sorted(r for (g, _), r in ratios.items() if g.members[0] != "node-002/0")
     assert slowed < 0.6 * peers[1], ratios
 
 

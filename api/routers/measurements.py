@@ -15,7 +15,14 @@ from api.limits import IngestSlots
 from api.schemas import IngestOut, MeasurementBatch
 from services.config import Settings
 from services.errors import TooLarge
-from services.monitor.ingest import IngestLimits, IngestResult, ingest_batch
+from services.monitor.ingest import (
+    IngestLimits,
+    IngestPolicy,
+    IngestRequest,
+    IngestResult,
+    Sender,
+    ingest_batch,
+)
 from services.store.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["measurements"])
@@ -68,8 +75,7 @@ def post_measurements(batch: BatchDep, response: Response, session: SessionDep,
 
 def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
             who: Principal) -> IngestResult:
-    return ingest_batch(
-        session,
+    return ingest_batch(session, IngestRequest(
         batch_id=batch.batch_id,
         backend=batch.backend,
         measurements=[m.model_dump(exclude={"stats"}) for m in batch.measurements],
@@ -77,18 +83,18 @@ def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
         findings=[f.model_dump(exclude_none=True) for f in batch.findings],
         duty_cycle=batch.duty_cycle,
         skipped=batch.skipped,
-        thresholds=settings.thresholds(batch.backend),
-        hysteresis=settings.hysteresis(),
-        drift=settings.drift(),
-        api_url=settings.api_url,
         shipper=batch.shipper.model_dump() if batch.shipper else None,
         counters=[c.model_dump() for c in batch.counters],
-        limits=IngestLimits(
-            max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
-            max_age=timedelta(days=settings.retention_raw_days),
-            max_new_nodes=settings.max_new_nodes_per_batch,
-            max_nodes=settings.max_nodes),
-        allowed_nodes=who.nodes,
-        token_id=who.token_id,
         digest=batch.content_digest(),
-    )
+        sender=Sender(nodes=who.nodes, token_id=who.token_id),
+        policy=IngestPolicy(
+            thresholds=settings.thresholds(batch.backend),
+            hysteresis=settings.hysteresis(),
+            drift=settings.drift(),
+            api_url=settings.api_url,
+            limits=IngestLimits(
+                max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
+                max_age=timedelta(days=settings.retention_raw_days),
+                max_new_nodes=settings.max_new_nodes_per_batch,
+                max_nodes=settings.max_nodes)),
+    ))

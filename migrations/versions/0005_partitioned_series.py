@@ -19,7 +19,7 @@ branch_labels = None
 depends_on = None
 
 TZ = sa.TIMESTAMP(timezone=True)
-# The series key of a group too long to index as text (services.store.measurements.group_key).
+# The series key of a group too long to index as text (agents.groups.series_key).
 HASHED_KEY = ("CASE WHEN length({c}) > 512 THEN 'sha256:' || "
               "encode(sha256(convert_to({c}, 'UTF8')), 'hex') ELSE {c} END")
 COLUMNS = ("time, size_bytes, time_us, algbw_gbs, busbw_gbs, preset_gbs, group_id, run_id, "

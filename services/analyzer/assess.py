@@ -14,7 +14,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from agents.spec import Measurement, group_nodes
+from agents.groups import Group, group_nodes
+from agents.spec import Measurement
 from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, noise_terms, stepped
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
@@ -22,8 +23,12 @@ Expected = Callable[[Measurement], "float | None"]
 # The key under which peers are compared: they must have done the same work.
 PeerKey = tuple[str, str, int, str, int]
 # A link's identity across rounds: the same ranks doing the same op at the same size.
-LinkKey = tuple[str, str, int, str, tuple[str, ...]]
+LinkKey = tuple[str, str, int, str, Group]
 
+
+# How many of a link's past readings make its own normal: the store keeps this many per
+# link, and a link with half of them is established.
+HISTORY_WINDOW = 50
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -41,7 +46,7 @@ class Thresholds:
     median_peers: int = 8
     # History needs this many past values before it becomes an expectation.
     min_history: int = 5
-    history_window: int = 50
+    history_window: int = HISTORY_WINDOW
     # A value more than this many MADs below the history median is an outlier too.
     history_mad_k: float = 6.0
     # Where a preset exists, the expectation is never below this share of it: peers that
@@ -109,21 +114,15 @@ class Baseline:
     count: int
 
 
-def series_op(m: Measurement) -> str:
-    """The op as a series names it: an AllReduce told to use one algorithm ("ring",
-    "tree") is a series apart from NCCL's own choice, with peers of its own."""
-    return m.series
-
-
 def peer_key(m: Measurement) -> PeerKey:
-    return (series_op(m), m.scope, m.size_bytes, m.dtype, len(m.members))
+    return (m.series, m.scope, m.size_bytes, m.dtype, len(m.members))
 
 
 def link_key(m: Measurement) -> LinkKey:
-    return (series_op(m), m.scope, m.size_bytes, m.dtype, m.group)
+    return (m.series, m.scope, m.size_bytes, m.dtype, m.group)
 
 
-def history_baseline(values: Sequence[float], window: int = 50) -> Baseline | None:
+def history_baseline(values: Sequence[float], window: int = HISTORY_WINDOW) -> Baseline | None:
     """Median and MAD of the last ``window`` values; None for an empty history."""
     recent = np.asarray(list(values)[-window:], dtype=float)
     recent = recent[np.isfinite(recent) & (recent > 0)]
@@ -246,14 +245,14 @@ def _weighted_quantile(x: np.ndarray, w: np.ndarray, q: float) -> float:
     return float(x[order][min(int(np.searchsorted(cum, q * cum[-1], side="left")), x.size - 1)])
 
 
-def node_weights(groups: Sequence[tuple[str, ...]]) -> np.ndarray:
+def node_weights(groups: Sequence[Group]) -> np.ndarray:
     """Each group's weight among its peers: one over the number of peer groups its busiest
     node is in. A check re-pairs a suspect node with partner after partner, and in a small
     fleet those pairs can be a third of all the node pairs; weighted so, each node counts
     about once, and a slow NIC's many pairs do not drag the centre its pairs are judged
     against down to them."""
     degree: dict[str, int] = defaultdict(int)
-    nodes = [group_nodes(g) for g in groups]
+    nodes = [group_nodes(g.members) for g in groups]
     for ns in nodes:
         for n in ns:
             degree[n] += 1
@@ -284,7 +283,7 @@ class KindGroups:
     weights: np.ndarray = field(default_factory=lambda: np.empty(0))
 
     def update(self, measurements: Sequence[Measurement],
-               groups: Mapping[tuple[str, ...], list[int]]) -> None:
+               groups: Mapping[Group, list[int]]) -> None:
         """Take in ``groups`` (each group's measurement indices, in the order they joined)."""
         joined = len(groups) != len(self.sizes)
         for j, ix in enumerate(groups.values()):
@@ -461,22 +460,22 @@ class AssessCache:
     # Per measurement: its peer key, the key its judged size is taken under, its model
     # figure and its own normal.
     peer_keys: list[PeerKey] = field(default_factory=list)
-    size_keys: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)
+    size_keys: list[tuple[str, str, Group]] = field(default_factory=list)
     presets: list[float | None] = field(default_factory=list)
     normals: list[Baseline | None] = field(default_factory=list)
-    groups: dict[PeerKey, dict[tuple[str, ...], list[int]]] = field(
+    groups: dict[PeerKey, dict[Group, list[int]]] = field(
         default_factory=lambda: defaultdict(dict))
     # Peer keys that got a measurement since their centres were worked out.
     stale: set[PeerKey] = field(default_factory=set)
-    centres: dict[PeerKey, dict[tuple[str, ...], PeerCentre | None]] = field(default_factory=dict)
+    centres: dict[PeerKey, dict[Group, PeerCentre | None]] = field(default_factory=dict)
     kinds: dict[PeerKey, KindGroups] = field(default_factory=dict)
-    largest: dict[tuple[str, str, tuple[str, ...]], int] = field(default_factory=dict)
+    largest: dict[tuple[str, str, Group], int] = field(default_factory=dict)
     shares: dict[tuple[str, int, str], list[float]] = field(
         default_factory=lambda: defaultdict(list))
-    share_seen: set[tuple[str, int, str, tuple[str, ...]]] = field(default_factory=set)
+    share_seen: set[tuple[str, int, str, Group]] = field(default_factory=set)
     # Each size key's measurements (their judged flag follows its largest size), and the
     # measurements of groups of more than two nodes (judged by the node pairs' share).
-    by_size: dict[tuple[str, str, tuple[str, ...]], list[int]] = field(
+    by_size: dict[tuple[str, str, Group], list[int]] = field(
         default_factory=lambda: defaultdict(list))
     unions: list[int] = field(default_factory=list)
     # The measurements whose inputs may have changed since the last call.

@@ -21,8 +21,9 @@ from datetime import datetime
 from statistics import NormalDist
 from typing import Any
 
-from agents.spec import Finding, nodes_of, split_member
-from services.analyzer.assess import Assessment, series_op
+from agents.groups import Group, nodes_of, split_member
+from agents.spec import Finding
+from services.analyzer.assess import Assessment
 from services.analyzer.evidence import Cusum, CusumPolicy
 from services.analyzer.faults import fault_key
 from services.analyzer.localize import evidence_of
@@ -121,14 +122,14 @@ def drift_observations(assessments: Iterable[Assessment]) -> dict[str, Observati
     sizes, explained by a fleet-wide shortfall, or already slow by the cycle's thresholds
     (a loss that size is the judgement's to find, each cycle on its own).
     """
-    groups: dict[tuple[str, tuple[str, ...]], dict[str, list[Assessment]]] = defaultdict(
+    groups: dict[tuple[str, Group], dict[str, list[Assessment]]] = defaultdict(
         lambda: defaultdict(list))
     for a in assessments:
         m = a.measurement
         if a.ratio is None or not a.judged or a.explained or a.bad:
             continue
-        groups[(m.scope, m.group)][series_op(m)].append(a)
-    intra: dict[str, list[tuple[tuple[str, ...], _Reading]]] = defaultdict(list)
+        groups[(m.scope, m.group)][m.series].append(a)
+    intra: dict[str, list[tuple[Group, _Reading]]] = defaultdict(list)
     pairs: dict[str, list[_Reading]] = defaultdict(list)
     out: dict[str, Observation] = {}
     for (scope, members), by_op in sorted(groups.items()):

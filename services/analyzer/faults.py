@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from agents.spec import Finding, member, node_order, split_member
+from agents.groups import member, node_order, split_member
+from agents.spec import Finding
 from services.analyzer.assess import Assessment
 from services.analyzer.hysteresis import AT_ONCE, Policy
 

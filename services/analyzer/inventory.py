@@ -13,7 +13,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from agents import profiles
-from agents.spec import Finding, RankInfo, node_order
+from agents.groups import node_order
+from agents.spec import Finding, RankInfo
 
 KIND = "inventory_mismatch"
 VERSION_KEYS = ("driver", "cuda", "nccl")

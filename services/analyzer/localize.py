@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import NamedTuple, TypeVar
 
-from agents.spec import EXCLUDING_KINDS, Finding, RankInfo, node_order, split_member
-from services.analyzer.assess import Assessment, PeerKey, peer_key, series_op, spans_paths
+from agents.groups import Group, node_order, split_member
+from agents.spec import EXCLUDING_KINDS, Finding, RankInfo
+from services.analyzer.assess import Assessment, PeerKey, peer_key, spans_paths
 from services.analyzer.evidence import (
     MAD_TO_SIGMA,
     UNDECIDED,
@@ -38,7 +39,7 @@ PCIE_CEILING_GBS = 64.0
 NIC_BAD_SHARE = 0.75
 NIC_BAD_SHARE_SECOND = 0.6
 
-GroupKey = tuple[str, tuple[str, ...]]
+GroupKey = tuple[str, Group]
 K = TypeVar("K")
 # A kind's between-group variation is measured from at least this many groups' first
 # measurements; the variance of a MAD-based estimate is 1 / 0.37 of a plain one's.
@@ -95,7 +96,7 @@ def summarize(items: list[Assessment]) -> OpSummary:
 
 # Per group and op, its summary: kept by a caller that judges a growing list of
 # measurements again and again (``group_verdicts``' ``cache``).
-SummaryCache = dict[tuple[str, tuple[str, ...], str], OpSummary]
+SummaryCache = dict[tuple[str, Group, str], OpSummary]
 # NIC decisions pooled over a set of node-pair verdicts, under those verdicts.
 Pooled = dict[tuple["GroupVerdict", ...], Decision | None]
 
@@ -139,7 +140,7 @@ class GroupVerdict:
         s = self._checked.get(op)
         if s is not None and len(s.items) == len(items) and s.items[-1] is items[-1]:
             return s  # checked in full when this verdict first asked (its lists only grow)
-        s = self._checked[op] = _summary(self._summaries, (self.scope, self.members), op, items)
+        s = self._checked[op] = _summary(self._summaries, self.key, op, items)
         return s
 
     def _weigh(self, op: str) -> Decision:
@@ -166,6 +167,11 @@ class GroupVerdict:
         if self.prunes and len(live) < self.weighing.confirm_clear:
             return unconfirmed(d)
         return d
+
+    @cached_property
+    def key(self) -> GroupKey:
+        """What its verdict is found under: its scope and its group."""
+        return self.scope, Group(self.members)
 
     @property
     def prunes(self) -> bool:
@@ -386,7 +392,8 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         v = c.verdicts.get(key)
         if v is None or key in touched or not ops.isdisjoint(by_op) or (kinds and any(
                 peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)):
-            v = GroupVerdict(key[0], key[1], _nodes_of(key[1]), by_op=by_op, weighing=w,
+            v = GroupVerdict(key[0], key[1].members, _nodes_of(key[1].members), by_op=by_op,
+                             weighing=w,
                              _summaries=c.summaries, _checked={
                                  op: c.summaries[(key[0], key[1], op)] for op in by_op})
         v.noise, v.variation = noise, variation
@@ -547,7 +554,7 @@ def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
     for a in sorted(assessments, key=lambda a: a.ratio or 0.0)[:MAX_EVIDENCE]:
         m = a.measurement
         nodes = _nodes_of(m.group)
-        item: dict[str, object] = {"scope": m.scope, "op": series_op(m), "size_bytes": m.size_bytes,
+        item: dict[str, object] = {"scope": m.scope, "op": m.series, "size_bytes": m.size_bytes,
                                    "ranks": len(m.members), "measured_gbs": round(m.busbw_gbs, 3)}
         if a.expected_gbs is not None:
             item["expected_gbs"] = round(a.expected_gbs, 3)

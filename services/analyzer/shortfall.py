@@ -23,8 +23,9 @@ import statistics
 from collections import defaultdict
 from dataclasses import replace
 
+from agents.groups import node_order
 from agents.profiles import scope_class
-from agents.spec import Finding, node_order
+from agents.spec import Finding
 from services.analyzer.assess import Assessment
 
 KIND = "fabric_below_rated"

@@ -14,8 +14,9 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from agents.groups import Group, group_nodes, member
 from agents.matchings import circle_matching, circle_matchings
-from agents.spec import GroupSpec, RankInfo, member
+from agents.spec import GroupSpec, RankInfo
 from services.analyzer.evidence import Decision
 from services.analyzer.localize import (
     GroupKey,
@@ -267,12 +268,12 @@ class AdaptivePlanner:
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
         if repeats and self.phase in ("repair", "search"):
-            busy = {n for g in repeats for n in nodes_of_members(g.members)}
+            busy = {n for g in repeats for n in group_nodes(g.members)}
             if self.phase == "search":
                 # The search goes on beside its repeats: a lead waits only for its own
                 # unions (``_advance``), not for another's, and each new union keeps off
                 # the nodes measured again this round.
-                pending = {(g.scope, g.members) for g in repeats}
+                pending = {(g.scope, g.group) for g in repeats}
                 return pack(repeats + self._search(v, blamed, pending, busy))[0]
             if len(busy) <= STRAGGLER_SHARE * len(self.nodes):
                 # Only a tail of groups is left undecided (in a large fleet, a few measured
@@ -343,7 +344,7 @@ class AdaptivePlanner:
             # A blamed node's groups are not measured on, except one whose slow decision
             # is the provisional one the blame rests on: it is measured again first.
             if ops and (blamed.isdisjoint(x.nodes) or x.provisional):
-                pending.append(GroupSpec(scope=scope, members=members, ops=ops,
+                pending.append(GroupSpec(scope=scope, members=members.members, ops=ops,
                                          sizes=self.repeat_sizes, dtype=self.shape.dtype,
                                          warmup=self.shape.warmup, iters=self.shape.iters,
                                          deadline_s=self.shape.deadline_s,
@@ -357,7 +358,7 @@ class AdaptivePlanner:
                  if scope == "inter_node" and len(x.nodes) == 2 and blamed.isdisjoint(x.nodes)]
         if not any(x.bad and any(d.pending for d in x.decisions.values()) for x in pairs):
             return set()
-        return {(x.scope, x.members) for x in path_candidates(pairs)
+        return {x.key for x in path_candidates(pairs)
                 if any(d.pending for d in x.decisions.values())}
 
     def _first_pairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
@@ -418,7 +419,7 @@ class AdaptivePlanner:
             used |= {a, b}
             self.lonely_paired |= {a, b}
             groups.append(pair_group(self.nodes, a, b, self.shape))
-        self.issued_pairs |= {frozenset(nodes_of_members(g.members)) for g in groups}
+        self.issued_pairs |= {group_nodes(g.members) for g in groups}
         return groups
 
     def _node_pairs(self, v: Verdicts, blamed: set[str]
@@ -451,7 +452,7 @@ class AdaptivePlanner:
             if not _suspect(v, "world", self.world.members):
                 return []
             self.searched = True
-            live = tuple(sorted(nodes_of_members(self.world.members)))
+            live = tuple(sorted(group_nodes(self.world.members)))
             self.active = [_Issued(("within", live, ()))]
         leads = [x for item in self.active if (x := _without(item, blamed)) is not None]
         self.active = [a for item in leads for a in self._advance(item, v, pending)]
@@ -554,13 +555,9 @@ def _region_nodes(region: Region) -> set[str]:
     return set(region[1]) | set(region[2])
 
 
-def nodes_of_members(members: Sequence[str]) -> set[str]:
-    return {m.rpartition("/")[0] for m in members}
-
-
 def _group_key(scope: str, members: Sequence[str]) -> GroupKey:
     """The key a group's verdict is found under: its scope and its sorted members."""
-    return scope, tuple(sorted(members))
+    return scope, Group(members)
 
 
 def _suspect(v: Verdicts, scope: str, members: Sequence[str]) -> bool:

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo, nodes_of
+from agents.groups import Group, nodes_of
+from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
 from agents.workloads import COMM_KINDS, JobLayout, Workload, disjoint_rounds
 from services.analyzer.evidence import MAD_TO_SIGMA
 from services.check.planner import node_members
@@ -61,7 +62,7 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
     for groups in job_groups(work, comms, shape, algos):
         if progress is not None:
             first = groups[0]
-            progress(f"job round {job_run.rounds + 1}: {len(groups)} {kind_of[first.group_key]} "
+            progress(f"job round {job_run.rounds + 1}: {len(groups)} {kind_of[first.group]} "
                      f"group(s), {', '.join(first.ops)}"
                      f"{f' ({first.algo})' if first.algo else ''}")
         job_run.take(groups, backend.run_round(groups), node_profiles)
@@ -113,9 +114,9 @@ def algos_for(backend: str, workload: Workload) -> tuple[tuple[str, ...], str | 
                 "ring and tree not apart")
 
 
-def kinds(comms: Comms) -> dict[tuple[str, ...], str]:
+def kinds(comms: Comms) -> dict[Group, str]:
     """Each of the job's groups (``Measurement.group``) to its kind."""
-    return {tuple(sorted(g)): kind for kind, groups in comms.items() for g in groups}
+    return {Group(g): kind for kind, groups in comms.items() for g in groups}
 
 
 def judge_job(workload: Workload, layout: JobLayout, comms: Comms,
@@ -162,9 +163,9 @@ def judge_job(workload: Workload, layout: JobLayout, comms: Comms,
 
 
 def _times(ms: Sequence[Measurement], sizes: Sequence[int]
-           ) -> dict[tuple[tuple[str, ...], int], dict[str, Measurement]]:
+           ) -> dict[tuple[Group, int], dict[str, Measurement]]:
     """Per group and size, its AllReduce (as NCCL chooses it), ReduceScatter and AllGather."""
-    out: dict[tuple[tuple[str, ...], int], dict[str, Measurement]] = defaultdict(dict)
+    out: dict[tuple[Group, int], dict[str, Measurement]] = defaultdict(dict)
     for m in ms:
         # One rank has no identity to check: its in-place AllReduce is a no-op (about 1 us
         # on an H200 where its ReduceScatter and AllGather copy).
@@ -179,7 +180,7 @@ def _ratio(t: Mapping[str, float]) -> float:
 
 
 def identity_ratios(ms: Sequence[Measurement], sizes: Sequence[int]
-                    ) -> dict[tuple[tuple[str, ...], int], float]:
+                    ) -> dict[tuple[Group, int], float]:
     """Per group and size, time(ReduceScatter) + time(AllGather) over time(AllReduce),
     where the group ran all three at that size (AllReduce as NCCL chooses it)."""
     return {key: _ratio({op: m.time_us for op, m in t.items()})
@@ -207,7 +208,7 @@ def _band(values: Sequence[float]) -> tuple[float, float]:
     return math.exp(centre), max(IDENTITY_Z * mad, math.log1p(IDENTITY_MIN_TOLERANCE))
 
 
-def identity(ms: Sequence[Measurement], kind_of: Mapping[tuple[str, ...], str],
+def identity(ms: Sequence[Measurement], kind_of: Mapping[Group, str],
              sizes: Sequence[int]) -> tuple[list[dict[str, Any]], list[Finding]]:
     """The identity at ``sizes``, per kind of group (``kind_of``, else "fabric") and size:
     the ratios' median and range, and a ``collective_identity`` finding for each group
@@ -216,7 +217,7 @@ def identity(ms: Sequence[Measurement], kind_of: Mapping[tuple[str, ...], str],
     the hardware model's where the measurements carry one, else the median of the group's
     peers (same kind and size), else 1 (a ring AllReduce is a ReduceScatter then an
     AllGather); the tolerance is the peers' spread, never under IDENTITY_MIN_TOLERANCE."""
-    peers: dict[tuple[str, int], list[tuple[tuple[str, ...], float, float | None]]] = (
+    peers: dict[tuple[str, int], list[tuple[Group, float, float | None]]] = (
         defaultdict(list))
     for (group, size), t in _times(ms, sizes).items():
         ratio = _ratio({op: m.time_us for op, m in t.items()})

@@ -10,7 +10,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.spec import InjectedFault, ProbeBackend, node_order
+from agents.groups import node_order
+from agents.spec import InjectedFault, ProbeBackend
 from services.cli.errors import CliError
 from services.config import get_settings
 

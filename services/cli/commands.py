@@ -16,7 +16,7 @@ import time
 from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
-from agents.spec import node_order
+from agents.groups import node_order
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
 from services.cli.output import print_json, print_tokens, print_verdict

@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from agents.spec import InjectedFault, node_order
+from agents.groups import node_order
+from agents.spec import InjectedFault
 from services.analyzer.hysteresis import Policy
 from services.check import CheckBudget
 from services.cli import api_process

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import node_order, split_member
+from agents.groups import node_order, series_key, split_member
 from services.analyzer.assess import Thresholds
 from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
@@ -264,7 +264,7 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
     wanted = sorted(m.strip() for m in members)
     resolution = timeseries.pick_resolution(resolution, since, until,
                                             retention or timeseries.Retention())
-    out: dict[str, Any] = {"members": wanted, "group_key": store.group_key(wanted),
+    out: dict[str, Any] = {"members": wanted, "group_key": series_key(wanted),
                            "resolution": resolution, "points": []}
     # NVML readings of the members' GPUs around cycles where a counter rose (up to 64 ranks).
     out["counters"] = [

@@ -21,21 +21,19 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from agents.groups import group_nodes, series_key
 from agents.spec import Finding, RankInfo, split_series_op
 from agents.spec import Measurement as ProbeMeasurement
-from services.analyzer.assess import Assessment, Thresholds, link_key, series_op
+from services.analyzer.assess import HISTORY_WINDOW, Assessment, Thresholds, link_key
 from services.analyzer.drift import drift_observations, step_drift, unexplained
 from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS, fault_key, fault_nodes, policy_for
 from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, step
 from services.analyzer.judge import Judgement, judge
 from services.store import drift as drift_store
+from services.store import events
 from services.store import health as store
-from services.store import measurements as measurement_store
 from services.store.models import FaultState
-
-# The webhook event of an incident opening, by kind; the rest are health.degraded.
-OPEN_EVENTS = {"hang": "probe.hang", "probe_error": "probe.error"}
 
 
 @dataclass
@@ -60,17 +58,13 @@ def to_probe_measurement(row: dict[str, Any]) -> ProbeMeasurement:
     )
 
 
-# A link's baseline is its last this many busbw values at its judged size.
-HISTORY_WINDOW = 50
-
-
 def _history(probes: list[ProbeMeasurement], keys: list[str],
              links: dict[tuple[str, str], Any]) -> dict[tuple, list[float]]:
     """Each link's own past busbw, keyed as ``assess`` wants it, from the running values
     kept in its row: the baseline for groups that have no peers (the world group)."""
     out: dict[tuple, list[float]] = {}
     for m, key in zip(probes, keys, strict=True):
-        link = links.get((key, series_op(m)))
+        link = links.get((key, m.series))
         if link is not None and link.recent_busbw and link.size_bytes == m.size_bytes:
             out[link_key(m)] = list(link.recent_busbw)
     return out
@@ -92,8 +86,8 @@ def apply_round(
     changes = HealthChanges()
     probes = [to_probe_measurement(r) for r in rows]
     # Each row's series key, computed once (ingest has usually done it already).
-    keys = [r.get("group_key") or measurement_store.group_key(r["members"]) for r in rows]
-    links = store.get_links(session, list({(k, series_op(m)) for k, m in zip(keys, probes, strict=True)}))
+    keys = [r.get("group_key") or series_key(r["members"]) for r in rows]
+    links = store.get_links(session, list({(k, m.series) for k, m in zip(keys, probes, strict=True)}))
     j = judge(probes, [Finding.from_dict(f) for f in probe_findings], (), ranks,
               thresholds=thresholds, history=_history(probes, keys, links))
     found = j.findings + _drift(session, j, at, drift or CusumPolicy())
@@ -164,10 +158,8 @@ def _open(session: Session, state: FaultState, api_url: str, changes: HealthChan
                                  nodes=list(state.nodes), severity=detail.get("severity", "critical"),
                                  detail=detail)
     state.finding_id = finding.id
-    store.enqueue_event(session, OPEN_EVENTS.get(state.kind, "health.degraded"), {
-        "finding": detail, "finding_id": finding.id, "nodes": list(state.nodes),
-        "links": detail.get("evidence", []), "url": f"{api_url}/v1/findings/{finding.id}",
-    })
+    events.emit(session, events.incident_opened(state.kind, detail, finding.id,
+                                                list(state.nodes), api_url))
     (changes.probe_findings if state.kind in RANK_KINDS else changes.degraded).append(detail)
 
 
@@ -178,11 +170,8 @@ def _resolve(session: Session, state: FaultState, at: datetime, api_url: str,
     if finding is not None:
         store.resolve_finding(session, finding, at)
     state.finding_id = None
-    store.enqueue_event(session, "health.recovered", {
-        "finding": detail, "finding_id": finding.id if finding else None,
-        "nodes": list(state.nodes), "links": [],
-        "url": f"{api_url}/v1/findings/{finding.id}" if finding else f"{api_url}/v1/findings",
-    })
+    events.emit(session, events.incident_recovered(
+        detail, finding.id if finding is not None else None, list(state.nodes), api_url))
     changes.recovered.append(detail)
 
 
@@ -196,7 +185,7 @@ def _largest_size(assessments: list[Assessment], keys: list[str]
     best: dict[tuple[str, str], Assessment] = {}
     for a, group in zip(assessments, keys, strict=True):
         m = a.measurement
-        key = (group, series_op(m))
+        key = (group, m.series)
         if key not in best or m.size_bytes > best[key].measurement.size_bytes:
             best[key] = a
     return best
@@ -215,7 +204,7 @@ def _link_health(session: Session, j: Judgement, keys: list[str],
             m = a.measurement
             inserts.append({"group_key": key[0], "op": key[1], "scope": m.scope,
                             "members": sorted(m.members),
-                            "nodes": sorted({x.split("/")[0] for x in m.members}), **values})
+                            "nodes": sorted(group_nodes(tuple(m.members))), **values})
         else:
             updates.append({"id": link.id, **values})
     store.write_links(session, inserts, updates)
@@ -228,9 +217,9 @@ def _leans_slow(j: Judgement, a: Assessment, link: Any) -> bool:
     few values would otherwise freeze it high, and every later value would read slow."""
     m = a.measurement
     x = j.verdicts.get((m.scope, m.group))
-    if x is None or series_op(m) not in x.decisions:
+    if x is None or m.series not in x.decisions:
         return False
-    d = x.decisions[series_op(m)]
+    d = x.decisions[m.series]
     established = link is not None and len(link.recent_busbw or []) >= HISTORY_WINDOW // 2
     return d.degraded or (established and d.llr >= x.weighing.follow_up_llr)
 

@@ -10,24 +10,17 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from agents.spec import RankInfo, node_order, utcnow
+from agents.groups import node_order, nodes_of, series_key
+from agents.spec import RankInfo, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS
 from services.analyzer.hysteresis import Policy
+from services.config import MAX_CLOCK_SKEW_S
 from services.errors import BadInput, Conflict, Forbidden, TooLarge
 from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
 from services.store import timeseries
-
-# How far ahead of the server's clock a measurement's time may be (clock skew); beyond
-# it, "latest" would be pinned by a time that has not come. RINGWATCH_MAX_CLOCK_SKEW_S.
-MAX_CLOCK_SKEW = timedelta(minutes=10)
-
-
-def _nodes(members: list[str]) -> list[str]:
-    """The nodes of members already validated as NODE/INDEX, in first-seen order."""
-    return list(dict.fromkeys(m.rpartition("/")[0] for m in members))
 
 
 @dataclass
@@ -55,63 +48,82 @@ class IngestLimits:
     """What one batch may do (each a RINGWATCH_* setting, named in the refusal)."""
 
     # How far ahead of the server's clock a time may be, and how far back (raw retention).
-    max_clock_skew: timedelta = MAX_CLOCK_SKEW
+    max_clock_skew: timedelta = timedelta(seconds=MAX_CLOCK_SKEW_S)
     max_age: timedelta | None = None
     # Nodes one batch may create, and the fleet may hold in all.
     max_new_nodes: int | None = None
     max_nodes: int | None = None
 
 
-def ingest_batch(
-    session: Session,
-    *,
-    batch_id: str,
-    backend: str,
-    measurements: list[dict[str, Any]],
-    ranks: list[dict[str, Any]] | None = None,
-    findings: list[dict[str, Any]] | None = None,
-    duty_cycle: dict[str, float] | None = None,
-    skipped: dict[str, str] | None = None,
-    thresholds: Thresholds | None = None,
-    hysteresis: Policy | None = None,
-    drift: CusumPolicy | None = None,
-    api_url: str = "",
-    shipper: dict[str, Any] | None = None,
-    counters: list[dict[str, Any]] | None = None,
-    limits: IngestLimits = IngestLimits(),
-    allowed_nodes: frozenset[str] | None = None,
-    token_id: int | None = None,
-    digest: str | None = None,
-) -> IngestResult:
+@dataclass(frozen=True)
+class IngestPolicy:
+    """How the server judges and bounds what it stores: the process's settings, passed in."""
+
+    thresholds: Thresholds | None = None  # None: the analyzer's for the batch's backend
+    hysteresis: Policy | None = None
+    drift: CusumPolicy | None = None
+    api_url: str = ""  # where incident links in webhooks point
+    limits: IngestLimits = IngestLimits()
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Who sent the batch: a token scoped to ``nodes`` (None: any node) and its id."""
+
+    nodes: frozenset[str] | None = None
+    token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class IngestRequest:
+    """One batch as the API received it (docs/formats.md, "Probe output"), who sent it, and
+    the policy to judge it by. ``digest``: of the batch's content, so the same id again
+    with other content is told from a retry."""
+
+    batch_id: str
+    backend: str
+    measurements: list[dict[str, Any]]
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    duty_cycle: dict[str, float] | None = None
+    skipped: dict[str, str] | None = None
+    shipper: dict[str, Any] | None = None
+    counters: list[dict[str, Any]] = field(default_factory=list)
+    digest: str | None = None
+    sender: Sender = Sender()
+    policy: IngestPolicy = IngestPolicy()
+
+
+def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     """Store a batch exactly once (by ``batch_id``) and apply its judgement to link health
-    and incidents. ``allowed_nodes``: the sender's token is scoped to these nodes, and a
-    batch that names any other node anywhere is refused whole (403). ``digest`` (of the
-    batch's content) and ``token_id``: the same id again with other content, or from
-    another token, is a 409 rather than a silent no-op."""
+    and incidents. A sender scoped to some nodes whose batch names any other node anywhere
+    is refused whole (403); the same id again with other content, or from another token,
+    is a 409 rather than a silent no-op."""
     started = time.perf_counter()
-    rows = [{**m, "nodes": _nodes(m["members"]), "group_key": store.group_key(m["members"]),
+    rows = [{**m, "nodes": nodes_of(m["members"]), "group_key": series_key(m["members"]),
              "time": m["time"] if isinstance(m["time"], datetime)
-             else datetime.fromisoformat(m["time"])} for m in measurements]
-    node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in ranks or []}
-    node_names |= {n for f in findings or [] for n in _finding_nodes(f)}
-    node_names |= set(skipped or {})
-    named = node_names | set(duty_cycle or {}) | {c["node"] for c in counters or []}
-    if allowed_nodes is not None:
-        outside = sorted(named - allowed_nodes, key=node_order)
+             else datetime.fromisoformat(m["time"])} for m in req.measurements]
+    node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in req.ranks}
+    node_names |= {n for f in req.findings for n in _finding_nodes(f)}
+    node_names |= set(req.skipped or {})
+    named = node_names | set(req.duty_cycle or {}) | {c["node"] for c in req.counters}
+    if req.sender.nodes is not None:
+        outside = sorted(named - req.sender.nodes, key=node_order)
         if outside:
             raise Forbidden(f"this token reports only on its own nodes; the batch names "
                             f"{len(outside)} other(s): {', '.join(outside[:10])}")
-    run = store.claim_batch(session, batch_id, backend, digest=digest, token_id=token_id)
+    run = store.claim_batch(session, req.batch_id, req.backend, digest=req.digest,
+                            token_id=req.sender.token_id)
     if run is None:
-        return _stored_before(session, batch_id, digest, token_id)
+        return _stored_before(session, req.batch_id, req.digest, req.sender.token_id)
     now = utcnow()
-    _check_times(rows, now, limits)
-    _check_growth(session, node_names, limits)
+    _check_times(rows, now, req.policy.limits)
+    _check_growth(session, node_names, req.policy.limits)
     seen_at = max((r["time"] for r in rows), default=now)
-    store.upsert_nodes(session, sorted(node_names), backend, seen_at,
-                       _probed_at(rows, findings or [], seen_at),
-                       duty_cycle=duty_cycle, skipped=skipped)
-    store.upsert_ranks(session, ranks or [])
+    store.upsert_nodes(session, sorted(node_names), req.backend, seen_at,
+                       _probed_at(rows, req.findings, seen_at),
+                       duty_cycle=req.duty_cycle, skipped=req.skipped)
+    store.upsert_ranks(session, req.ranks)
     if rows:
         bind = session.get_bind()
         assert isinstance(bind, Engine)
@@ -120,16 +132,17 @@ def ingest_batch(
     copying = time.perf_counter()
     stored = store.add_measurements(session, run, rows)
     copied = time.perf_counter()
-    run.findings = list(findings or [])
-    run.shipper = shipper
-    store.add_counters(session, counters or [], seen_at)
+    run.findings = list(req.findings)
+    run.shipper = req.shipper
+    store.add_counters(session, req.counters, seen_at)
     judging = time.perf_counter()
-    changes = apply_round(session, rows, list(findings or []), at=seen_at,
-                          thresholds=thresholds or thresholds_for(backend),
-                          hysteresis=hysteresis, drift=drift, api_url=api_url,
-                          ranks=[RankInfo(**r) for r in ranks or []])
+    policy = req.policy
+    changes = apply_round(session, rows, list(req.findings), at=seen_at,
+                          thresholds=policy.thresholds or thresholds_for(req.backend),
+                          hysteresis=policy.hysteresis, drift=policy.drift,
+                          api_url=policy.api_url, ranks=[RankInfo(**r) for r in req.ranks])
     done = time.perf_counter()
-    return IngestResult(batch_id, True, run.id, stored, changes,
+    return IngestResult(req.batch_id, True, run.id, stored, changes,
                         {"store": judging - started, "measurements": copied - copying,
                          "judge": done - judging})
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import Finding, node_order, utcnow
+from agents.groups import node_order
+from agents.spec import Finding, utcnow
 from services.analyzer.faults import FLEET_KIND
 from services.analyzer.verdict import build_verdict, exclude_of
 from services.monitor.fleet import require_nodes

@@ -13,8 +13,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from agents.groups import node_order
 from agents.spec import FINDING_KINDS as KNOWN_KINDS
-from agents.spec import node_order, utcnow
+from agents.spec import utcnow
 from agents.workloads import JobLayout, LayoutError
 from services.errors import BadInput, NotFound, TooManyRequests
 from services.monitor.stored_verdict import verdict_from_store

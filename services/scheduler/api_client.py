@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from agents.groups import Group
 from services.analyzer.assess import LinkKey
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class SchedulerApi:
                 for row in resp.json():
                     # assess.link_key of a measurement of this link at its judged size.
                     key = (row["op"], row["scope"], int(row["size_bytes"]), dtype,
-                           tuple(sorted(row["members"])))
+                           Group(row["members"]))
                     out[key] = [float(v) for v in row["values"]]
                 cursor = resp.headers.get("X-Next-Cursor")
                 if not cursor:

@@ -19,15 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agents.spec import (
-    Finding,
-    Measurement,
-    ProbeBackend,
-    ProbeSetupError,
-    RankInfo,
-    node_order,
-    split_member,
-)
+from agents.groups import node_of, node_order, split_member
+from agents.spec import Finding, Measurement, ProbeBackend, ProbeSetupError, RankInfo
 from agents.telemetry import counter_findings
 from agents.workloads import JobLayout, LayoutError
 from services.analyzer.assess import LinkKey, Thresholds
@@ -303,7 +296,7 @@ def shares(busy_s: dict[str, float], period_s: float) -> dict[str, float]:
     """Each node's busiest rank's seconds in groups, as a share of ``period_s``."""
     per_node: dict[str, float] = {}
     for member_name, seconds in busy_s.items():
-        node = member_name.split("/")[0]
+        node = node_of(member_name)
         per_node[node] = max(per_node.get(node, 0.0), seconds / max(period_s, 1e-9))
     return {n: round(v, 6) for n, v in sorted(per_node.items())}
 

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agents import outcome
 from agents.collectives import check_redop, plan
+from agents.groups import node_of
 from agents.outcome import hang_suspects, rank_progress
 from agents.probe import ProbeAgent
 from agents.spec import (
@@ -335,7 +336,7 @@ class RayBackend(BackendDefaults):
 
     def _node_ids(self) -> dict[str, str]:
         if not self._node_id_cache:  # replacements stay on their node: computed once
-            self._node_id_cache = {m.split("/")[0]: w["ray_node_id"] for m, w in self.placement().items()}
+            self._node_id_cache = {node_of(m): w["ray_node_id"] for m, w in self.placement().items()}
         return self._node_id_cache
 
     def placement(self) -> dict[str, dict[str, Any]]:

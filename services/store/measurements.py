@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -11,20 +10,9 @@ from sqlalchemy import func, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from agents.groups import group_nodes, series_key, split_member
 from agents.spec import series_op
 from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun
-
-# Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
-MAX_PLAIN_KEY = 512
-
-
-def group_key(members: Sequence[str]) -> str:
-    """The series key of a group: its members, sorted, comma-joined; for a group too large
-    to index that way (a world group), ``sha256:`` and the hash of that same text."""
-    canonical = ",".join(sorted(members))
-    if len(canonical) <= MAX_PLAIN_KEY:
-        return canonical
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def claim_batch(session: Session, batch_id: str, backend: str, *, digest: str | None = None,
@@ -131,7 +119,7 @@ def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dic
     new = [k for k in keys if k not in ids]
     if new:
         rows = [{"key": k, "scope": groups[k][0], "members": sorted(groups[k][1]),
-                 "nodes": sorted({m.split("/")[0] for m in groups[k][1]})} for k in new]
+                 "nodes": sorted(group_nodes(tuple(groups[k][1])))} for k in new]
         session.execute(insert(Group).on_conflict_do_nothing(index_elements=["key"]), rows)
         # Those a concurrent ingest created first are read back like the rest.
         ids.update({k: i for k, i in session.execute(
@@ -157,7 +145,7 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
     is stored under its series op (``allreduce:ring``): a series, rollup and link of its
     own."""
     if rows:
-        keyed = [r.get("group_key") or group_key(r["members"]) for r in rows]
+        keyed = [r.get("group_key") or series_key(r["members"]) for r in rows]
         ids = group_ids(session, {k: (r["scope"], r["members"]) for k, r in zip(keyed, rows, strict=True)})
         dbapi = session.connection().connection.driver_connection
         assert dbapi is not None
@@ -255,7 +243,7 @@ def counters_of(session: Session, members: Sequence[str], since: datetime | None
     """The stored NVML readings of these ranks, oldest first."""
     if not members:
         return []
-    ranks = [(node, int(index)) for node, _, index in (m.rpartition("/") for m in members)]
+    ranks = [split_member(m) for m in members]
     q = select(GpuCounters).where(tuple_(GpuCounters.node, GpuCounters.local_index).in_(ranks))
     if since:
         q = q.where(GpuCounters.time >= since)
