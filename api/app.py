@@ -26,9 +26,9 @@ from api.headers import SecurityHeaders
 from api.limits import BodyLimit, IngestSlots
 from api.routers import docs, fleet, measurements, meta, preflight, rankmaps, tokens, ui, webhooks
 from api.schemas import ErrorOut, MeasurementBatch
-from services.config import Settings
 from services.errors import RingwatchError
 from services.preflight.waiting import PreflightWaiters
+from services.settings import Settings
 from services.store import db
 from services.store import tokens as token_store
 
@@ -46,7 +46,8 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
                   description="Health of the communication fabric of GPU training clusters.",
                   docs_url=None, redoc_url=None)
     if session_factory is None:
-        session_factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
+        url = db.resolve_database_url(settings.database_url, settings.state_dir)
+        session_factory = db.make_session_factory(db.make_engine(url))
     app.state.settings = settings
     app.state.session_factory = session_factory
     # Batches stored at once; more wait up to ingest_wait_s, then get a 503 with Retry-After.

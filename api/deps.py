@@ -10,8 +10,8 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from api.auth import MISSING_TOKEN, STATE_KEY
-from services.config import Settings
 from services.errors import Forbidden, Unauthorized
+from services.settings import Settings
 from services.store import db
 from services.store.tokens import Principal
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from cryptography.fernet import Fernet
 
-from services.config import Settings
+from bench import admin_url
 from services.notifier.receiver import WebhookReceiver
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.cycle import ProbeOptions, run_cycle, serve_preflight
@@ -29,7 +29,7 @@ TOKEN = "rw_bench_" + uuid.uuid4().hex
 
 def main(flags: list[str]) -> None:
     state = Path(".ringwatch") / f"bench-{os.getpid()}"
-    admin = db.resolve_database_url(Settings())
+    admin = admin_url()
     name = f"rw_bench_{uuid.uuid4().hex[:8]}"
     url = db.create_database(admin, name)
     db.upgrade(url)

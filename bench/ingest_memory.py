@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from services.cli.api_process import free_port, start_api, stop
-from services.config import Settings
+from services.settings import Settings
 from services.store import db
 
 MIB = 1 << 20
@@ -100,8 +100,8 @@ def run_case(admin_url: str, raw: bytes, concurrent: int) -> dict[str, float]:
 
 def main(flags: list[str]) -> None:
     limit = (16 if "--quick" in flags else 64) * MIB
-    admin_url = db.resolve_database_url(Settings(
-        database_url=os.environ.get("RINGWATCH_DATABASE_URL", "")))
+    settings = Settings()
+    admin_url = db.resolve_database_url(settings.database_url, settings.state_dir)
     raw = maximal_body(limit)
     count = len(json.loads(raw)["measurements"])
     print(f"body {len(raw) / MIB:.1f} MiB, {count} measurements (8-rank groups)")

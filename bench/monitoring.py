@@ -30,9 +30,10 @@ from typing import Any
 import httpx
 
 from agents.sim import SimBackend
+from bench import admin_url
 from bench.detection import GPUS, fault_of, matches
-from services.config import Settings
 from services.scheduler.cycle import ProbeOptions, run_cycle
+from services.settings import Settings
 from services.store import db
 from tests.procs import free_port, start_server, stop_server
 
@@ -56,7 +57,7 @@ class Fleet:
     """A fresh database, a real API process, and `ringwatch scheduler --once` runs."""
 
     def __init__(self, scenario_path: Path, state: Path) -> None:
-        self.admin = db.resolve_database_url(Settings())
+        self.admin = admin_url()
         self.name = f"rw_bench_{uuid.uuid4().hex[:8]}"
         url = db.create_database(self.admin, self.name)
         db.upgrade(url)

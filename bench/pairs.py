@@ -24,7 +24,8 @@ from typing import Any
 
 from sqlalchemy import text
 
-from services.config import Settings
+from bench import admin_url
+from services.settings import Settings
 from services.store import db
 
 # (label, path, the limit the API runs with; None: its default)
@@ -106,7 +107,7 @@ def requests_for(n: int) -> list[Request]:
 
 
 def run_fleet(n: int) -> None:
-    admin = db.resolve_database_url(Settings())
+    admin = admin_url()
     name = f"rw_pairs_{uuid.uuid4().hex[:8]}"
     url = db.create_database(admin, name)
     try:

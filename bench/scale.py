@@ -35,10 +35,11 @@ import httpx
 from sqlalchemy import text
 
 from agents.sim import SimBackend
+from bench import admin_url
 from bench.monitoring import scenario
-from services.config import Settings
 from services.scheduler.cycle import ProbeOptions, Rotation, run_cycle, run_scheduler
 from services.scheduler.shipper import Shipper
+from services.settings import Settings
 from services.store import db, timeseries
 from services.store.measurements import COPY_COLUMNS, COPY_TYPES, storage_bytes
 from tests.procs import free_port, start_server, stop_server
@@ -51,7 +52,7 @@ class Service:
     """A fresh database and a real `ringwatch serve` on it."""
 
     def __init__(self, state: Path, **settings: str) -> None:
-        self.admin = db.resolve_database_url(Settings())
+        self.admin = admin_url()
         self.name = f"rw_scale_{uuid.uuid4().hex[:8]}"
         self.url = db.create_database(self.admin, self.name)
         db.upgrade(self.url)

@@ -1,19 +1,13 @@
-"""One settings object for every ringwatch process, read from ``RINGWATCH_*`` variables.
+"""Constants every ringwatch process shares, and whether its environment sets anything.
 
-The class itself (pydantic) lives in ``services.settings`` and loads on first use: this
-module's constants are imported by every process, and a command that runs on defaults
-(``ringwatch preflight --fabric`` with no variable set) never needs pydantic."""
+A leaf: it imports nothing of ringwatch. The settings object (pydantic) is
+``services.settings``, loaded only where a process reads ``RINGWATCH_*`` variables, so a
+command on defaults (``ringwatch preflight --fabric`` with no variable set) never needs it."""
 
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from services.analyzer.assess import Thresholds
-    from services.settings import Settings as Settings
 
 # The project's own state folder (embedded Postgres, Ray temp dir, spool); ignored by git.
 STATE_DIR = Path(__file__).resolve().parents[1] / ".ringwatch"
@@ -27,25 +21,12 @@ CHECK_MAX_WALL_S = 1800.0
 # How far ahead of the server's clock a measurement's time may be (clock skew); beyond
 # it, "latest" would be pinned by a time that has not come. RINGWATCH_MAX_CLOCK_SKEW_S.
 MAX_CLOCK_SKEW_S = 600.0
-# Settings.rated_floor's default, here so that default_thresholds needs no pydantic.
+
+# Below this share of its node type's rated busbw a link is degraded whatever its peers
+# and history say (agents.profiles; RINGWATCH_RATED_FLOOR).
 RATED_FLOOR = 0.5
 
 ENV_PREFIX = "RINGWATCH_"
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Settings":
-        from services.settings import Settings
-
-        return Settings
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    from services.settings import Settings
-
-    return Settings()
 
 
 def settings_in_environment() -> bool:
@@ -54,14 +35,3 @@ def settings_in_environment() -> bool:
     setting is its default."""
     prefix = ENV_PREFIX.lower()
     return any(name.lower().startswith(prefix) for name in os.environ)
-
-
-def default_thresholds(backend: str, rated_floor: float = RATED_FLOOR) -> Thresholds:
-    """The analyzer's thresholds for ``backend`` under the process's rated floor: what
-    ``Settings.thresholds`` starts from, and all of it where no ``RINGWATCH_*`` variable is
-    set (without loading pydantic)."""
-    from dataclasses import replace
-
-    from services.analyzer.assess import thresholds_for
-
-    return replace(thresholds_for(backend), rated_floor=rated_floor)

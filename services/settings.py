@@ -1,11 +1,14 @@
-"""``Settings``: every ringwatch process's settings, read from ``RINGWATCH_*`` variables.
-Apart from ``services.config`` (which re-exports it) so that the constants and
-``get_settings`` load without pydantic."""
+"""``Settings``: every ringwatch process's settings, read from ``RINGWATCH_*`` variables
+once (``get_settings``), and the policies assembled from them (thresholds, hysteresis,
+drift) where a process hands them on. The constants they default to are in
+``services.config``, which loads without pydantic."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -22,6 +25,9 @@ from services.config import (
     RATED_FLOOR,
     STATE_DIR,
 )
+
+if TYPE_CHECKING:
+    from services.analyzer.assess import Thresholds
 
 
 class Settings(BaseSettings):
@@ -149,13 +155,12 @@ class Settings(BaseSettings):
     def drift(self) -> CusumPolicy:
         return CusumPolicy(slack=self.drift_slack, threshold=self.drift_threshold)
 
-    def thresholds(self, backend: str):  # -> services.analyzer.assess.Thresholds
-        """The judgement's thresholds for results from ``backend``."""
-        from dataclasses import replace
+    def thresholds(self, backend: str) -> Thresholds:
+        """The judgement's thresholds for results from ``backend`` (the analyzer loads
+        here, not with the settings: a client command reads settings and judges nothing)."""
+        from services.analyzer.assess import thresholds_for
 
-        from services.config import default_thresholds
-
-        t = default_thresholds(backend, self.rated_floor)
+        t = thresholds_for(backend, self.rated_floor)
         weighing: dict[str, Any] = {name: value for name, value in (
             ("false_alarm", self.false_alarm), ("miss", self.miss), ("min_loss", self.min_loss),
             ("max_repeats", self.max_repeats), ("variation_prior", self.link_variation))
@@ -175,3 +180,9 @@ class Settings(BaseSettings):
         for name in ("token", "bootstrap_admin_token"):
             if getattr(self, name) == PLACEHOLDER_SECRET:
                 raise ValueError(f"RINGWATCH_{name.upper()} is the placeholder {PLACEHOLDER_SECRET!r}")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """This process's settings, read once."""
+    return Settings()

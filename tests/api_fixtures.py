@@ -56,7 +56,7 @@ def api_client(factory, settings: dict[str, Any] | None = None):
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from services.config import Settings
+    from services.settings import Settings
     from services.store import db, tokens
 
     with db.transaction(factory) as s:

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.config import Settings
+from services.settings import Settings
 from services.store import db
 from services.store.models import Base
 
@@ -89,7 +89,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def admin_url() -> str:
-    return db.resolve_database_url(Settings(database_url=os.environ.get("RINGWATCH_DATABASE_URL", "")))
+    settings = Settings()
+    return db.resolve_database_url(settings.database_url, settings.state_dir)
 
 
 @pytest.fixture(scope="session")

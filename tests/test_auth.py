@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select
 
 from api.app import create_app
-from services.config import Settings
+from services.settings import Settings
 from services.store import db, tokens
 from services.store.models import ApiToken
 from tests.api_fixtures import api_client, fleet_batch, measurement

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from services.analyzer.evidence import CusumPolicy
-from services.config import PLACEHOLDER_SECRET, Settings
+from services.config import PLACEHOLDER_SECRET
+from services.settings import Settings
 
 
 def test_settings_read_the_environment(monkeypatch) -> None:
@@ -45,16 +46,17 @@ def test_bad_settings_are_refused(monkeypatch) -> None:
 
 
 def test_default_thresholds_are_the_settings_defaults(monkeypatch) -> None:
-    """What a check on defaults uses without building Settings (services.config) is what
-    Settings gives when no RINGWATCH_* variable is set."""
+    """What a check on defaults uses without building Settings (the analyzer's thresholds)
+    is what Settings gives when no RINGWATCH_* variable is set."""
+    from services.analyzer.assess import thresholds_for
     from services.check import CheckBudget
-    from services.config import default_thresholds, settings_in_environment
+    from services.config import settings_in_environment
 
     for name in [k for k in os.environ if k.lower().startswith("ringwatch_")]:
         monkeypatch.delenv(name)
     assert not settings_in_environment()
     for backend in ("sim", "gloo", "nccl"):
-        assert default_thresholds(backend) == Settings().thresholds(backend)
+        assert thresholds_for(backend) == Settings().thresholds(backend)
     assert CheckBudget() == CheckBudget.from_settings(Settings())
     # Settings matches variables in any case; so must the test for whether one is set.
     monkeypatch.setenv("ringwatch_rated_floor", "0.3")

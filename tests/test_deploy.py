@@ -349,7 +349,7 @@ def test_container_variable_references_are_defined() -> None:
 
 
 def test_every_ringwatch_variable_is_a_setting() -> None:
-    from services.config import Settings
+    from services.settings import Settings
 
     fields = {f"RINGWATCH_{name.upper()}" for name in Settings.model_fields}
     seen = set()

@@ -12,8 +12,8 @@ import time
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from services.config import Settings
 from services.notifier.receiver import WebhookReceiver
+from services.settings import Settings
 from services.store import db, tokens
 from tests.api_fixtures import REACT_AT_ONCE, TEST_SECRET_KEY, WEBHOOK_TEST_SETTINGS, fleet_batch
 

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from services.config import Settings
+from services.settings import Settings
 from services.store import db, tokens
 from tests.api_fixtures import fleet_batch
 

@@ -175,7 +175,7 @@ def test_an_unexpected_server_error_is_json_with_a_reference(admin_url) -> None:
     from sqlalchemy import text
 
     from api.app import create_app
-    from services.config import Settings
+    from services.settings import Settings
     from services.store import db, tokens
 
     name = f"rw_broken_{uuid.uuid4().hex[:8]}"

@@ -132,7 +132,7 @@ def test_a_check_stops_at_its_fabric_time_budget():
 
 
 def test_the_error_rates_are_settings(monkeypatch):
-    from services.config import Settings
+    from services.settings import Settings
 
     monkeypatch.setenv("RINGWATCH_FALSE_ALARM", "0.001")
     monkeypatch.setenv("RINGWATCH_MAX_REPEATS", "8")

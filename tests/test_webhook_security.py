@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, text
 
-from services.config import Settings
 from services.notifier import url_policy
 from services.notifier.channels import sign, signature_header, verify
 from services.notifier.loop import Notifier
 from services.notifier.receiver import WebhookReceiver
 from services.notifier.secret_box import SEALED_PREFIX, SecretBox, box_from_settings
+from services.settings import Settings
 from services.store import db, events
 from services.store import webhooks as store
 from services.store.models import Webhook, WebhookDelivery

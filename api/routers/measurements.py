@@ -13,7 +13,6 @@ from sqlalchemy.orm import Session
 from api.deps import AgentDep, SessionDep, SettingsDep
 from api.limits import IngestSlots
 from api.schemas import IngestOut, MeasurementBatch
-from services.config import Settings
 from services.errors import TooLarge
 from services.monitor.ingest import (
     IngestLimits,
@@ -23,6 +22,7 @@ from services.monitor.ingest import (
     Sender,
     ingest_batch,
 )
+from services.settings import Settings
 from services.store.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["measurements"])

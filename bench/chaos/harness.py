@@ -24,8 +24,9 @@ import httpx
 from sqlalchemy import text
 
 from services.cli.api_process import ApiDidNotStart, free_port, serve_args, stop, wait_ready
-from services.config import STATE_DIR, Settings
+from services.config import STATE_DIR
 from services.notifier.receiver import WebhookReceiver
+from services.settings import Settings
 from services.store import db, tokens
 
 ROLES = ("reader", "agent", "admin")
@@ -70,7 +71,8 @@ def fernet_key() -> str:
 
 def default_admin_url() -> str:
     """The server the suite makes its databases on: RINGWATCH_DATABASE_URL, else the embedded one."""
-    return db.resolve_database_url(Settings(database_url=os.environ.get("RINGWATCH_DATABASE_URL", "")))
+    settings = Settings()
+    return db.resolve_database_url(settings.database_url, settings.state_dir)
 
 
 class Stage:

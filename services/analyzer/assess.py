@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from agents.groups import Group, group_nodes
 from agents.spec import Measurement
 from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, noise_terms, stepped
+from services.config import RATED_FLOOR
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]
@@ -55,7 +56,7 @@ class Thresholds:
     preset_floor: float = 0.9
     # Below this share of its hardware profile's rated busbw a measurement is degraded
     # whatever its peers and history say (agents.profiles; RINGWATCH_RATED_FLOOR).
-    rated_floor: float = 0.5
+    rated_floor: float = RATED_FLOOR
     # How repeated measurements of a group are weighed into a decision (evidence.Weighing).
     weighing: Weighing = Weighing()
 
@@ -73,10 +74,12 @@ PREFLIGHT_THRESHOLDS = Thresholds(degraded_ratio=0.85)
 GLOO_THRESHOLDS = Thresholds(weighing=Weighing(sequential=False, max_repeats=2))
 
 
-def thresholds_for(backend: str) -> Thresholds:
+def thresholds_for(backend: str, rated_floor: float = RATED_FLOOR) -> Thresholds:
     """The one judgement's thresholds for a backend's results: monitoring, probe and
-    preflight (fresh or stored) all use these."""
-    return GLOO_THRESHOLDS if backend == "gloo" else PREFLIGHT_THRESHOLDS
+    preflight (fresh or stored) all use these, under the process's rated floor
+    (RINGWATCH_RATED_FLOOR)."""
+    t = GLOO_THRESHOLDS if backend == "gloo" else PREFLIGHT_THRESHOLDS
+    return t if rated_floor == t.rated_floor else replace(t, rated_floor=rated_floor)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from services.check.workload import resolve_job, run_job_phase
 from services.config import CHECK_MAX_FABRIC_S, CHECK_MAX_ROUNDS, CHECK_MAX_WALL_S
 
 if TYPE_CHECKING:
-    from services.config import Settings
+    from services.settings import Settings
 
 # The undecided groups a verdict lists by name; more are counted.
 UNDECIDED_LISTED = 100

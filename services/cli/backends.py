@@ -13,7 +13,6 @@ from pathlib import Path
 from agents.groups import node_order
 from agents.spec import InjectedFault, ProbeBackend
 from services.cli.errors import CliError
-from services.config import get_settings
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -90,7 +89,7 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
 
     backend = RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
                          address=args.address, injected=injected,
-                         temp_dir=get_settings().state_dir / "ray", progress=progress,
+                         temp_dir=_state_dir() / "ray", progress=progress,
                          repeats=_repeats(args, name), cuda_graph=getattr(args, "cuda_graph", True))
     if args.address:  # a joined cluster's ranks are known once it is joined
         try:
@@ -117,3 +116,9 @@ def _repeats(args: argparse.Namespace, backend: str) -> int:
     if repeats < 1:
         raise CliError("--repeats must be >= 1")
     return repeats
+
+
+def _state_dir() -> Path:
+    from services.settings import get_settings
+
+    return get_settings().state_dir

@@ -20,14 +20,14 @@ from agents.groups import node_order
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
 from services.cli.output import print_json, print_tokens, print_verdict
-from services.config import default_thresholds, get_settings, settings_in_environment
+from services.config import settings_in_environment
 
 if TYPE_CHECKING:
     import httpx
 
     from services.analyzer.assess import Thresholds
     from services.check import CheckBudget
-    from services.config import Settings
+    from services.settings import Settings
 
 # Progress lines that the next one replaces on a terminal: a check's rounds, a wait.
 _TRANSIENT = re.compile(r"^(?:\S+ )?(?:\S+ )?(?:job )?round \d+|.*waiting for a scheduler")
@@ -142,7 +142,7 @@ def cmd_db(args: argparse.Namespace) -> int:
         else:
             print(f"no embedded Postgres is running in {where}")
         return 0
-    url = db.resolve_database_url(settings)
+    url = _database_url(settings)
     if args.db_command == "maintain":
         from services.store import timeseries
 
@@ -166,7 +166,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     from services.store import db, tokens
 
     settings = get_settings()
-    factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
+    factory = db.make_session_factory(db.make_engine(_database_url(settings)))
     with db.transaction(factory) as s:
         if args.token_command == "create":
             if args.nodes is not None and args.role != "agent":
@@ -203,7 +203,7 @@ def _notifier(settings):
     from services.notifier.loop import Notifier
     from services.store import db
 
-    factory = db.make_session_factory(db.make_engine(db.resolve_database_url(settings)))
+    factory = db.make_session_factory(db.make_engine(_database_url(settings)))
     return Notifier.from_settings(factory, settings)
 
 
@@ -219,7 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     notifier_note = "off (--no-notifier)" if args.no_notifier else "on"
     print(f"ringwatch serve: API on http://{args.host}:{args.port} (OpenAPI at /docs), "
-          f"database {db.describe_url(db.resolve_database_url(settings))}, "
+          f"database {db.describe_url(_database_url(settings))}, "
           f"webhook notifier {notifier_note}", file=sys.stderr, flush=True)
     if not args.no_notifier:
         notifier = _notifier(settings)
@@ -244,7 +244,7 @@ def _maintain_forever(settings, stop: threading.Event) -> None:
     from services.store import db, timeseries
 
     log = logging.getLogger("ringwatch.maintenance")
-    engine = db.make_engine(db.resolve_database_url(settings))
+    engine = db.make_engine(_database_url(settings))
     while not stop.is_set():
         try:
             report = timeseries.maintain(engine, settings.retention())
@@ -261,7 +261,7 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     print(f"ringwatch notifier: delivering webhooks from the outbox of "
-          f"{db.describe_url(db.resolve_database_url(settings))}, polling every "
+          f"{db.describe_url(_database_url(settings))}, polling every "
           f"{settings.notifier_poll_s:g} s", file=sys.stderr, flush=True)
     stop = threading.Event()
     _notifier(settings).run_forever(settings.notifier_poll_s, stop)
@@ -467,6 +467,20 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 0 if verdict["healthy"] else 1
 
 
+def get_settings() -> Settings:
+    """This process's settings: pydantic loads here, on first use, not with the CLI (a
+    check on defaults and ``--help`` never need it)."""
+    from services.settings import get_settings as read_once
+
+    return read_once()
+
+
+def _database_url(settings: Settings) -> str:
+    from services.store import db
+
+    return db.resolve_database_url(settings.database_url, settings.state_dir)
+
+
 def _check_settings() -> Settings | None:
     """Settings for a check run in this process; None where no RINGWATCH_* variable is set,
     so that a check on the defaults does not load pydantic."""
@@ -475,10 +489,11 @@ def _check_settings() -> Settings | None:
 
 def _check_config(settings: Settings | None, backend: str) -> tuple[Thresholds, CheckBudget]:
     """The thresholds and budget of a check on ``backend``."""
+    from services.analyzer.assess import thresholds_for
     from services.check import CheckBudget
 
     if settings is None:
-        return default_thresholds(backend), CheckBudget()
+        return thresholds_for(backend), CheckBudget()
     return settings.thresholds(backend), CheckBudget.from_settings(settings)
 
 
@@ -572,9 +587,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_completion(args: argparse.Namespace) -> int:
     from services.cli import completion
-    from services.cli.main import build_parser
 
-    print(getattr(completion, args.shell)(build_parser()), end="")
+    # The parser is handed down by the command line (main imports this module, not the
+    # other way round).
+    print(getattr(completion, args.shell)(args.build_parser()), end="")
     return 0
 
 

@@ -24,10 +24,10 @@ from services.check import CheckBudget
 from services.cli import api_process
 from services.cli.errors import CliError
 from services.cli.output import print_verdict
-from services.config import Settings, get_settings
 from services.notifier.receiver import WebhookReceiver
 from services.scheduler.cycle import ProbeOptions, run_cycle
 from services.scheduler.shipper import Shipper
+from services.settings import Settings, get_settings
 from services.store import db, tokens
 
 DEMO_SECRET = "ringwatch-demo-secret"
@@ -103,7 +103,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _demo_database(settings: Settings, stack: ExitStack) -> str:
     note("starting embedded Postgres" if not settings.database_url else "using RINGWATCH_DATABASE_URL")
-    admin_url = db.resolve_database_url(settings)
+    admin_url = db.resolve_database_url(settings.database_url, settings.state_dir)
     name = f"ringwatch_demo_{uuid.uuid4().hex[:8]}"
     url = db.create_database(admin_url, name)
     stack.callback(db.drop_database, admin_url, name)

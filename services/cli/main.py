@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("completion", help="print shell completion: eval \"$(ringwatch "
                                           "completion bash)\" in ~/.bashrc")
     p.add_argument("shell", choices=("bash", "zsh"))
+    p.set_defaults(build_parser=build_parser)
 
     p = sub.add_parser("check-rankmap", help="check a job's rank table")
     p.add_argument("file")

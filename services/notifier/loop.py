@@ -29,7 +29,6 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import utcnow
-from services.config import Settings
 from services.notifier import url_policy
 from services.notifier.channels import CHANNELS, signature_header
 from services.notifier.deadline import attempt_pool
@@ -40,6 +39,7 @@ from services.notifier.secret_box import (
     box_from_settings,
     open_secret,
 )
+from services.settings import Settings
 from services.store import db
 from services.store import webhooks as store
 from services.store.events import OUTBOX_CHANNEL

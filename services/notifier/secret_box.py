@@ -17,8 +17,9 @@ from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.pbkdf2 import PBKDF2HMAC
 
-from services.config import PLACEHOLDER_SECRET, Settings
+from services.config import PLACEHOLDER_SECRET
 from services.errors import NotConfigured
+from services.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from services.config import Settings
 from services.errors import NotConfigured, NotFound
 from services.notifier.secret_box import SecretUnreadable, require_box
 from services.notifier.url_policy import check_url
+from services.settings import Settings
 from services.store import events as outbox
 from services.store import webhooks as store
 from services.store.models import Webhook

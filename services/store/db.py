@@ -16,8 +16,6 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.config import Settings
-
 log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
@@ -78,11 +76,12 @@ def stop_embedded(state_dir: Path) -> bool:
     return True
 
 
-def resolve_database_url(settings: Settings) -> str:
-    """The URL to use: the configured one, else the embedded server's."""
-    if settings.database_url:
-        return normalize_url(settings.database_url)
-    url = start_embedded(settings.state_dir)
+def resolve_database_url(database_url: str, state_dir: Path) -> str:
+    """The URL to use: ``database_url`` (RINGWATCH_DATABASE_URL), else the embedded
+    server's, kept under ``state_dir``."""
+    if database_url:
+        return normalize_url(database_url)
+    url = start_embedded(state_dir)
     # Child processes (API server, scheduler) then find the same server without starting one.
     os.environ.setdefault("RINGWATCH_DATABASE_URL", url)
     return url
