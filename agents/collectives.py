@@ -215,9 +215,18 @@ def preset_sizes(name: str, backend: str) -> tuple[int, ...]:
 # What one monitoring cycle or preflight probes when nobody says: one latency size (not
 # judged, but stored as a series) and one size that is bandwidth-bound on every scope of
 # the fabric, so a NIC or NVLink that lost bandwidth cannot hide behind latency.
-DEFAULT_SIZES: dict[str, tuple[int, ...]] = {"gpu": (64 * _KiB, 256 * _MiB),
-                                             "cpu": (64 * _KiB, 4 * _MiB)}
+# The one table of them, per backend. gloo moves ~1 GB/s through CPU memory, so its
+# bandwidth size is small; the sim models GPUs, and its latency size is 1 MiB: large
+# enough that bandwidth, not latency, dominates even an 8192-rank group's modeled time.
+DEFAULT_SIZES: dict[str, tuple[int, ...]] = {"nccl": (64 * _KiB, 256 * _MiB),
+                                             "gloo": (64 * _KiB, 4 * _MiB),
+                                             "sim": (1 * _MiB, 256 * _MiB)}
 
 
 def default_sizes(backend: str) -> tuple[int, ...]:
-    return DEFAULT_SIZES["cpu" if backend == "gloo" else "gpu"]
+    """What a check on ``backend`` probes when nobody says (``DEFAULT_SIZES``)."""
+    try:
+        return DEFAULT_SIZES[backend]
+    except KeyError:
+        raise ValueError(f"backend must be one of {', '.join(DEFAULT_SIZES)}, "
+                         f"got {backend!r}") from None

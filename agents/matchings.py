@@ -52,8 +52,3 @@ def circle_matching(items: Sequence[T], k: int) -> list[tuple[T, T]]:
     pool = [pool[0], *tail]
     pairs = [(pool[i], pool[n - 1 - i]) for i in range(n // 2)]
     return [(a, b) for a, b in pairs if a is not None and b is not None]  # type: ignore[misc]
-
-
-def matching_count(n: int) -> int:
-    """How many matchings a round-robin tournament of ``n`` items has."""
-    return 0 if n < 2 else n - 1 if n % 2 == 0 else n

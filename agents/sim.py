@@ -592,8 +592,6 @@ class SimBackend(BackendDefaults):
     faults are the scenario's (none injected), and it holds nothing to read or release."""
 
     name = "sim"
-    # Large enough that bandwidth, not latency, dominates even 8192-rank groups.
-    preflight_sizes: tuple[int, ...] = (1 << 20, 1 << 28)
     # Modeled groups finish well under a second; a hung one is given up after this.
     preflight_deadline_s = 5.0
 

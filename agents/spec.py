@@ -11,32 +11,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from agents.groups import Group, member, nodes_of
 
+# The wire's vocabulary, each word once: a Literal type (what the API's schemas and typed
+# code use) and its values as a tuple (what code iterates and validates against).
 Scope = Literal["intra_node", "gpu_pair", "inter_node", "world"]
-SCOPES: tuple[str, ...] = ("intra_node", "gpu_pair", "inter_node", "world")
-OPS: tuple[str, ...] = ("allreduce", "alltoall", "allgather", "reducescatter", "sendrecv")
-BACKENDS: tuple[str, ...] = ("nccl", "gloo", "sim")
-# Reductions a probe can run (nccl-tests' -o). prod is left out: it overflows exact patterns.
-REDOPS: tuple[str, ...] = ("sum", "max", "min", "avg")
+SCOPES: tuple[str, ...] = get_args(Scope)
+Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
+OPS: tuple[str, ...] = get_args(Op)
+Backend = Literal["nccl", "gloo", "sim"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+# nccl-tests' reductions (-o), as a measurement may carry them; a probe runs RedOp, without
+# prod, which overflows the exact patterns.
+WireRedOp = Literal["sum", "prod", "min", "max", "avg"]
+RedOp = Literal["sum", "max", "min", "avg"]
+REDOPS: tuple[str, ...] = get_args(RedOp)
 REDUCING_OPS: tuple[str, ...] = ("allreduce", "reducescatter")
 # NCCL_ALGO names a probe may pin a communicator to (GroupSpec.algo).
-ALGOS: tuple[str, ...] = ("ring", "tree")
-FINDING_KINDS: tuple[str, ...] = (
-    "nvlink_degraded",
-    "nic_degraded",
-    "net_path_degraded",
-    "hang",
-    "data_corruption",
-    "topology_mismatch",
-    "rank_mapping",
-    "probe_error",
-    "fabric_below_rated",
-    "inventory_mismatch",
-    "gpu_xid",
-)
+Algo = Literal["ring", "tree"]
+ALGOS: tuple[str, ...] = get_args(Algo)
+FindingKind = Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
+                      "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
+                      "fabric_below_rated", "inventory_mismatch", "gpu_xid"]
+FINDING_KINDS: tuple[str, ...] = get_args(FindingKind)
 # Finding kinds whose node a job should not use (docs/formats.md, "Verdict"). A probe_error is a
 # rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node
 # cannot run the job's collectives either.
@@ -48,11 +47,9 @@ EXCLUDING_KINDS = frozenset(
 # How a measurement was timed (Measurement.timing): the timed iterations captured in one
 # CUDA graph and replayed (nccl-tests -G), CUDA events around an eager loop (host launch
 # gaps count), the wall clock around ops that complete on the host (gloo), the sim's model.
-TIMING_CUDA_GRAPH = "cuda_graph"
-TIMING_CUDA_EVENTS = "cuda_events"
-TIMING_HOST = "host"
-TIMING_MODEL = "model"
-TIMINGS: tuple[str, ...] = (TIMING_CUDA_GRAPH, TIMING_CUDA_EVENTS, TIMING_HOST, TIMING_MODEL)
+Timing = Literal["cuda_graph", "cuda_events", "host", "model"]
+TIMINGS: tuple[str, ...] = get_args(Timing)
+TIMING_CUDA_GRAPH, TIMING_CUDA_EVENTS, TIMING_HOST, TIMING_MODEL = TIMINGS
 
 
 def weakest_timing(timings: list[str]) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from agents.spec import ALGOS
 
@@ -59,6 +60,9 @@ class Workload:
     identity_sizes: tuple[int, ...] = ()
     why: str = ""
 
+
+# The profiles by name, as the API and the CLI take them (the keys of WORKLOADS).
+ProfileName = Literal["ddp", "fsdp", "moe", "pipeline"]
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w for w in (

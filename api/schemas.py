@@ -19,15 +19,12 @@ from pydantic import (
 )
 
 from agents.groups import NODE_NAME, check_node_name, split_member
+from agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
+from agents.workloads import ProfileName
 from services.config import PLACEHOLDER_SECRET
 
-Op = Literal["allreduce", "alltoall", "allgather", "reducescatter", "sendrecv"]
-ScopeT = Literal["intra_node", "gpu_pair", "inter_node", "world"]
-BackendT = Literal["nccl", "gloo", "sim"]
-# nccl-tests' redop names; probes run sum, max, min and avg, prod is accepted for other senders.
-RedOp = Literal["sum", "prod", "min", "max", "avg"]
-AlgoT = Literal["ring", "tree"]
-ProfileT = Literal["ddp", "fsdp", "moe", "pipeline"]
+# The events a webhook may subscribe to (services.store.events.SUBSCRIBABLE, which a test
+# holds this to): a Literal, so that the OpenAPI document lists them.
 Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
                 "probe.error"]
 # Hostname-like ASCII (agents.groups.NODE_NAME): no separators, whitespace, control,
@@ -99,7 +96,7 @@ class Strict(BaseModel):
 
 class MeasurementIn(Strict):
     op: Op
-    scope: ScopeT
+    scope: Scope
     members: list[str] = Field(min_length=1, max_length=65536)
     size_bytes: int = Field(gt=0, le=1 << 40)
     dtype: str = Field(default="float32", max_length=16, pattern=r"^[a-z0-9_]+$")
@@ -112,16 +109,16 @@ class MeasurementIn(Strict):
     time: datetime
     stats: dict[Annotated[str, Field(max_length=64)], float] | None = Field(default=None,
                                                                              max_length=64)
-    redop: RedOp = "sum"
+    redop: WireRedOp = "sum"
     # How it was timed: CUDA graph replay, CUDA events, host wall clock, or the sim's model.
-    timing: Literal["cuda_graph", "cuda_events", "host", "model"] | None = None
+    timing: Timing | None = None
     # The sender's hardware-model figure (busbw GB/s): a floor under the expectation.
     preset_gbs: float | None = Field(default=None, ge=0, le=1e6)
     # The hardware profile's rated busbw for it (GB/s), at bandwidth-bound sizes.
     rated_gbs: float | None = Field(default=None, gt=0, le=1e6)
     # The algorithm its communicator was pinned to (NCCL_ALGO); stored as a series of its
     # own, named by op and algorithm (allreduce:ring).
-    algo: AlgoT | None = None
+    algo: Algo | None = None
 
     @field_validator("members")
     @classmethod
@@ -150,11 +147,6 @@ class RankIn(Strict):
     gpu_name: str | None = Field(default=None, max_length=128)
     telemetry: BoundedObject = Field(default_factory=dict)
     profile: str | None = Field(default=None, max_length=64)
-
-
-FindingKind = Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
-                      "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
-                      "fabric_below_rated", "inventory_mismatch", "gpu_xid"]
 
 
 class FindingIn(BaseModel):
@@ -208,7 +200,7 @@ class CounterSnapshotIn(Strict):
 
 class MeasurementBatch(Strict):
     batch_id: str = Field(min_length=1, max_length=128)
-    backend: BackendT
+    backend: Backend
     measurements: list[MeasurementIn] = Field(max_length=1_000_000)
     ranks: list[RankIn] = Field(default_factory=list, max_length=262_144)
     findings: list[FindingIn] = Field(default_factory=list, max_length=100_000)
@@ -401,7 +393,7 @@ class PreflightIn(Strict):
     confirm: bool = False
     # What the job will run (docs/workloads.md): a scheduler probes the nodes with the
     # profile's ops and the job's own communicators, however fresh the stored results are.
-    profile: ProfileT | None = Field(
+    profile: ProfileName | None = Field(
         default=None, description="workload profile: ddp, fsdp, moe or pipeline; the "
                                   "request is then always probed by a scheduler")
     # The job's parallel degrees; unset: tensor parallel over one node's GPUs, pipeline 1,
@@ -445,7 +437,7 @@ class PreflightOut(BaseModel):
     completed_at: datetime | None = None
     attempts: int = 0
     error: str | None = None
-    profile: ProfileT | None = Field(default=None, description="the workload profile asked about")
+    profile: ProfileName | None = Field(default=None, description="the workload profile asked about")
     job: dict[str, int | None] | None = Field(default=None, description="the job's tp, pp, dp")
     # The verdict, once done.
     healthy: bool | None = None
@@ -475,7 +467,7 @@ class VerdictIn(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     healthy: bool
-    backend: BackendT
+    backend: Backend
     nodes_checked: int = Field(ge=0, le=1 << 31)
     exclude: list[NodeName] = Field(max_length=100_000)
     findings: list[FindingIn] = Field(max_length=100_000)

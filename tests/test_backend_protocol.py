@@ -67,7 +67,12 @@ def test_a_backend_with_only_the_defaults_runs_a_scheduled_cycle() -> None:
 
 
 def test_the_sim_states_only_what_differs() -> None:
-    """The sim's own sizes, deadline and hardware model; the rest is the defaults'."""
+    """The sim's own deadline and hardware model; its sizes are the sizes table's (one
+    home for every backend's); the rest is the defaults'."""
+    from agents.collectives import default_sizes
+    from services.check.shape import probe_sizes
+
     b = SimBackend({"nodes": 2, "gpus_per_node": 2})
-    assert b.preflight_sizes and b.preflight_deadline_s and b.expected_busbw is not None
+    assert b.preflight_sizes is None and probe_sizes(b) == default_sizes("sim")
+    assert b.preflight_deadline_s and b.expected_busbw is not None
     assert list(b.injected) == [] and b.repeats == 1 and b.counters() == {}

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.analyzer.hysteresis import DEGRADED, OK, Policy, changes, statuses
+from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, changes, step
+
+
+def statuses(verdicts: Iterable[bool], policy: Policy = Policy(),
+             start: LinkState = LinkState()) -> list[str]:
+    """The status after each verdict of a series."""
+    out = []
+    state = start
+    for bad in verdicts:
+        state = step(state, bad, policy)
+        out.append(state.status)
+    return out
+
 
 policies = st.builds(
     lambda n, k, m: Policy(k_bad=min(k, n), n_window=n, m_good=m),

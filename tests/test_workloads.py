@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from agents import outcome
+from agents.collectives import default_sizes
 from agents.groups import Group, member
 from agents.probe import ProbeAgent
 from agents.sim import SimBackend, node_name
@@ -20,7 +21,7 @@ from services.analyzer.assess import link_key
 from services.check import run_check
 from services.check.planner import node_members
 from services.check.shape import ProbeShape
-from services.check.workload import identity_ratios, job_groups
+from services.check.workload import identity, job_groups
 from services.cli.main import main as cli
 from tests.fake_cuda import FakeCuda
 from tests.test_nccl_path import run_agents
@@ -177,7 +178,10 @@ def test_an_injected_slow_allreduce_on_gloo_breaks_the_identity_of_its_group_onl
         assert [r["status"] for r in replies] == ["ok", "ok"], replies
         ms += outcome.measurements(spec, dict(enumerate(replies)))
     assert all(m.wrong == 0 for m in ms)
-    ratios = identity_ratios(ms, (size,))
+    ratios = {}  # per group: time(ReduceScatter) + time(AllGather) over time(AllReduce)
+    for group in {m.group for m in ms}:
+        t = {m.op: m.time_us for m in ms if m.group == group and m.size_bytes == size}
+        ratios[(group, size)] = (t["reducescatter"] + t["allgather"]) / t["allreduce"]
     # Gloo's ReduceScatter is slow beside its AllReduce and its timings scatter on a busy
     # machine (healthy ratios of 2-3 here), so the band is the sim's to test; what gloo
     # shows is the slowed AllReduce pulling its own group's ratio far below its peers' (a
@@ -191,7 +195,7 @@ def test_a_single_rank_has_no_identity_to_check() -> None:
     spec = GroupSpec("intra_node", ("node-000/0",), ops=("reducescatter", "allgather",
                                                          "allreduce"), sizes=(1 << 24,))
     ms = sim(1).run_round([spec]).measurements
-    assert len(ms) == 3 and identity_ratios(ms, (1 << 24,)) == {}
+    assert len(ms) == 3 and identity(ms, {}, (1 << 24,)) == ([], [])
 
 
 def test_a_slow_fault_names_only_an_op_it_can_slow() -> None:
@@ -241,7 +245,7 @@ def test_cli_probe_with_a_profile_adds_its_ops_and_runs_the_jobs_groups(
     code = cli(["probe", "--fabric", _scenario(tmp_path), "--profile", "fsdp", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
-    fabric = [m for m in out["measurements"] if m["size_bytes"] in SimBackend.preflight_sizes]
+    fabric = [m for m in out["measurements"] if m["size_bytes"] in default_sizes("sim")]
     job = [m for m in out["measurements"] if m["size_bytes"] in WORKLOADS["fsdp"].sizes]
     assert len(fabric) + len(job) == len(out["measurements"])
     # The check monitoring runs (AllReduce, AllToAll at the sim's sizes) and the profile's

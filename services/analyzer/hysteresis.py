@@ -3,7 +3,6 @@ recover it, so a link that flaps between good and bad does not flap its alerts."
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 OK = "ok"
@@ -49,17 +48,6 @@ def step(state: LinkState, bad: bool, policy: Policy = Policy()) -> LinkState:
     elif status == DEGRADED and streak >= policy.m_good:
         status = OK
     return LinkState(status, recent, streak)
-
-
-def statuses(verdicts: Iterable[bool], policy: Policy = Policy(),
-             start: LinkState = LinkState()) -> list[str]:
-    """The status after each verdict of a series."""
-    out = []
-    state = start
-    for bad in verdicts:
-        state = step(state, bad, policy)
-        out.append(state.status)
-    return out
 
 
 def changes(series: list[str]) -> int:

@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from agents.collectives import default_sizes
+from agents.collectives import DEFAULT_SIZES, default_sizes
 from agents.spec import GroupSpec, ProbeBackend
 from services.check.deadlines import group_deadline_s
 
 DEFAULT_OPS: tuple[str, ...] = ("allreduce", "alltoall")
-DEFAULT_SIZES: tuple[int, ...] = (1 << 16, 1 << 22)
 
 
 @dataclass(frozen=True)
@@ -20,7 +19,7 @@ class ProbeShape:
     """What every group of a plan runs: ops, sizes and iteration counts."""
 
     ops: tuple[str, ...] = DEFAULT_OPS
-    sizes: tuple[int, ...] = DEFAULT_SIZES
+    sizes: tuple[int, ...] = DEFAULT_SIZES["gloo"]
     dtype: str = "float32"
     warmup: int = 5
     iters: int = 20

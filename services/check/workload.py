@@ -179,14 +179,6 @@ def _ratio(t: Mapping[str, float]) -> float:
     return (t["reducescatter"] + t["allgather"]) / t["allreduce"]
 
 
-def identity_ratios(ms: Sequence[Measurement], sizes: Sequence[int]
-                    ) -> dict[tuple[Group, int], float]:
-    """Per group and size, time(ReduceScatter) + time(AllGather) over time(AllReduce),
-    where the group ran all three at that size (AllReduce as NCCL chooses it)."""
-    return {key: _ratio({op: m.time_us for op, m in t.items()})
-            for key, t in _times(ms, sizes).items()}
-
-
 def _model_ratio(t: Mapping[str, Measurement]) -> float | None:
     """The identity ratio the hardware model expects of this group (the sim's preset, or
     the node type's rated busbw), from the expected busbw of each op; None without one."""

@@ -1,9 +1,10 @@
 """Submit, wait for, claim and complete preflight requests.
 
-A request whose nodes all have fresh results is answered at once. Otherwise it
-waits in Postgres until a scheduler claims it, probes the nodes, ships the
-results and completes it; the verdict is then computed here from the stored
-results, the same way as for an immediate answer.
+A request whose nodes all have fresh results is answered at once, its verdict computed
+from the stored results. Otherwise it waits in Postgres until a scheduler claims it,
+probes the nodes with the check (services.check), ships the results and completes it
+with that check's verdict (``complete``); only a completion that brings none has its
+verdict computed here from what it shipped.
 """
 
 from __future__ import annotations

@@ -29,10 +29,6 @@ def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[s
     return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in wanted}
 
 
-def link_by_key(session: Session, group_key: str) -> LinkHealth | None:
-    return session.scalar(select(LinkHealth).where(LinkHealth.group_key == group_key).limit(1))
-
-
 LINK_COLUMNS = ("status", "size_bytes", "busbw_gbs", "expected_gbs", "ratio", "bad_streak",
                 "good_streak", "recent", "recent_busbw", "updated_at", "changed_at")
 _LINK_TYPES = ("int4", "text", "int8", "float8", "float8", "float8", "int4", "int4", "text",
