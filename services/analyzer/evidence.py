@@ -124,6 +124,12 @@ class Weighing:
     min_variation: float = 0.005
     # The noise of one measurement is taken as at least this.
     min_noise: float = 0.01
+    # Until the run has measured its noise, a slow decision must also stand at this much
+    # noise (the noisiest fabric the weak-fault regime plans for): a stand-in read off a
+    # few peers, or the variation prior under the hardware model, can be half the real
+    # noise, and two low readings then look like a fault (a fault-free 2-node fleet at 8 %
+    # noise excluded a node so).
+    unmeasured_noise: float = 0.08
     # False: no test, a group is slow when every measurement of it was (below the
     # thresholds' degraded ratio), cleared by one that was not; for backends too noisy for
     # a sequential test at any affordable number of repeats (gloo).
@@ -298,6 +304,13 @@ def weigh_log_mean(m: float, n: int, *, noise: float, variation: float, centre_s
     return Decision(decision, _confidence(decision, llr), n, math.exp(m), math.sqrt(s2),
                     exhausted, provisional=decision == DEGRADED and n < w.confirm_repeats,
                     llr=llr)
+
+
+def held_open(d: Decision) -> Decision:
+    """``d`` kept undecided with its evidence (the check measures it again), whatever it
+    leaned to."""
+    return replace(d, decision=UNDECIDED, provisional=False,
+                   confidence=_confidence(UNDECIDED, d.llr))
 
 
 def unconfirmed(d: Decision) -> Decision:
