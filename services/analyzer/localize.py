@@ -12,10 +12,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import NamedTuple, TypeVar
 
-from agents.groups import Group, node_order, split_member
+from agents.groups import Group, group_nodes, node_order, split_member
 from agents.spec import EXCLUDING_KINDS, Finding, RankInfo
 from services.analyzer.assess import Assessment, PeerKey, peer_key, spans_paths
 from services.analyzer.evidence import (
@@ -282,12 +282,6 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-@lru_cache(maxsize=1 << 16)
-def _nodes_of(members: tuple[str, ...]) -> tuple[str, ...]:
-    # Cached: preflight re-judges the same (large) groups after every round.
-    return tuple(sorted({split_member(x)[0] for x in members}))
-
-
 # One op of one group's part of the run's noise: its op, squared deviations, degrees of
 # freedom (``OpSummary.noise_ss``); and its first reading against its peers: its kind,
 # log ratio and the centre's error (``measured_variation``).
@@ -404,7 +398,7 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         v = c.verdicts.get(key)
         if v is None or key in touched or not ops.isdisjoint(by_op) or (kinds and any(
                 peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)):
-            v = GroupVerdict(key[0], key[1].members, _nodes_of(key[1].members), by_op=by_op,
+            v = GroupVerdict(key[0], key[1].members, tuple(sorted(group_nodes(key[1].members))), by_op=by_op,
                              weighing=w,
                              _summaries=c.summaries, _checked={
                                  op: c.summaries[(key[0], key[1], op)] for op in by_op})
@@ -565,7 +559,7 @@ def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
     out = []
     for a in sorted(assessments, key=lambda a: a.ratio or 0.0)[:MAX_EVIDENCE]:
         m = a.measurement
-        nodes = _nodes_of(m.group)
+        nodes = sorted(group_nodes(m.group.members))
         item: dict[str, object] = {"scope": m.scope, "op": m.series, "size_bytes": m.size_bytes,
                                    "ranks": len(m.members), "measured_gbs": round(m.busbw_gbs, 3)}
         if a.expected_gbs is not None:
