@@ -67,6 +67,12 @@ def test_the_documented_body_keys_are_the_ones_checked_here() -> None:
     assert all(f"`{key}`" in section for key in DOCUMENTED_KEYS)
 
 
+def test_every_field_a_body_carries_is_documented() -> None:
+    section = _events_section()
+    sent = {f.name for payload, _ in CASES for f in fields(payload)}
+    assert {name for name in sent if f"`{name}`" not in section} == set()
+
+
 def test_each_event_has_exactly_one_payload_kind() -> None:
     assert set(events.PAYLOADS) == set(EventType)
     assert {type(p).event for p, _ in CASES} == set(EventType)
