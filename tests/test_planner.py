@@ -190,12 +190,12 @@ def _verdict(scope, members, bad, old=None, ratio=None):
     m = Measurement(op="alltoall", scope=scope, members=list(members), size_bytes=1,
                     dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=1.0,
                     busbw_gbs=1.0, wrong=0)
-    v = old or GroupVerdict(scope, tuple(sorted(members)), tuple(sorted(nodes_of(members))))
     a = (Assessment(m, 1.0, 0.5 if bad else 1.0, bad, "peers") if ratio is None
          else Assessment(m, 1.0, ratio, False, "peers", variation=0.03))
-    v.by_op.setdefault("alltoall", []).append(a)
-    v.reweigh()  # weighed again with the new measurement, as a fresh judgement does
-    return v
+    # A new verdict with the new measurement, as a fresh judgement makes one.
+    items = [*(old.by_op.get("alltoall", []) if old else []), a]
+    return GroupVerdict(scope, tuple(sorted(members)), tuple(sorted(nodes_of(members))),
+                        by_op={"alltoall": items})
 
 
 # A group that reads 5 % under its expectation every time, against 3 % between-link
@@ -414,15 +414,15 @@ def test_a_provisional_slow_pair_is_measured_again_though_its_node_is_blamed():
     planner = AdaptivePlanner(nodes, ProbeShape(sizes=(1,)))
     slow = _verdict("gpu_pair", ["node-000/0", "node-000/1"], bad=True)
     other = _verdict("gpu_pair", ["node-000/2", "node-000/3"], bad=False)
-    other.by_op["alltoall"][0] = Assessment(other.by_op["alltoall"][0].measurement, 1.0, 0.945,
-                                            False, "peers")
-    other.reweigh()
+    other = GroupVerdict(other.scope, other.members, other.nodes, by_op={"alltoall": [
+        Assessment(other.by_op["alltoall"][0].measurement, 1.0, 0.945, False, "peers")]})
     verdicts = {v.key: v for v in (slow, other)}
     assert slow.provisional and other.decisions["alltoall"].decision == "undecided"
     again = planner._repeats(verdicts, {"node-000"})
     assert [g.members for g in again] == [slow.members]
     # Measured again and slow again: final, and no longer measured.
-    _verdict("gpu_pair", ["node-000/0", "node-000/1"], bad=True, old=slow)
+    slow = verdicts[slow.key] = _verdict("gpu_pair", ["node-000/0", "node-000/1"], bad=True,
+                                         old=slow)
     assert not slow.provisional and planner._repeats(verdicts, {"node-000"}) == []
 
 

@@ -207,7 +207,8 @@ class GroupVerdict:
         return s.variation
 
     # What is read of the decisions is kept once read: the NIC, path and plan rules ask it
-    # of every group again and again (``reweigh`` forgets it).
+    # of every group again and again. A verdict's assessments do not change under it: a
+    # judgement makes a new verdict for a group whose assessments changed.
     @cached_property
     def bad(self) -> bool:
         """Decided slow for some op."""
@@ -226,14 +227,6 @@ class GroupVerdict:
         """Every measurement of it is explained by a fleet-wide shortfall."""
         return bool(self.by_op) and all(a.explained for items in self.by_op.values()
                                         for a in items)
-
-    def reweigh(self) -> None:
-        """Forget what was worked out of its assessments, after they changed in place."""
-        self._decisions = None
-        self._pair_means.clear()
-        self._checked.clear()
-        for name in ("bad", "cleared", "explained", "provisional", "pending_ops"):
-            self.__dict__.pop(name, None)
 
     @property
     def suspect(self) -> bool:
