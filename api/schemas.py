@@ -22,11 +22,8 @@ from agents.groups import NODE_NAME, check_node_name, split_member
 from agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
 from agents.workloads import ProfileName
 from services.config import PLACEHOLDER_SECRET
+from services.store.events import Subscribable as Event
 
-# The events a webhook may subscribe to (services.store.events.SUBSCRIBABLE, which a test
-# holds this to): a Literal, so that the OpenAPI document lists them.
-Event = Literal["health.degraded", "health.recovered", "preflight.failed", "probe.hang",
-                "probe.error"]
 # Hostname-like ASCII (agents.groups.NODE_NAME): no separators, whitespace, control,
 # invisible, bidirectional or look-alike characters.
 NodeName = Annotated[str, Field(min_length=1, max_length=253,

@@ -101,10 +101,18 @@ def test_a_recovery_without_its_incident_points_at_the_findings() -> None:
 
 
 def test_the_api_accepts_subscriptions_to_every_subscribable_event() -> None:
-    from api.schemas import Event
+    from pydantic import ValidationError
 
-    assert set(typing.get_args(Event)) == set(events.SUBSCRIBABLE)
-    assert EventType.WEBHOOK_TEST not in events.SUBSCRIBABLE
+    from api.schemas import WebhookIn
+
+    enum = WebhookIn.model_json_schema()["properties"]["events"]["items"]["enum"]
+    assert enum == [str(e) for e in typing.get_args(events.Subscribable)]
+    assert set(enum) == {str(e) for e in events.SUBSCRIBABLE} == {
+        str(e) for e in EventType} - {"webhook.test"}
+    hook = WebhookIn(url="https://hooks.example/r", secret="s" * 16, events=["probe.hang"])
+    assert hook.model_dump(mode="json")["events"] == ["probe.hang"]
+    with pytest.raises(ValidationError):
+        WebhookIn(url="https://hooks.example/r", secret="s" * 16, events=["webhook.test"])
 
 
 def test_an_event_is_pending_only_once_its_change_commits(clean_db) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
@@ -36,7 +36,10 @@ class EventType(StrEnum):
 
 
 # What a webhook may subscribe to: a test event goes only to the webhook it tests.
-SUBSCRIBABLE = frozenset(EventType) - {EventType.WEBHOOK_TEST}
+# (A type too, for the API's schemas: the OpenAPI document lists the values.)
+Subscribable = Literal[EventType.HEALTH_DEGRADED, EventType.HEALTH_RECOVERED,
+                       EventType.PREFLIGHT_FAILED, EventType.PROBE_HANG, EventType.PROBE_ERROR]
+SUBSCRIBABLE = frozenset(get_args(Subscribable))
 
 
 # ---- payloads: one per event, the fields of its body besides ``event`` and ``sequence`` ----
