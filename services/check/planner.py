@@ -446,7 +446,7 @@ class AdaptivePlanner:
         if self.world is None:
             return []
         if not self.search_started:
-            if _group_key(self.world.scope, self.world.members) in pending:
+            if (self.world.scope, self.world.group) in pending:
                 return []
             self.search_started = True
             if not _suspect(v, "world", self.world.members):
@@ -495,7 +495,7 @@ class AdaptivePlanner:
         if not item.done or item.step is None:
             return [item]
         unions = [self._union_group(u) for u in item.step.unions]
-        if any(_group_key(g.scope, g.members) in pending for g in unions):
+        if any((g.scope, g.group) in pending for g in unions):
             return [item]
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
         slow = [_suspect(v, g.scope, g.members) for g in unions]
@@ -555,13 +555,8 @@ def _region_nodes(region: Region) -> set[str]:
     return set(region[1]) | set(region[2])
 
 
-def _group_key(scope: str, members: Sequence[str]) -> GroupKey:
-    """The key a group's verdict is found under: its scope and its sorted members."""
-    return scope, Group(members)
-
-
 def _suspect(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
-    x = v.get(_group_key(scope, members))
+    x = v.get((scope, Group(members)))
     return x is not None and x.suspect
 
 
