@@ -16,9 +16,11 @@ def scenario(tmp_path: Path, body: dict) -> str:
     return str(path)
 
 
-def test_design_scenario_verdict(tmp_path: Path) -> None:
-    r = cli("preflight", "--backend", "sim", "--fabric", scenario(tmp_path, DESIGN_SCENARIO), "--json",
-            env=dict(os.environ))
+def test_the_shipped_example_scenario_gives_its_verdict() -> None:
+    """examples/scenario.json, as the README runs it (the design scenario of the tests)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "scenario.json"
+    assert json.loads(example.read_text()) == DESIGN_SCENARIO
+    r = cli("preflight", "--fabric", str(example), "--json", env=dict(os.environ))
     assert r.returncode == 1, r.stderr
     v = json.loads(r.stdout)
     assert v["backend"] == "sim" and v["nodes_checked"] == 16 and v["healthy"] is False

@@ -204,3 +204,23 @@ def test_cli_selftest_on_nccl_without_a_gpu_says_so_in_one_line() -> None:
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "CUDA is not available" in lines[0]
+
+
+def test_selftest_help_states_the_defaults_it_runs() -> None:
+    """Its help once said allreduce,alltoall and a preflight's two sizes; it runs every op
+    over the backend's quick preset, one timed loop each."""
+    import contextlib
+    import io
+
+    from agents.spec import OPS
+    from services.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["selftest"])
+    assert args.ops == ",".join(OPS) and args.sizes is None and args.repeats is None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        parser.parse_args(["selftest", "--help"])
+    text = " ".join(out.getvalue().split())
+    assert f"(default: every op: {','.join(OPS)})" in text
+    assert "quick preset" in text and "(default 1)" in text

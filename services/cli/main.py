@@ -65,16 +65,22 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
                                "1" if name == "pp" else "what the ranks leave") + ")")
 
 
-def add_probe_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", help="comma-separated ops (default: allreduce,alltoall)")
+# What --ops, --sizes and --repeats default to, as their help says it.
+PROBE_DEFAULTS = ("allreduce,alltoall", "one latency size and one bandwidth-bound size for "
+                  "the backend, as a preflight probes", "1, 3 on gloo")
+
+
+def add_probe_options(p: argparse.ArgumentParser,
+                      defaults: tuple[str, str, str] = PROBE_DEFAULTS) -> None:
+    """The probe's options; ``defaults``: what --ops, --sizes and --repeats default to."""
+    p.add_argument("--ops", help=f"comma-separated ops (default: {defaults[0]})")
     p.add_argument("--sizes", type=_sizes,
-                   help="comma-separated sizes, e.g. 1M,16M (default: one latency size and one "
-                        "bandwidth-bound size for the backend, as a preflight probes)")
+                   help=f"comma-separated sizes, e.g. 1M,16M (default: {defaults[1]})")
     p.add_argument("--preset", choices=("quick", "full"), help="a size sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int,
-                   help="timed loops per probe; time_us is their median (default 1, 3 on gloo)")
+                   help=f"timed loops per probe; time_us is their median (default {defaults[2]})")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--redop", default="sum", choices=REDOPS,
                    help="reduction of allreduce and reducescatter, nccl-tests' -o "
@@ -123,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("selftest", help="probe this machine's GPUs alone: every op at every "
                        "world size, NVML, nccl-tests side by side; exit 0 ok, 1 not")
-    add_probe_options(p)
+    add_probe_options(p, (f"every op: {','.join(OPS)}",
+                          "the backend's quick preset, 8 B to 64 KiB and 64 to 256 MiB on nccl",
+                          "1"))
     p.set_defaults(ops=",".join(OPS))
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="nccl on GPUs (default); gloo checks the harness on CPU")
