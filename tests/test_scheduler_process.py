@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -90,8 +91,11 @@ def test_a_restarted_scheduler_goes_on_with_the_next_matching(server, tmp_path) 
     api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
     fabric = tmp_path / "fabric.json"
     fabric.write_text(json.dumps({"nodes": 12, "gpus_per_node": 2, "seed": 3}))
-    for _ in range(3):
-        _scheduler_once(server, fabric)
+    logs = [_scheduler_once(server, fabric) for _ in range(3)]
+    # Each run numbers its cycle by the kept position, and its lines carry their UTC time.
+    for n, log in enumerate(logs, 1):
+        line = next(x for x in log.splitlines() if f"cycle {n}: " in x)
+        assert re.match(r"  \.\. \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ cycle", line), line
     links = httpx.get(f"{api}/v1/links", params={"scope": "inter_node"}, headers=h).json()
     pairs = {tuple(x["nodes"]) for x in links if len(x["nodes"]) == 2}
     assert len(pairs) == 3 * 6  # three matchings of six pairs each, none repeated
@@ -121,8 +125,11 @@ def test_monitoring_finds_what_preflight_finds(server, tmp_path) -> None:
     assert want == [("net_path_degraded", None, (), ("node-004", "node-009")),
                     ("nic_degraded", "node-011", (), ()),
                     ("nvlink_degraded", "node-003", (2, 5), ())]
-    for _ in range(3):
-        _scheduler_once(server, fabric)
+    logs = [_scheduler_once(server, fabric) for _ in range(3)]
+    # Each run numbers its cycle by the kept position, and its lines carry their UTC time.
+    for n, log in enumerate(logs, 1):
+        line = next(x for x in log.splitlines() if f"cycle {n}: " in x)
+        assert re.match(r"  \.\. \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ cycle", line), line
     # Sizes that reveal: at defaults every link was judged at a bandwidth-bound size.
     links = httpx.get(f"{api}/v1/links", headers=h).json()
     assert links and {x["size_bytes"] for x in links} == {1 << 28}

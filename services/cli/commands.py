@@ -41,6 +41,9 @@ class _Progress:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.open = False
+        # A long-running process (the scheduler) stamps each line with the UTC time, so
+        # its log says when each cycle ran.
+        self.stamp = False
 
     def __call__(self, message: str) -> None:
         stream = sys.stderr
@@ -50,7 +53,8 @@ class _Progress:
             self.open = True
         else:
             self.end()
-            stream.write(f"  .. {message}\n")
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime()) if self.stamp else ""
+            stream.write(f"  .. {when}{message}\n")
         stream.flush()
 
     def end(self) -> None:
@@ -281,6 +285,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     options = _probe_options(args)
     if not settings.token:
         raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
+    progress.stamp = True
     shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
     api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
     stop = threading.Event()

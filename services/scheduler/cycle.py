@@ -346,8 +346,11 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
             if time.monotonic() >= next_cycle:
                 so_far = duty.fractions()
                 history = api.baselines(options.dtype) if api is not None else None
+                # The persisted position numbers the cycles: a scheduler restarted, or run
+                # with --once from cron, goes on counting instead of saying "cycle 1".
+                index = rotation.advance()
                 cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
-                                  rotation=rotation.advance(), history=history,
+                                  rotation=index, history=history,
                                   thresholds=thresholds, budget=budget)
                 duty.add(cycle)
                 wait = interval_s * (1 + random.uniform(-jitter, jitter))
@@ -365,7 +368,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 cycles += 1
                 failures = 0
                 if progress:
-                    progress(f"cycle {cycles}: {cycle.rounds} rounds, {len(cycle.measurements)} "
+                    progress(f"cycle {index + 1}: {cycle.rounds} rounds, {len(cycle.measurements)} "
                              f"measurements, {len(cycle.judged)} finding(s) in this cycle"
                              f"{' ' + _kinds(cycle.judged) if cycle.judged else ''}, "
                              f"{_api_note(shipper.answers.pop(batch['batch_id'], None))}, "
