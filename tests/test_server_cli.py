@@ -196,3 +196,34 @@ def test_an_unexpected_server_error_is_json_with_a_reference(admin_url) -> None:
     assert r.status_code == 500
     body = r.json()
     assert body["error"] == "internal" and "reference" in body["message"]
+
+
+def test_serve_refuses_an_external_database_not_yet_migrated(admin_url, tmp_path) -> None:
+    """An operator's database is migrated in its own step: serve says so in one line
+    instead of answering /healthz while its notifier finds no tables."""
+    from services.store import db
+
+    name = f"rw_bare_{uuid.uuid4().hex[:8]}"
+    url = db.create_database(admin_url, name)
+    try:
+        env = api_env(url, tmp_path, ADMIN)
+        r = cli("serve", "--port", env["RINGWATCH_API_URL"].rsplit(":", 1)[1], env=env, timeout=60)
+    finally:
+        db.drop_database(admin_url, name)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "ringwatch db upgrade" in r.stderr and "(none)" in r.stderr
+
+
+def test_serve_migrates_the_embedded_database_it_starts(tmp_path) -> None:
+    """With no RINGWATCH_DATABASE_URL, serve starts its own Postgres: a fresh one is
+    brought to the schema before the API answers."""
+    env = api_env("", tmp_path / "state", ADMIN)
+    env.pop("RINGWATCH_DATABASE_URL")
+    proc = start_server(env)
+    try:
+        r = httpx.get(f"{env['RINGWATCH_API_URL']}/v1/links",
+                      headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        assert r.status_code == 200 and r.json() == []
+    finally:
+        stop_server(proc)
+        cli("db", "stop", env=env)

@@ -219,6 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     settings.check_secrets()
+    _schema_ready(settings)
     app = create_app(settings)
     stop = threading.Event()
     notifier_note = "off (--no-notifier)" if args.no_notifier else "on"
@@ -238,6 +239,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stop.set()
     return 0
+
+
+def _schema_ready(settings: Settings) -> None:
+    """Bring the embedded database that ``serve`` started to this code's schema; refuse an
+    external one that is not there, in one line (its migrations are its operator's to run,
+    in their own step: ``ringwatch db upgrade``)."""
+    from services.store import db
+
+    url = _database_url(settings)
+    at, head = db.current_revision(url), db.head_revision()
+    if at == head:
+        return
+    if not settings.database_url:  # the embedded server: ours to migrate
+        db.upgrade(url)
+        return
+    raise CliError(f"the database {db.describe_url(url)} is at migration {at or '(none)'}, not "
+                   f"{head}: run `ringwatch db upgrade` first")
 
 
 def _maintain_forever(settings, stop: threading.Event) -> None:

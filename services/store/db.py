@@ -119,6 +119,13 @@ def alembic_config(url: str):  # -> alembic.config.Config
     return cfg
 
 
+def head_revision() -> str | None:
+    """The migration this code's schema is at (the newest in migrations/versions)."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("postgresql://unused")).get_current_head()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to ``revision``."""
     from alembic import command
