@@ -294,3 +294,12 @@ def test_slurm_host_lists_expand_as_scontrol_expands_them(text: str, names: list
 def test_a_malformed_host_list_is_refused(text: str) -> None:
     with pytest.raises(ValueError):
         expand_hostlist(text)
+
+
+def test_the_readme_says_where_the_ringwatch_command_is() -> None:
+    """After `make demo`, `ringwatch` is not on PATH: the README's commands say how to get it
+    there before they use it."""
+    readme = (ROOT / "README.md").read_text()
+    using = readme[readme.index("## Using it"):]
+    first_command = using.index("ringwatch db upgrade")
+    assert ".venv/bin" in using[:first_command] and "PATH" in using[:first_command]

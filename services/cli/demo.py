@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import uuid
 from contextlib import ExitStack, closing
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -98,6 +100,8 @@ def run_demo(args: argparse.Namespace) -> int:
         named = fault.node in verdict.get("exclude", [])
         step(f"done in {time.monotonic() - started:.1f} s: the verdict "
              f"{'names' if named else 'does NOT name'} the slow node {fault.node}")
+        note(f"the ringwatch command is {Path(sys.executable).parent / 'ringwatch'}: "
+             f"`export PATH={Path(sys.executable).parent}:$PATH` puts it on your PATH")
         return 0 if named and not verdict["healthy"] else 1
 
 
