@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import cached_property, lru_cache
 
 # A node's name: hostname-like ASCII (letters, digits, ".", "_", "-"; a letter or digit
@@ -153,7 +153,7 @@ class Group:
     def __len__(self) -> int:
         return len(self.members)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[str]:
         return iter(self.members)
 
     def __str__(self) -> str:

@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
+import bench
 from services.cli.api_process import ApiDidNotStart, free_port, serve_args, stop, wait_ready
 from services.config import STATE_DIR
 from services.notifier.receiver import WebhookReceiver
-from services.settings import Settings
 from services.store import db, tokens
 
 ROLES = ("reader", "agent", "admin")
@@ -69,11 +69,6 @@ def fernet_key() -> str:
     return base64.urlsafe_b64encode(os.urandom(32)).decode()
 
 
-def default_admin_url() -> str:
-    """The server the suite makes its databases on: RINGWATCH_DATABASE_URL, else the embedded one."""
-    settings = Settings()
-    return db.resolve_database_url(settings.database_url, settings.state_dir)
-
 
 class Stage:
     """A migrated database of its own on ``admin_url``'s server, a state folder, and the
@@ -82,7 +77,7 @@ class Stage:
 
     def __init__(self, name: str, admin_url: str | None = None, env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.admin_url = admin_url or default_admin_url()
+        self.admin_url = admin_url or bench.admin_url()
         self.db_name = f"rw_chaos_{uuid.uuid4().hex[:10]}"
         self.url = db.create_database(self.admin_url, self.db_name)
         db.upgrade(self.url)

@@ -219,12 +219,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     settings.check_secrets()
-    _schema_ready(settings)
-    app = create_app(settings)
+    # Resolved once: with no RINGWATCH_DATABASE_URL this starts (or finds) the embedded server.
+    url = _database_url(settings)
+    _schema_ready(settings, url)
+    app = create_app(settings, db.make_session_factory(db.make_engine(url)))
     stop = threading.Event()
     notifier_note = "off (--no-notifier)" if args.no_notifier else "on"
     print(f"ringwatch serve: API on http://{args.host}:{args.port} (OpenAPI at /docs), "
-          f"database {db.describe_url(_database_url(settings))}, "
+          f"database {db.describe_url(url)}, "
           f"webhook notifier {notifier_note}", file=sys.stderr, flush=True)
     if not args.no_notifier:
         notifier = _notifier(settings)
@@ -241,13 +243,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _schema_ready(settings: Settings) -> None:
+def _schema_ready(settings: Settings, url: str) -> None:
     """Bring the embedded database that ``serve`` started to this code's schema; refuse an
     external one that is not there, in one line (its migrations are its operator's to run,
     in their own step: ``ringwatch db upgrade``)."""
     from services.store import db
 
-    url = _database_url(settings)
     at, head = db.current_revision(url), db.head_revision()
     if at == head:
         return
