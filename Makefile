@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH" >&2; exit 2; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[all,dev]'
 	mkdir -p /tmp/ray .ringwatch
 	touch $(STAMP)
 

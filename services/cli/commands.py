@@ -166,22 +166,25 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_token(args: argparse.Namespace) -> int:
     """Tokens, straight in the database: whoever runs this can reach it (and can mend an
-    install whose every admin token is lost)."""
+    install whose every admin token is lost); with ``--api``, through the API as an admin,
+    from a client install that has no database driver."""
+    if args.token_command == "create":
+        if args.nodes is not None and args.role != "agent":
+            raise CliError("--nodes scopes agent tokens only")
+        if args.expires_in_days is not None and args.expires_in_days < 0:
+            raise CliError("--expires-in-days must be 0 (never) or more")
+    if args.api:
+        return _token_via_api(args)
     from services.store import db, tokens
 
     settings = get_settings()
     factory = db.make_session_factory(db.make_engine(_database_url(settings)))
     with db.transaction(factory) as s:
         if args.token_command == "create":
-            if args.nodes is not None and args.role != "agent":
-                raise CliError("--nodes scopes agent tokens only")
             ttl = settings.token_ttl_days if args.expires_in_days is None else args.expires_in_days
-            if ttl < 0:
-                raise CliError("--expires-in-days must be 0 (never) or more")
             row, token = tokens.issue(s, args.role, args.name, expires_at=tokens.expiry(ttl),
                                       nodes=args.nodes)
-            until = row.expires_at.isoformat(timespec="seconds") if row.expires_at else "never"
-            print(f"created {args.role} token {row.id} (expires {until}): {token}")
+            _print_created(_token_info(row), token)
         elif args.token_command == "list":
             rows = tokens.list_tokens(s, limit=1_000_000, include_revoked=args.all)
             print_tokens([_token_info(r) for r in rows], args.json)
@@ -189,9 +192,63 @@ def cmd_token(args: argparse.Namespace) -> int:
             revoked = tokens.revoke(s, args.id)
             if revoked is None:
                 raise CliError(f"no token {args.id} (see ringwatch token list)")
-            print(f"revoked token {revoked.id} ({revoked.role}"
-                  f"{', ' + revoked.name if revoked.name else ''})")
+            _print_revoked(_token_info(revoked))
     return 0
+
+
+def _token_via_api(args: argparse.Namespace) -> int:
+    """``token`` through the API's /v1/tokens with an admin token."""
+    import httpx
+
+    settings = get_settings()
+    if not settings.token:
+        raise CliError(f"RINGWATCH_TOKEN is not set: --api needs an admin token for "
+                       f"{settings.api_url}")
+    with httpx.Client(base_url=settings.api_url, timeout=30,
+                      headers={"Authorization": f"Bearer {settings.token}"}) as client:
+        if args.token_command == "create":
+            body = {"role": args.role, "name": args.name,
+                    "expires_in_days": args.expires_in_days, "nodes": args.nodes}
+            info = _api_call(client, "POST", "/v1/tokens",
+                             json={k: v for k, v in body.items() if v is not None},
+                             expect=(201,))
+            _print_created(_from_api(info), info["token"])
+        elif args.token_command == "list":
+            rows: list[dict[str, Any]] = []
+            while True:  # every page (the API answers 1000 at most)
+                page = _api_call(client, "GET", "/v1/tokens", params={
+                    "after": rows[-1]["id"] if rows else 0, "limit": 1000,
+                    "include_revoked": args.all})
+                rows += page
+                if len(page) < 1000:
+                    break
+            print_tokens([_from_api(r) for r in rows], args.json)
+        else:
+            listed = _api_call(client, "GET", "/v1/tokens", params={
+                "after": args.id - 1, "limit": 1, "include_revoked": True})
+            if not listed or listed[0]["id"] != args.id:
+                raise CliError(f"no token {args.id} (see ringwatch token list)")
+            _api_call(client, "DELETE", f"/v1/tokens/{args.id}", expect=(204,))
+            _print_revoked(_from_api(listed[0]))
+    return 0
+
+
+def _from_api(info: dict[str, Any]) -> dict[str, Any]:
+    """A token's row from the API, its times as datetimes (as the database gives them)."""
+    from datetime import datetime
+
+    times = ("created_at", "expires_at", "last_used_at", "revoked_at")
+    return {k: datetime.fromisoformat(v) if k in times and v else v for k, v in info.items()}
+
+
+def _print_created(info: dict[str, Any], token: str) -> None:
+    until = info["expires_at"].isoformat(timespec="seconds") if info["expires_at"] else "never"
+    print(f"created {info['role']} token {info['id']} (expires {until}): {token}")
+
+
+def _print_revoked(info: dict[str, Any]) -> None:
+    print(f"revoked token {info['id']} ({info['role']}"
+          f"{', ' + info['name'] if info['name'] else ''})")
 
 
 def _token_info(row) -> dict[str, Any]:
@@ -570,16 +627,17 @@ def _api_preflight(nodes: list[str], max_age: float, timeout_s: float,
     return body
 
 
-def _api_call(client: httpx.Client, method: str, path: str, **kw: Any) -> dict[str, Any]:
+def _api_call(client: httpx.Client, method: str, path: str,
+              expect: tuple[int, ...] = (200, 202), **kw: Any) -> Any:
     import httpx
 
     try:
         resp = client.request(method, path, **kw)
     except httpx.HTTPError as exc:
         raise CliError(f"API at {client.base_url} unreachable: {exc}") from exc
-    if resp.status_code not in (200, 202):
+    if resp.status_code not in expect:
         raise CliError(f"API answered {resp.status_code}: {_api_message(resp)}")
-    return resp.json()
+    return resp.json() if resp.content else None
 
 
 def _api_message(resp: httpx.Response) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
@@ -14,6 +15,7 @@ from agents.spec import OPS, REDOPS, ProbeSetupError
 from services.cli import commands
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
+from services.cli.extras import missing_extra
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -90,6 +92,23 @@ def add_probe_options(p: argparse.ArgumentParser,
                         "(default on; falls back to events where capture fails)")
 
 
+def _api_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL")
+    return text.rstrip("/")
+
+
+# Every command that asks the API says how it finds it and what it presents.
+API_EPILOG = ("The API is --api URL, else RINGWATCH_API_URL, else http://127.0.0.1:8420; "
+              "requests carry the token in RINGWATCH_TOKEN (ringwatch token create).")
+
+
+def add_api_option(p: argparse.ArgumentParser, what: str = "the API to ask",
+                   default: str = "RINGWATCH_API_URL, else http://127.0.0.1:8420") -> None:
+    p.add_argument("--api", type=_api_url, metavar="URL", help=f"{what} (default: {default})")
+    p.epilog = API_EPILOG
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line on stderr and exit code 2, like every other CLI error."""
 
@@ -154,10 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm", action="store_true",
                    help="(API) re-probe nodes that fresh results call unhealthy before answering")
     add_profile_option(p)
+    add_api_option(p, "without --address/--local/--fabric: the API to ask")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("status", help="the fleet at a glance from the API: health, incidents, "
                                       "last cycle, duty cycle")
+    add_api_option(p)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("completion", help="print shell completion: eval \"$(ringwatch "
@@ -167,10 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-rankmap", help="check a job's rank table")
     p.add_argument("file")
+    add_api_option(p, "the API whose fleet the table is checked against")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("token", help="API tokens")
-    tsub = p.add_subparsers(dest="token_command", required=True)
+    p = sub.add_parser("token", help="API tokens: straight in the database, or through the "
+                                     "API with --api and an admin RINGWATCH_TOKEN")
+    tsub = p.add_subparsers(dest="token_command", required=True, parser_class=_Parser)
     t = tsub.add_parser("create", help="create a token and print it as the last word")
     t.add_argument("--role", required=True, choices=("agent", "reader", "admin"))
     t.add_argument("--name", default="")
@@ -183,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true")
     t = tsub.add_parser("revoke", help="revoke a token by its id (from token list)")
     t.add_argument("id", type=int)
+    for t in tsub.choices.values():
+        add_api_option(t, "ask this API, with an admin RINGWATCH_TOKEN",
+                       "straight in the database RINGWATCH_DATABASE_URL names, or the embedded one")
 
     p = sub.add_parser("db", help="database")
     dsub = p.add_subparsers(dest="db_command", required=True)
@@ -200,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = getattr(commands, "cmd_" + args.command.replace("-", "_"))
+    if getattr(args, "api", None):  # read where every other setting is, before the first read
+        os.environ["RINGWATCH_API_URL"] = args.api
     try:
         code = int(handler(args) or 0)
         commands.progress.end()
@@ -215,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         commands.progress.end()
         if args.verbose:
             logging.exception("failed")
-        print(f"ringwatch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # A role's extra not installed here is named with the install that gives it.
+        line = missing_extra(exc, args.command) if isinstance(exc, ModuleNotFoundError) else None
+        print(f"ringwatch {args.command}: {line or f'{type(exc).__name__}: {exc}'}",
+              file=sys.stderr)
         return 2
 
 
