@@ -24,6 +24,9 @@ EXTRA_OF = {
     "pgserver": "demo",
 }
 
+# The extras an extra brings with it (pyproject.toml: demo is every role and pgserver).
+INCLUDES = {"demo": ("agent", "ray", "server", "demo"), "all": ("agent", "ray", "server", "demo")}
+
 # What each command needs beyond the client, in the order a user should read it.
 COMMAND_EXTRAS = {
     "demo": ("demo",),
@@ -48,7 +51,7 @@ def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
         return ("no RINGWATCH_DATABASE_URL is set, and the embedded Postgres it would start "
                 "needs pip install 'ringwatch[demo]' (or set RINGWATCH_DATABASE_URL)")
     extras = list(COMMAND_EXTRAS.get(command, ()))
-    if extra not in extras:
+    if not any(extra in INCLUDES.get(e, (e,)) for e in extras):
         extras.append(extra)
     line = f"{module} is not installed: pip install 'ringwatch[{','.join(extras)}]'"
     if command == "token":
