@@ -42,3 +42,53 @@ def test_join_names_nodes_by_hostname_and_probes(cluster) -> None:
         assert all(m.wrong == 0 and m.busbw_gbs > 0 for m in result.measurements)
     # Closing the backend leaves the cluster it joined running.
     assert cluster.head_node is not None and cluster.head_node.remaining_processes_alive()
+
+
+def test_auto_names_the_cluster_it_resolved_and_where_from(cluster, monkeypatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    said: list[str] = []
+    with RayBackend("gloo", address="auto", ranks_per_node=1, progress=said.append) as backend:
+        assert len(backend.ranks()) == 2
+    assert f"ray: joined auto ({cluster.address}, from RAY_ADDRESS): 2 ranks" in said
+
+
+def test_auto_with_nothing_to_resolve_says_where_it_looked(monkeypatch, tmp_path) -> None:
+    from agents.spec import ProbeSetupError
+    from services.scheduler import ray_backend
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_backend, "RAY_CURRENT_CLUSTER", tmp_path / "ray_current_cluster")
+    with pytest.raises(ProbeSetupError, match="RAY_ADDRESS is not set and no head on this "
+                                              "machine wrote .*ray_current_cluster"):
+        RayBackend("gloo", address="auto", ranks_per_node=1)
+
+
+def test_a_local_cluster_is_not_left_where_auto_looks(cluster, tmp_path) -> None:
+    """ringwatch's own local cluster is its command's alone: while it runs and after, the
+    machine's current-cluster record is what it was (here: the cluster of this module)."""
+    from services.scheduler.ray_backend import RAY_CURRENT_CLUSTER
+
+    RAY_CURRENT_CLUSTER.write_text(cluster.address)
+    with RayBackend("gloo", local_nodes=1, ranks_per_node=1, temp_dir=tmp_path / "ray") as b:
+        assert b._cluster is not None and b._cluster.address != cluster.address
+        assert RAY_CURRENT_CLUSTER.read_text() == cluster.address
+    assert RAY_CURRENT_CLUSTER.read_text() == cluster.address
+
+
+def test_a_cluster_of_another_ray_version_is_refused_in_one_line(cluster, monkeypatch) -> None:
+    """Ray's own check, with this process's Ray version changed at the one call that reports
+    it: the refusal names both versions and the install that joins."""
+    import ray
+
+    from agents.spec import ProbeSetupError
+
+    real = ray._private.utils.compute_version_info
+    monkeypatch.setattr(ray._private.utils, "compute_version_info",
+                        lambda: ("2.0.0", real()[1]))
+    with pytest.raises(ProbeSetupError) as caught:
+        RayBackend("gloo", address=cluster.address, ranks_per_node=1)
+    text = str(caught.value)
+    assert "\n" not in text
+    assert f"runs Ray {ray.__version__}, this environment Ray 2.0.0" in text
+    assert f"pip install 'ray=={ray.__version__}'" in text
+    assert not ray.is_initialized()

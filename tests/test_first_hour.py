@@ -237,7 +237,7 @@ def test_auto_pointing_at_a_head_that_is_gone_is_refused_the_same_way(env) -> No
     gone = f"127.0.0.1:{free_port()}"
     r = cli("probe", "--address", "auto", env={**env, "RAY_ADDRESS": gone}, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert f"nothing answers at --address auto ({gone})" in r.stderr
+    assert f"nothing answers at --address auto ({gone}, from RAY_ADDRESS)" in r.stderr
 
 
 def test_an_injected_fault_outside_the_cluster_is_refused_before_it_starts(env) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import time
 import uuid
@@ -172,16 +173,19 @@ class RayBackend(BackendDefaults):
         # ray.cluster_utils records the cluster address under /tmp/ray whatever temp_dir says.
         Path("/tmp/ray").mkdir(parents=True, exist_ok=True)
         tmp = ray_temp_dir(temp_dir)
-        self._cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                # The head holds no ranks: every agent lives on a logical node.
-                "num_cpus": 0,
-                "include_dashboard": False,
-                "temp_dir": str(tmp),
-                "object_store_memory": _OBJECT_STORE_BYTES,
-            },
-        )
+        # Ray registers the head as this machine's current cluster, where `--address auto`
+        # and `ray.init("auto")` look; this cluster is this command's alone.
+        with _unregistered(lambda: self._cluster.address if self._cluster else None):
+            self._cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    # The head holds no ranks: every agent lives on a logical node.
+                    "num_cpus": 0,
+                    "include_dashboard": False,
+                    "temp_dir": str(tmp),
+                    "object_store_memory": _OBJECT_STORE_BYTES,
+                },
+            )
         for i in range(nodes):
             node = local_node_name(i)
             self._cluster.add_node(
@@ -204,13 +208,19 @@ class RayBackend(BackendDefaults):
         hint = ("start one with `ray start --head` on the head node and `ray start --address "
                 "HEAD:6379` on each GPU node (or use the RayCluster of docs/kubernetes.md), or "
                 "probe without one: --local N or --fabric FILE")
-        _check_listening(address, hint)
+        address, named = resolve_address(address, hint)
+        _check_listening(address, named, hint)
+        self._owns_ray = True  # whatever ray.init leaves behind, close() shuts down
         try:
             ray.init(address=address, log_to_driver=False)
         except ConnectionError as exc:
-            raise ProbeSetupError(f"no Ray cluster at --address {address} "
+            raise ProbeSetupError(f"no Ray cluster at --address {named} "
                                   f"({str(exc).split('.')[0]}): {hint}") from None
-        self._owns_ray = True
+        except RuntimeError as exc:
+            mismatch = version_mismatch(str(exc), named)
+            if mismatch is None:
+                raise
+            raise ProbeSetupError(mismatch) from None
         seen: dict[str, int] = {}
         for info in sorted(ray.nodes(), key=lambda n: n["NodeManagerHostname"]):
             if not info.get("Alive"):
@@ -232,8 +242,9 @@ class RayBackend(BackendDefaults):
                                            "scheduling_strategy": pin}
                 self._add_slot(node, j, j, options)
         if not self._slots:
-            raise RuntimeError(f"no alive Ray node at {address} has a {'GPU' if self.name == 'nccl' else 'CPU'}")
-        self._progress(f"ray: joined {address}: {len(self._slots)} ranks")
+            raise RuntimeError(f"no alive Ray node at {named} has a "
+                               f"{'GPU' if self.name == 'nccl' else 'CPU'}")
+        self._progress(f"ray: joined {named}: {len(self._slots)} ranks")
 
     def _add_slot(self, node: str, local_index: int, device_index: int, options: dict[str, Any]) -> None:
         if self.name == "nccl":
@@ -505,10 +516,12 @@ class RayBackend(BackendDefaults):
             if slot.handle is not None:
                 with contextlib.suppress(Exception):  # already gone with its node
                     ray.kill(slot.handle, no_restart=True)
-        if self._owns_ray and ray.is_initialized():
+        if self._owns_ray:  # also what a refused ray.init left connected
             ray.shutdown()
         if self._cluster is not None:
-            self._cluster.shutdown()
+            address = self._cluster.address
+            with _unregistered(lambda: address):  # stopping, Ray removes the record
+                self._cluster.shutdown()
             self._cluster = None
 
     def __enter__(self) -> RayBackend:
@@ -523,28 +536,72 @@ class RayBackend(BackendDefaults):
 RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 
 
-def _auto_address() -> str | None:
-    """The address ``--address auto`` resolves to, as Ray resolves it: RAY_ADDRESS, else the
-    address the newest local head wrote; None when neither says."""
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
+@contextlib.contextmanager
+def _unregistered(ours: Callable[[], str | None]):
+    """Put this machine's current-cluster record back as it was once the cluster whose
+    address ``ours`` gives has started (and registered itself there) or stopped (and
+    removed the record, whoever wrote it); a record someone else wrote meanwhile stays."""
     try:
-        return RAY_CURRENT_CLUSTER.read_text().strip() or None
+        before: str | None = RAY_CURRENT_CLUSTER.read_text()
     except OSError:
+        before = None
+    try:
+        yield
+    finally:
+        try:
+            now: str | None = RAY_CURRENT_CLUSTER.read_text()
+        except OSError:
+            now = None
+        # Written by this cluster as it started, or removed by it as it stopped.
+        if now != before and (now is None or now.strip() == (ours() or "")):
+            with contextlib.suppress(OSError):
+                if before is None:
+                    RAY_CURRENT_CLUSTER.unlink()
+                else:
+                    RAY_CURRENT_CLUSTER.write_text(before)
+
+
+def resolve_address(address: str, hint: str) -> tuple[str, str]:
+    """The address to join, and how to name it: ``auto`` resolves as Ray resolves it
+    (RAY_ADDRESS, else the address the newest head started on this machine with `ray start
+    --head` wrote) and is named with what it resolved to and where that came from."""
+    if address != "auto":
+        return address, address
+    if os.environ.get("RAY_ADDRESS"):
+        resolved, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    else:
+        try:
+            resolved, source = RAY_CURRENT_CLUSTER.read_text().strip(), str(RAY_CURRENT_CLUSTER)
+        except OSError:
+            resolved = ""
+    if not resolved or resolved == "auto":
+        raise ProbeSetupError(f"--address auto found no Ray cluster: RAY_ADDRESS is not set "
+                              f"and no head on this machine wrote {RAY_CURRENT_CLUSTER}: {hint}")
+    return resolved, f"auto ({resolved}, from {source})"
+
+
+def version_mismatch(message: str, named: str) -> str | None:
+    """Ray's refusal to join a cluster of another Ray or Python version, in one line that
+    says which install joins it; None for any other error."""
+    if not message.startswith("Version mismatch"):
         return None
+    found = re.findall(r"(Ray|Python): (\S+)", message)
+    if len(found) != 4:
+        return f"Ray at --address {named} refused this process: {' '.join(message.split())}"
+    (_, cluster_ray), (_, cluster_py), (_, mine_ray), (_, mine_py) = found
+    if cluster_ray != mine_ray:
+        return (f"the Ray cluster at --address {named} runs Ray {cluster_ray}, this "
+                f"environment Ray {mine_ray}: Ray joins only its own version; install "
+                f"ray=={cluster_ray} beside ringwatch here (pip install 'ray=={cluster_ray}')")
+    return (f"the Ray cluster at --address {named} runs Python {cluster_py}, this "
+            f"environment Python {mine_py}: Ray joins only the same Python; run the scheduler "
+            f"with Python {cluster_py}")
 
 
-def _check_listening(address: str, hint: str, timeout_s: float = 5.0) -> None:
+def _check_listening(address: str, named: str, hint: str, timeout_s: float = 5.0) -> None:
     """A HOST:PORT address where nothing listens is refused at once: Ray itself would wait
-    minutes for its control store before giving up. ``auto`` is checked where it points
-    (a head that has gone leaves its address behind)."""
-    named = address
-    if address == "auto":
-        resolved = _auto_address()
-        if resolved is None:
-            return  # nothing to check: Ray says at once that it found no cluster
-        named = f"auto ({resolved})"
-        address = resolved
+    minutes for its control store before giving up (a head that has gone leaves its address
+    behind)."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "://" in address:
         return  # a ray:// client address: Ray's own connection says what is wrong
