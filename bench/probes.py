@@ -35,6 +35,7 @@ def main(flags: list[str]) -> None:
             print(f"  {op:<14}{size:>10}{a:>12.3f}{b:>13.3f}{a / b:>8.2f}")
     with RayBackend("gloo", local_nodes=3, ranks_per_node=2, temp_dir=temp) as backend:
         quick_cycle(backend)
+        hang_and_error(backend)
 
 
 def ringwatch_busbw(backend: RayBackend, members: tuple[str, ...]) -> dict[tuple[str, int], float]:
@@ -79,3 +80,25 @@ def quick_cycle(backend: RayBackend) -> None:
     print(f"quick cycle on local 3x2 gloo ({len(options.sizes)} sizes x 2 ops, {c.rounds} rounds, "
           f"{len(c.measurements)} measurements): wall median {statistics.median(walls):.2f} s, "
           f"timed fabric {statistics.median(fabric):.2f} s")
+
+
+HANG_DEADLINE_S = 6.0
+
+
+def hang_and_error(backend: RayBackend) -> None:
+    """How long a round takes to name a hung rank (its deadline, then the rank's replacement)
+    and an erroring one beside it (at once): the contract is deadline + 10 s."""
+    pairs = [GroupSpec("intra_node", (f"node-00{i}/0", f"node-00{i}/1"), sizes=(1 << 20,),
+                       warmup=2, iters=10, deadline_s=HANG_DEADLINE_S) for i in range(3)]
+    from agents.spec import InjectedFault
+
+    for label, faults in (("a hang", [InjectedFault("hang", "node-001", 1)]),
+                          ("a hang and an error", [InjectedFault("hang", "node-001", 1),
+                                                   InjectedFault("error", "node-000", 1)])):
+        backend.set_injected(faults)
+        result = backend.run_round(pairs)
+        named = sorted(f"{f.kind} {f.node}/{f.gpu}" for f in result.findings)
+        print(f"round with {label} (deadline {HANG_DEADLINE_S:g} s): named {', '.join(named)} "
+              f"in {result.wall_time_s:.1f} s wall (contract: < {HANG_DEADLINE_S + 10:g} s)")
+        backend.set_injected([])
+        backend.run_round(pairs)  # the replacement settles before the next
