@@ -146,6 +146,17 @@ class RankIn(Strict):
     profile: str | None = Field(default=None, max_length=64)
 
 
+class HeadlineIn(Strict):
+    """A finding's headline as the analyzer makes it (docs/analysis.md, "The headline")."""
+
+    op: str = Field(min_length=1, max_length=64)
+    size_bytes: Int64 = Field(ge=0)
+    busbw_gbs: Gbs
+    expected_gbs: Gbs
+    ratio: float = Field(ge=0, le=1e6, allow_inf_nan=False)
+    text: str = Field(min_length=1, max_length=256)
+
+
 class FindingIn(BaseModel):
     """A finding an agent or scheduler saw (docs/formats.md, "Verdict"): the fields that
     place it are typed; more fields by kind (evidence, message, rank, ...) are free-form JSON
@@ -160,6 +171,7 @@ class FindingIn(BaseModel):
     severity: Literal["critical", "warning", "info"] | None = None
     measured_gbs: Gbs | None = None
     expected_gbs: Gbs | None = None
+    headline: HeadlineIn | None = None
     detail: BoundedObject | None = None
 
     @model_validator(mode="after")
@@ -317,6 +329,19 @@ class NodePairTileOut(BaseModel):
     cells: str
 
 
+class StandingOut(BaseModel):
+    """Where a link stands in the hysteresis window (services.analyzer.hysteresis.standing):
+    why one slow cycle leaves it ok, or one good cycle leaves it degraded."""
+
+    bad: int = Field(description="cycles of the window in which it was slow")
+    window: int = Field(description="the window: the last n cycles")
+    opens_at: int = Field(description="slow cycles of the window at which it turns degraded")
+    good_streak: int = Field(description="good cycles in a row")
+    closes_at: int = Field(description="good cycles in a row at which it turns ok again")
+    text: str | None = Field(description="the reason in words, e.g. 'slow, 1 of 3 \u2014 opens "
+                                         "at 2 of 3'; null when there is none to give")
+
+
 class LinkOut(BaseModel):
     # The series key: members comma-joined, or "sha256:..." for a group too large for that
     # (GET /v1/series?group=KEY reads it).
@@ -332,6 +357,7 @@ class LinkOut(BaseModel):
     ratio: float | None
     updated_at: datetime
     changed_at: datetime
+    standing: StandingOut | None = None
 
 
 class BaselineOut(BaseModel):
@@ -406,9 +432,22 @@ class PreflightIn(Strict):
         return self
 
 
+class HeadlineOut(BaseModel):
+    """A finding's headline (docs/analysis.md, "The headline"): the one measurement every
+    surface shows for it, and the text they all print."""
+
+    model_config = ConfigDict(extra="allow")
+    op: str
+    size_bytes: int
+    busbw_gbs: float
+    expected_gbs: float
+    ratio: float
+    text: str = Field(description="e.g. 'allreduce 256 MiB: 122 of 238 GB/s (0.51)'")
+
+
 class FindingOut(BaseModel):
-    """A finding (docs/formats.md, "Verdict"): its kind, place and figures; more fields by
-    kind (confidence, evidence, problem, ...)."""
+    """A finding (docs/formats.md, "Verdict"): its kind, place and figures (its headline's,
+    where it has one); more fields by kind (confidence, evidence, problem, ...)."""
 
     model_config = ConfigDict(extra="allow")
     kind: str
@@ -419,6 +458,7 @@ class FindingOut(BaseModel):
     nodes: list[str] | None = None
     measured_gbs: float | None = None
     expected_gbs: float | None = None
+    headline: HeadlineOut | None = None
 
 
 class PreflightOut(BaseModel):

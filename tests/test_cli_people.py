@@ -67,10 +67,13 @@ def test_status_summarizes_the_fleet_as_plain_text_off_a_terminal(server) -> Non
     assert re.search(r"^last cycle\s+\d+ s ago$", r.stdout, re.M)
     header = next(i for i, x in enumerate(lines) if x.startswith("ID"))
     row = lines[header + 1]
-    assert "node-001" in row and "critical" in row and "of expected" in row
     as_json = json.loads(cli("status", "--json", env=server).stdout)
     assert as_json["status"] == "degraded" and as_json["open_incidents"] == 1
     assert as_json["incidents"][0]["nodes"] == ["node-001"]
+    # The incident's headline, as /v1/findings gives it: its op, size and figures.
+    headline = as_json["incidents"][0]["detail"]["headline"]
+    assert "node-001" in row and "critical" in row and row.endswith(headline["text"])
+    assert headline["text"].startswith(f"{headline['op']} 1 MiB: ")
 
 
 def test_status_on_a_terminal_draws_tables_in_colour(server) -> None:

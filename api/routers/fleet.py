@@ -80,6 +80,7 @@ def get_links(
     request: Request,
     response: Response,
     session: SessionDep,
+    settings: SettingsDep,
     _: ReaderDep,
     status: Literal["ok", "degraded"] | None = None,
     scope: Literal["intra_node", "gpu_pair", "inter_node", "world"] | None = None,
@@ -89,11 +90,12 @@ def get_links(
     limit: int = Query(default=10_000, ge=1, le=100_000),
 ) -> list[dict]:
     """Current health of the probed links and groups, filtered by status, scope or node,
-    in (scope, group key, op) order. A full page names the next in ``X-Next-Cursor`` and
-    ``Link: rel="next"``."""
+    in (scope, group key, op) order, each with where it stands in the hysteresis window
+    (``standing``: why a link slow in one cycle is still ok). A full page names the next in
+    ``X-Next-Cursor`` and ``Link: rel="next"``."""
     out = fleet.links(session, status=status, scope=scope, node=node,
                       after=decode_cursor(after, 3) if after else None,
-                      limit=limit)
+                      limit=limit, policy=settings.hysteresis())
     last = out[-1] if out else None
     link_next(request, response, out, limit,
               encode_cursor([last["scope"], last["group_key"], last["op"]]) if last else None)

@@ -82,7 +82,19 @@ function badge(state) {
   const cls = state === "degraded" ? "bad" : state === "ok" ? "good" : "suspect";
   return el("span", {class: `badge ${cls}`}, `${GLYPH[state] || "\u2713"} ${state}`);
 }
-function linkBadge(status) { return badge(status === "ok" ? "ok" : "degraded"); }
+// A link's status and, where the hysteresis explains it, why (GET /v1/links' ``standing``):
+// a link slow in one cycle of the window is still ok, and says so with its count.
+function linkBadge(link) {
+  const state = link.status === "ok" ? "ok" : "degraded";
+  const s = link.standing || {};
+  const why = typeof s.text === "string" ? s.text : "";
+  if (!why) return badge(state);
+  const title = state === "ok"
+    ? `Slow in ${s.bad} of the last ${s.window} cycles: a link turns degraded, and its fault opens an incident, at ${s.opens_at} of ${s.window}.`
+    : `Degraded until ${s.closes_at} good cycles in a row.`;
+  return el("span", {class: `badge ${state === "ok" ? "suspect" : "bad"} standing`, title},
+            state === "ok" ? `${GLYPH.suspect} ${why}` : `${GLYPH.degraded} degraded, ${why}`);
+}
 
 // Numbers on hover: one tooltip for the page, fed by whatever is under the pointer.
 function showTip(event, text) {
@@ -191,8 +203,11 @@ function findingPlace(f) {
   if (d.node) return listText(d.node);
   return listText(f.nodes, " \u2194 ");
 }
+// A finding's figure: its headline's text, the same on every surface (docs/analysis.md,
+// "The headline"); a record stored before findings had one shows its measured and expected.
 function findingFigures(f) {
   const d = f.detail || f;
+  if (d.headline && typeof d.headline.text === "string") return d.headline.text;
   const measured = d.measured_gbs, expected = d.expected_gbs;
   if (measured === null || measured === undefined || expected === null || expected === undefined) return "";
   const ratio = isNumber(measured) && isNumber(expected) && expected !== 0 ? measured / expected : null;
@@ -269,7 +284,8 @@ async function fleetView(params) {
     el("div", {}, el("span", {class: "kind"}, kindText(f)), ` \u00b7 ${f.severity ?? "\u2013"}`),
     el("div", {}, asList(f.nodes).map((n) => [el("a", {href: `#/node/${encodeURIComponent(n)}`}, listText(n)), " "]),
        f.detail && f.detail.gpus ? `GPUs ${listText(f.detail.gpus)}` : ""),
-    el("div", {class: "muted"}, `${findingFigures(f)} opened ${fmtTime(f.opened_at)}`));
+    el("div", {class: "headline"}, findingFigures(f)),
+    el("div", {class: "muted"}, `opened ${fmtTime(f.opened_at)}`));
   const unreadable = (f) => el("li", {}, el("span", {class: "kind"}, kindText(f)), " (this record could not be shown in full)");
   const list = el("ul", {class: "incidents", id: "incidents"}, open.length
     ? open.map((f) => drawOr(incident, f, unreadable)) : el("li", {class: "muted"}, "No open incidents."));
@@ -329,7 +345,7 @@ function linksTable(links, onPick) {
   for (const l of links) {
     const row = el("tr", {class: "link-row", dataset: {group: l.group_key, op: l.op, status: l.status}},
       el("td", {}, l.scope), el("td", {}, shortMembers(l.members)), el("td", {}, l.op),
-      el("td", {}, linkBadge(l.status)), el("td", {}, fmt(l.busbw_gbs)), el("td", {}, fmt(l.expected_gbs)),
+      el("td", {}, linkBadge(l)), el("td", {}, fmt(l.busbw_gbs)), el("td", {}, fmt(l.expected_gbs)),
       el("td", {style: `background:${ratioColour(l.ratio)};color:${inkOn(l.ratio)}`}, fmt(l.ratio)));
     row.addEventListener("click", () => onPick(l, row));
     body.append(row);
@@ -424,7 +440,7 @@ async function seriesPanel(box, link, degradedRatio, range = "24h") {
   picker.addEventListener("change", () => seriesPanel(box, link, degradedRatio, picker.value));
   box.replaceChildren(
     el("div", {class: "filters"}, el("strong", {}, `${link.scope} ${link.op} `), shortMembers(link.members),
-       linkBadge(link.status), el("span", {class: "muted"}, `at ${fmtBytes(link.size_bytes)}`), picker,
+       linkBadge(link), el("span", {class: "muted"}, `at ${fmtBytes(link.size_bytes)}`), picker,
        el("a", {href: `#/series?group=${encodeURIComponent(link.group_key)}&op=${encodeURIComponent(link.op)}`}, "open on its own")),
     seriesChart(series.points, link, degradedRatio ?? 0.7, incidents, Date.parse(since)),
     el("p", {class: "muted"}, `${series.points.length} points (${series.resolution}); band: expected ` +
@@ -705,7 +721,7 @@ function verdictCard(v) {
   if (v.status === "failed" || v.error) return el("section", {class: "card"}, el("p", {class: "error"}, `Failed: ${v.error}`));
   const healthy = v.healthy;
   const row = (f) => el("tr", {}, el("td", {}, f.kind), el("td", {}, findingPlace({detail: f, nodes: f.nodes})),
-    el("td", {}, f.severity || "\u2013"), el("td", {}, findingFigures(f)));
+    el("td", {}, f.severity || "\u2013"), el("td", {class: "headline"}, findingFigures(f)));
   const unreadable = (f) => el("tr", {}, el("td", {}, kindText(f)), el("td", {colspan: 3}, "could not be shown in full"));
   const rows = asList(v.findings).map((f) => drawOr(row, f, unreadable));
   return el("section", {class: "card", id: "verdict-card", "data-healthy": String(healthy)},

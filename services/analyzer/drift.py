@@ -26,6 +26,7 @@ from agents.spec import Finding
 from services.analyzer.assess import Assessment
 from services.analyzer.evidence import Cusum, CusumPolicy
 from services.analyzer.faults import fault_key
+from services.analyzer.headline import deciding_result, headline_of
 from services.analyzer.localize import evidence_of
 
 # A ratio's sigma is never taken below this: links are never that steady, and a flat
@@ -46,7 +47,7 @@ NVLINK, NIC = "nvlink_degraded", "nic_degraded"
 class Observation:
     """One place's evidence in one cycle: the ratio the CUSUM weighs (the worst op's, less
     its being the worst: ``_worst_of``) and its sigma, and what a finding on the place names
-    and shows (the measured and expected busbw of its worst result, the results behind it)."""
+    and shows (its headline, from the op the ratio is of; the results behind it)."""
 
     kind: str
     node: str
@@ -56,6 +57,7 @@ class Observation:
     measured_gbs: float | None = None
     expected_gbs: float | None = None
     evidence: list[dict[str, object]] = field(default_factory=list)
+    headline: dict[str, Any] | None = None
 
 
 @dataclass
@@ -66,6 +68,9 @@ class _Reading:
     sigma: float
     worst: Assessment
     items: list[Assessment]
+    # The measurements of the op whose shortfall ``z`` is (``items`` may hold other ops'
+    # too, once readings are folded by ``_worst_of``).
+    weighed: list[Assessment]
 
 
 def _sigma(a: Assessment) -> float:
@@ -79,7 +84,7 @@ def _reading(items: list[Assessment]) -> _Reading:
     sigma = statistics.median(_sigma(a) for a in items)
     ratio = statistics.fmean(a.ratio or 0.0 for a in items)
     worst = min(items, key=lambda a: a.ratio or 0.0)
-    return _Reading((1.0 - ratio) / sigma, sigma, worst, items)
+    return _Reading((1.0 - ratio) / sigma, sigma, worst, items, items)
 
 
 def expected_worst(n: int) -> float:
@@ -96,15 +101,18 @@ def _worst_of(readings: list[_Reading]) -> _Reading:
     left as it is every healthy place would drift into alarm within a few hundred cycles."""
     worst = max(readings, key=lambda r: r.z)
     z = worst.z - expected_worst(len(readings))
-    return _Reading(z, worst.sigma, worst.worst, [a for r in readings for a in r.items])
+    return _Reading(z, worst.sigma, worst.worst, [a for r in readings for a in r.items],
+                    worst.weighed)
 
 
 def _observation(kind: str, node: str, r: _Reading, gpus: list[int] | None = None,
                  items: list[Assessment] | None = None) -> Observation:
-    w = r.worst
+    # Every reading has a ratio, so its op's results have a headline measurement.
+    top = deciding_result(r.weighed) or r.worst
     return Observation(kind=kind, node=node, ratio=1.0 - r.z * r.sigma, sigma=r.sigma, gpus=gpus,
-                       measured_gbs=w.measurement.busbw_gbs, expected_gbs=w.expected_gbs,
-                       evidence=evidence_of(items if items is not None else r.items))
+                       measured_gbs=top.measurement.busbw_gbs, expected_gbs=top.expected_gbs,
+                       evidence=evidence_of(items if items is not None else r.items),
+                       headline=headline_of(top) if top.expected_gbs else None)
 
 
 def drift_observations(assessments: Iterable[Assessment]) -> dict[str, Observation]:
@@ -184,6 +192,8 @@ def _finding(obs: Observation, c: Cusum, policy: CusumPolicy) -> Finding:
         "confidence": confidence(c.score, policy),
         "evidence": obs.evidence,
     }
+    if obs.headline is not None:
+        detail["headline"] = obs.headline
     return Finding(kind=obs.kind, node=obs.node, gpus=list(obs.gpus) if obs.gpus else None,
                    severity="warning", measured_gbs=obs.measured_gbs,
                    expected_gbs=obs.expected_gbs, detail=detail)

@@ -4,6 +4,7 @@ recover it, so a link that flaps between good and bad does not flap its alerts."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 OK = "ok"
 DEGRADED = "degraded"
@@ -48,6 +49,26 @@ def step(state: LinkState, bad: bool, policy: Policy = Policy()) -> LinkState:
     elif status == DEGRADED and streak >= policy.m_good:
         status = OK
     return LinkState(status, recent, streak)
+
+
+def standing(state: LinkState, policy: Policy = Policy()) -> dict[str, Any]:
+    """Where a state stands in ``policy``'s window, and why its status is what it is, in
+    words a page can show beside it: a link slow in one cycle is still ``ok`` because one
+    bad cycle of the window is not ``k_bad`` (``slow, 1 of 3 — opens at 2 of 3``); a
+    degraded one seen good again waits for ``m_good`` in a row (``1 of 2 good — closes at 2
+    in a row``). ``text`` is None where there is nothing to explain (ok and never slow in
+    the window)."""
+    k, n, m = policy.k_bad, policy.n_window, policy.m_good
+    bad = sum(state.recent[-n:])  # a window kept under a longer policy counts its last n
+    text: str | None = None
+    if state.status == OK and bad:
+        text = f"slow, {bad} of {n} \u2014 opens at {k} of {n}"
+    elif state.status == DEGRADED and state.good_streak:
+        text = f"{state.good_streak} of {m} good \u2014 closes at {m} in a row"
+    elif state.status == DEGRADED:
+        text = f"slow, {bad} of {n}"
+    return {"bad": bad, "window": n, "opens_at": k, "good_streak": state.good_streak,
+            "closes_at": m, "text": text}
 
 
 def changes(series: list[str]) -> int:

@@ -31,6 +31,7 @@ from services.analyzer.evidence import (
     weigh_log_mean,
     weigh_mean,
 )
+from services.analyzer.headline import deciding_result, headline_of
 
 # Best PCIe Gen5 x16 P2P copy rates sit near 55 GB/s; NVLink pairs do several times that.
 PCIE_CEILING_GBS = 64.0
@@ -564,18 +565,31 @@ def evidence_of(assessments: Iterable[Assessment]) -> list[dict[str, object]]:
     return out
 
 
+def deciding(verdicts: Iterable[GroupVerdict]) -> list[Assessment]:
+    """The results a finding rests on: its groups' measurements of each op they were
+    decided slow on; where none was decided alone (a NIC convicted over its partners
+    together), all of its groups' measurements. A fleet-wide shortfall's are not its own."""
+    verdicts = list(verdicts)
+    decided = [a for x in verdicts for op, d in x.decisions.items() if d.degraded
+               for a in x.by_op[op] if not a.explained]
+    return decided or [a for x in verdicts for items in x.by_op.values() for a in items
+                       if not a.explained]
+
+
 def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], decision: Decision | None = None,
              **where: object) -> Finding:
-    """A degradation finding with measured/expected figures from the worst evidence and
-    the slow results it rests on; its confidence that of ``decision`` where the groups were
+    """A degradation finding: its headline (``deciding_result`` of the results it rests
+    on, ``deciding``), whose figures are its measured and expected busbw; the slow results
+    behind it as its evidence; its confidence that of ``decision`` where the groups were
     weighed together (a NIC over its partners), else of the surest slow group."""
     verdicts = v if isinstance(v, list) else [v]
     worst = [w for w in (x.worst for x in verdicts) if w is not None]
-    measured = statistics.median(a.measurement.busbw_gbs for a in worst) if worst else None
-    expected = [a.expected_gbs for a in worst if a.expected_gbs is not None]
     severity = "critical" if any(a.severity == "critical" for a in worst) else "warning"
     slow = [a for x in verdicts for items in x.by_op.values() for a in items if a.bad]
     detail: dict[str, object] = {"evidence": evidence_of(slow or worst)}
+    top = deciding_result(deciding(verdicts))
+    if top is not None:
+        detail["headline"] = headline_of(top)
     decided = [d for x in verdicts for d in x.decisions.values() if d.degraded]
     if decision is not None:
         decided = [decision]
@@ -584,8 +598,9 @@ def _finding(kind: str, v: GroupVerdict | list[GroupVerdict], decision: Decision
         best = max(decided, key=lambda d: d.confidence)
         detail["confidence"] = round(best.confidence, 4)
         detail["repeats"] = best.repeats
-    return Finding(kind=kind, severity=severity, measured_gbs=measured,
-                   expected_gbs=statistics.median(expected) if expected else None,
+    return Finding(kind=kind, severity=severity,
+                   measured_gbs=top.measurement.busbw_gbs if top is not None else None,
+                   expected_gbs=top.expected_gbs if top is not None else None,
                    detail=detail, **where)  # type: ignore[arg-type]
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import replace
+from typing import Any
 
 from agents.groups import node_order
 from agents.profiles import scope_class
 from agents.spec import Finding
 from services.analyzer.assess import Assessment
+from services.analyzer.headline import deciding_result, headline_of
 
 KIND = "fabric_below_rated"
 HARDWARE_SOURCES = frozenset({"rated", "preset"})
@@ -131,14 +133,21 @@ def _finding(cls: str, below: list[str], judged: int, explained: list[Assessment
     rated = statistics.median(a.measurement.rated_gbs or a.measurement.preset_gbs or 0.0
                               for a in explained)
     ratio = measured / rated if rated else 0.0
+    detail: dict[str, Any] = {
+        "scope": cls, "ops": sorted({a.measurement.op for a in explained}),
+        "nodes_judged": judged, "nodes_below": len(below), "ratio": round(ratio, 3),
+        "reason": f"{len(below)} of {judged} nodes reach a median {measured:.1f} GB/s "
+                  f"busbw over {cls}, {ratio:.0%} of the {rated:.0f} GB/s the "
+                  "hardware is rated for"}
+    # Its figures are its headline's (one of the results below rated, against its rating);
+    # the reason keeps the fleet-wide medians.
+    top = deciding_result(explained)
+    if top is not None:
+        detail["headline"] = headline_of(top)
     return Finding(
-        kind=KIND, nodes=below, severity="critical", measured_gbs=round(measured, 3),
-        expected_gbs=round(rated, 3),
-        detail={"scope": cls, "ops": sorted({a.measurement.op for a in explained}),
-                "nodes_judged": judged, "nodes_below": len(below), "ratio": round(ratio, 3),
-                "reason": f"{len(below)} of {judged} nodes reach a median {measured:.1f} GB/s "
-                          f"busbw over {cls}, {ratio:.0%} of the {rated:.0f} GB/s the "
-                          "hardware is rated for"})
+        kind=KIND, nodes=below, severity="critical",
+        measured_gbs=top.measurement.busbw_gbs if top is not None else round(measured, 3),
+        expected_gbs=top.expected_gbs if top is not None else round(rated, 3), detail=detail)
 
 
 def _below(a: Assessment) -> bool:

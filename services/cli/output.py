@@ -6,6 +6,19 @@ import json
 from typing import Any
 
 
+def headline(finding: dict[str, Any]) -> str:
+    """A finding's headline as every surface prints it (its ``headline.text``: op, size,
+    measured of expected busbw, ratio); for a record stored before findings had one, its
+    measured and expected busbw."""
+    h = finding.get("headline")
+    if isinstance(h, dict) and isinstance(h.get("text"), str):
+        return h["text"]
+    measured, expected = finding.get("measured_gbs"), finding.get("expected_gbs")
+    if isinstance(measured, int | float) and isinstance(expected, int | float) and expected:
+        return f"{measured:g} of {expected:g} GB/s ({measured / expected:.2f})"
+    return ""
+
+
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
 
@@ -25,9 +38,8 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
             continue
         where = f.get("node") or ",".join(f.get("nodes") or [])
         gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
-        bw = (f" {f['measured_gbs']} GB/s vs {f['expected_gbs']} expected"
-              if f.get("expected_gbs") is not None and f.get("measured_gbs") is not None else "")
-        print(f"  {f['kind']:<18} {where}{gpus}{bw} [{f.get('severity', '')}]")
+        bw = headline(f)
+        print(f"  {f['kind']:<18} {where}{gpus}{f' {bw}' if bw else ''} [{f.get('severity', '')}]")
     if verdict.get("suspects"):
         print(f"suspects (slow in an earlier cycle, not in the latest; --confirm re-probes them): "
               f"{', '.join(verdict['suspects'])}")

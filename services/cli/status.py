@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from services.cli.errors import CliError
+from services.cli.output import headline
 
 # Incidents listed at most; the count says how many more are open.
 MAX_LISTED = 20
@@ -124,11 +125,9 @@ def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:
     table = []
     for inc in status.incidents[:MAX_LISTED]:
         opened = datetime.fromisoformat(inc["opened_at"]) if inc.get("opened_at") else None
-        detail = inc.get("detail") or {}
-        ratio = (f"{detail['measured_gbs'] / detail['expected_gbs']:.2f} of expected"
-                 if detail.get("measured_gbs") and detail.get("expected_gbs") else "")
         table.append([str(inc["id"]), inc["kind"], inc.get("severity") or "", where(inc),
-                      ago((status.now - opened).total_seconds() if opened else None), ratio])
+                      ago((status.now - opened).total_seconds() if opened else None),
+                      headline(inc.get("detail") or {})])
     return summary, table
 
 

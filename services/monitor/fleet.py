@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from agents.groups import node_order, series_key, split_member
 from services.analyzer.assess import Thresholds
+from services.analyzer.hysteresis import LinkState, Policy, standing
 from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
 from services.store import measurements as store
@@ -220,15 +221,18 @@ def require_nodes(session: Session, names: list[str]) -> None:
 
 
 def links(session: Session, *, status: str | None, scope: str | None, node: str | None,
-          after: tuple[str, ...] | None = None,
-          limit: int | None = None) -> list[dict[str, Any]]:
+          after: tuple[str, ...] | None = None, limit: int | None = None,
+          policy: Policy | None = None) -> list[dict[str, Any]]:
+    """Each link's health, with where it stands in the hysteresis ``policy``'s window
+    (``hysteresis.standing``: why a link slow in one cycle is still ok)."""
     if node:
         require_nodes(session, [node])
     return [
-        {c: getattr(link, c) for c in ("group_key", "scope", "op", "members", "nodes", "status",
-                                        "size_bytes",
-                                        "busbw_gbs", "expected_gbs", "ratio", "updated_at",
-                                        "changed_at")}
+        {**{c: getattr(link, c) for c in ("group_key", "scope", "op", "members", "nodes",
+                                          "status", "size_bytes", "busbw_gbs", "expected_gbs",
+                                          "ratio", "updated_at", "changed_at")},
+         "standing": standing(LinkState(link.status, tuple(c == "1" for c in link.recent or ""),
+                                        link.good_streak or 0), policy or Policy())}
         for link in health_store.list_links(session, status=status, scope=scope, node=node,
                                             after=after, limit=limit)
     ]

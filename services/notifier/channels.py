@@ -78,15 +78,22 @@ render_json: Render = events.body
 
 
 def _summary(event_type: str, payload: dict[str, Any]) -> str:
+    """One line: the event, the fault's kind and place, and its headline (the figure every
+    surface shows for the incident)."""
     finding = payload.get("finding") or {}
     where = finding.get("node") or ", ".join(finding.get("nodes") or []) or payload.get("group_key", "")
-    return f"[ringwatch] {event_type}: {finding.get('kind', '')} {where}".strip()
+    line = f"[ringwatch] {event_type}: {finding.get('kind', '')} {where}".strip()
+    headline = finding.get("headline")
+    if isinstance(headline, dict) and isinstance(headline.get("text"), str):
+        line += f": {headline['text']}"
+    return line
 
 
 def render_slack(event_type: str, sequence: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Only Slack's own fields; the sequence travels in ``X-Ringwatch-Sequence``."""
     finding = payload.get("finding") or {}
-    fields = [f"*{k}*: {v}" for k, v in finding.items() if v not in (None, [], {})]
+    fields = [f"*{k}*: {v.get('text', v) if k == 'headline' and isinstance(v, dict) else v}"
+              for k, v in finding.items() if v not in (None, [], {})]
     return {
         "text": _summary(event_type, payload),
         "blocks": [

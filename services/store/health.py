@@ -120,12 +120,22 @@ def get_finding(session: Session, finding_id: int) -> Finding | None:
     return session.get(Finding, finding_id)
 
 
+# What an incident keeps from the cycle that opened it while it stays open: its headline
+# and the figures that are the headline's (docs/analysis.md, "The headline").
+OPENING_KEYS = ("headline", "measured_gbs", "expected_gbs")
+
+
 def touch_finding(session: Session, finding_id: int, at: datetime, detail: dict[str, Any]) -> None:
-    """An open incident seen again: its latest evidence, no new event."""
+    """An open incident seen again: its latest evidence, no new event. Its headline stays
+    the one it opened with, the figure its ``health.degraded`` event carried, so every
+    surface shows one figure for it however many cycles see it again."""
     finding = session.get(Finding, finding_id)
     if finding is not None:
         finding.last_seen_at = at
-        finding.detail = {**detail, "fault": finding.detail.get("fault")}
+        opened = finding.detail
+        kept = ({k: opened[k] for k in OPENING_KEYS if k in opened}
+                if "headline" in opened else {})
+        finding.detail = {**detail, **kept, "fault": opened.get("fault")}
 
 
 def open_findings_on(session: Session, nodes: Sequence[str]) -> list[Finding]:
