@@ -322,6 +322,10 @@ def _centres(kind: KindGroups, t: Thresholds) -> list[PeerCentre | None]:
     weights = kind.weights
     if len(idx) - 1 < t.median_peers:
         q = t.peer_quantile
+        noise = kind.noise()
+        if noise is not None:  # a few lucky readings must not lift the quantile
+            values = _shrunk(values, np.array(idx, dtype=float), noise,
+                             t.weighing.variation_prior)
         centres = (leave_one_out_quantile(values, q) if np.all(weights == weights[0])
                    else weighted_leave_one_out_quantile(values, weights, q))
         return _peer_centres(centres, spread, len(idx) - 1)
@@ -340,6 +344,20 @@ def _centres(kind: KindGroups, t: Thresholds) -> list[PeerCentre | None]:
     # far tail of the noise too, sat a few tenths of a percent higher there).
     centres = weighted_leave_one_out_quantile(values, weights, 0.5)
     return _peer_centres(centres, spread, len(idx) - 1)
+
+
+def _shrunk(values: np.ndarray, repeats: np.ndarray, noise: float,
+            prior: float) -> np.ndarray:
+    """Each group's value drawn toward the median of them all as far as its repeats leave
+    it uncertain: a group's lasting offset has about ``prior`` of relative spread, its mean
+    ``noise`` over the root of its repeats, so a single reading keeps the share prior^2 /
+    (prior^2 + noise^2) of its distance (empirical Bayes, in logs). Among few peers the
+    centre is a high quantile, which a couple of lucky single readings would otherwise lift
+    well above what the groups measured many times run at."""
+    logs = np.log(np.maximum(values, 1e-12))
+    middle = float(np.median(logs))
+    keep = prior ** 2 / (prior ** 2 + noise ** 2 / repeats)
+    return np.exp(middle + keep * (logs - middle))
 
 
 def _peer_centres(centres: np.ndarray, spread: float, count: int) -> list[PeerCentre | None]:
