@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench chaos serve install clean
+.PHONY: demo test test-fast lint bench chaos serve install clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH" >&2; exit 2; }
@@ -38,6 +38,23 @@ chaos: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/ringwatch serve
+
+# The images' lock files (Dockerfile): every package a role installs, pinned with its hashes,
+# for the Python and platform of the role's image. uv resolves for an interpreter other than its
+# own (pip judges environment markers by the Python it runs on): the agent image's Python is
+# 3.12, the api image's 3.11. constraints.txt holds torch to the version the tests run; PyPI's
+# Linux wheel of it is the CUDA build. Pins already in a lock stay unless they no longer fit:
+# `make lock LOCK_ARGS=--upgrade` moves every package to its newest.
+lock: $(STAMP)
+	$(BIN)/python -m pip install -q 'uv==0.13.9'
+	$(BIN)/python -m uv pip compile pyproject.toml --extra server -c constraints.txt \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 --only-binary :all: \
+		--generate-hashes --no-config --custom-compile-command 'make lock' --quiet \
+		$(LOCK_ARGS) -o requirements/api.lock
+	$(BIN)/python -m uv pip compile pyproject.toml --extra agent --extra ray -c constraints.txt \
+		--python-version 3.12 --python-platform x86_64-manylinux_2_28 --only-binary :all: \
+		--generate-hashes --no-config --custom-compile-command 'make lock' --quiet \
+		$(LOCK_ARGS) -o requirements/agent.lock
 
 clean:
 	# The embedded Postgres is stopped before its data is removed.
