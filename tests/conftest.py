@@ -38,7 +38,7 @@ os.makedirs("/tmp/ray", exist_ok=True)  # ray.cluster_utils writes its address t
 #   its module so an in-process ``main as cli`` does not count; or its module starts them
 #   through helpers of its own, which the test's code does not show (SLOW_MODULES).
 DB_FIXTURES = frozenset({"admin_url", "database_url", "session_factory", "clean_db", "session"})
-SLOW_FIXTURES = frozenset({"server", "served", "browser"})
+SLOW_FIXTURES = frozenset({"server", "served", "browser", "cluster", "slurm_cluster"})
 STARTERS = frozenset({"subprocess", "tests.procs.cli", "tests.procs.start_server",
                       "tests.procs.running_api", "services.selftest.runner.run_world",
                       "bench.chaos.suite.run_fault"})

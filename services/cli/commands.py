@@ -785,3 +785,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services.cli.demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    from services.cli.slurm import cmd_slurm as run_slurm
+
+    return run_slurm(args)

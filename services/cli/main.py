@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from agents.spec import OPS, REDOPS, ProbeSetupError
-from services.cli import commands
+from services.cli import commands, slurm
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
 from services.cli.extras import missing_extra
@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "retention (`serve` runs one every minute)")
     dsub.add_parser("stop", help="stop the embedded Postgres (started when no "
                                  "RINGWATCH_DATABASE_URL is set); its data stays")
+    slurm.add_parser(sub)
     return parser
 
 
