@@ -11,6 +11,7 @@ each takes a few minutes the first time)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVS = ROOT / ".ringwatch" / "compat"
-VERSIONS = ("2.60.0", "2.40.0", "2.30.0", "2.20.0", "2.10.0")
+VERSIONS = ("2.60.0", "2.40.0", "2.30.0", "2.20.0", "2.10.0", "2.5.1")
 # The tests that start real Ray clusters and run gloo collectives on them.
 TESTS = ("tests/test_address_mode.py", "tests/test_probe_ray.py", "tests/test_backend_protocol.py")
 
@@ -53,8 +54,11 @@ def run(version: str) -> tuple[str, str, float]:
         python = environment(version)
     except subprocess.CalledProcessError:
         return version, "no install (pip could not resolve it here)", time.monotonic() - started
+    # ringwatch is not installed there: the checkout is on the path of the driver and of the
+    # workers Ray starts (older Ray does not hand its workers the driver's directory).
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     tail = (r.stdout.strip().splitlines() or ["(no output)"])[-1]
     return version, f"exit {r.returncode}: {tail}", time.monotonic() - started
 
