@@ -5,6 +5,8 @@ drift) where a process hands them on. The constants they default to are in
 
 from __future__ import annotations
 
+import base64
+import os
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +30,12 @@ from services.config import (
 
 if TYPE_CHECKING:
     from services.analyzer.assess import Thresholds
+
+# What a server of this machine alone (``Settings.local``) delivers webhooks to: receivers
+# on this machine, which the URL policy otherwise refuses.
+LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
+# The key its webhook secrets are encrypted with, generated once under the state dir.
+LOCAL_KEY_FILE = "webhook-secret.key"
 
 
 class Settings(BaseSettings):
@@ -173,6 +181,27 @@ class Settings(BaseSettings):
     def spool_dir(self) -> Path:
         return self.state_dir / "spool"
 
+    @property
+    def local(self) -> bool:
+        """Whether a server on these settings is this machine's alone: the demo's, or one on
+        the embedded Postgres (no RINGWATCH_DATABASE_URL). Production names its database and
+        sets RINGWATCH_SECRET_KEY and RINGWATCH_WEBHOOK_ALLOWED_NETWORKS itself."""
+        return self.demo or not self.database_url
+
+    def with_local_defaults(self) -> Settings:
+        """These settings as a ``local`` server runs on them: without RINGWATCH_SECRET_KEY,
+        the key generated once under the state dir (and reused on every restart); webhooks
+        to loopback receivers allowed besides the networks set. Anything else, and every
+        setting of a server that is not ``local``, as it is."""
+        if not self.local:
+            return self
+        allowed = [*self.webhook_allowed_networks,
+                   *(n for n in LOOPBACK_NETWORKS if n not in self.webhook_allowed_networks)]
+        update: dict[str, Any] = {"webhook_allowed_networks": allowed}
+        if not self.secret_key.get_secret_value():
+            update["secret_key"] = SecretStr(local_secret_key(self.state_dir / LOCAL_KEY_FILE))
+        return self.model_copy(update=update)
+
     def check_secrets(self) -> None:
         """Refuse placeholder secrets outside the demo."""
         if self.demo:
@@ -180,6 +209,28 @@ class Settings(BaseSettings):
         for name in ("token", "bootstrap_admin_token"):
             if getattr(self, name) == PLACEHOLDER_SECRET:
                 raise ValueError(f"RINGWATCH_{name.upper()} is the placeholder {PLACEHOLDER_SECRET!r}")
+
+
+def local_secret_key(path: Path) -> str:
+    """The Fernet key in ``path``, made by whichever process comes first: written to a
+    file of its own (0600) and linked into place whole, so a process starting at the same
+    moment never reads half a key."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draft = path.with_name(f"{path.name}.{os.getpid()}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            # What cryptography's Fernet.generate_key makes; settings load without it.
+            f.write(base64.urlsafe_b64encode(os.urandom(32)))
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+    if path.stat().st_mode & 0o077:  # a copy or an old umask left it readable to others
+        path.chmod(0o600)
+    return path.read_text().strip()
 
 
 @lru_cache(maxsize=1)

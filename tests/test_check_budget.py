@@ -3,7 +3,6 @@ was left undecided, on any fleet (all-slow ones among them)."""
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,6 +7,7 @@ unless it asks the API, nor pydantic for a sim check with no RINGWATCH_* variabl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -269,22 +270,16 @@ def _notifier(settings):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from api.app import create_app
     from services.store import db
 
-    settings = get_settings()
+    settings = _serving_settings(get_settings(), args.host, args.port)
     settings.check_secrets()
     # Resolved once: with no RINGWATCH_DATABASE_URL this starts (or finds) the embedded server.
     url = _database_url(settings)
     _schema_ready(settings, url)
     app = create_app(settings, db.make_session_factory(db.make_engine(url)))
     stop = threading.Event()
-    notifier_note = "off (--no-notifier)" if args.no_notifier else "on"
-    print(f"ringwatch serve: API on http://{args.host}:{args.port} (OpenAPI at /docs), "
-          f"database {db.describe_url(url)}, "
-          f"webhook notifier {notifier_note}", file=sys.stderr, flush=True)
     if not args.no_notifier:
         notifier = _notifier(settings)
         threading.Thread(target=notifier.run_forever, args=(settings.notifier_poll_s, stop),
@@ -293,11 +288,71 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=_maintain_forever, args=(settings, stop), daemon=True,
                          name="maintenance").start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port,
-                    log_level="info" if args.verbose else "warning")
+        _listen(app, args, _serve_banner(settings, args, db.describe_url(url)))
     finally:
         stop.set()
     return 0
+
+
+def _serving_settings(settings: Settings, host: str, port: int) -> Settings:
+    """What ``serve`` runs on: a server of this machine alone (the demo's, the embedded
+    database's) with its own secret key and loopback receivers allowed
+    (``Settings.with_local_defaults``); and without RINGWATCH_API_URL, the links in its
+    webhooks and verdicts pointing where it listens."""
+    settings = settings.with_local_defaults()
+    if "api_url" in settings.model_fields_set:
+        return settings
+    return settings.model_copy(update={"api_url": _listening_url(host, port)})
+
+
+def _listening_url(host: str, port: int) -> str:
+    """The URL of ``host:port`` as a client reaches it: a server on every interface by this
+    machine's name."""
+    import socket
+
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _serve_banner(settings: Settings, args: argparse.Namespace, database: str) -> str:
+    """The one line ``serve`` says once it listens: where, on which database, where its
+    links point, whether it delivers webhooks and, on a server of this machine alone, to
+    which receivers and under which key."""
+    where = _listening_url(args.host, args.port)
+    links = "" if settings.api_url == where else f"; links point at {settings.api_url}"
+    notifier = "off (--no-notifier)" if args.no_notifier else "running"
+    line = (f"ringwatch serve: API at {where} (OpenAPI at /docs{links}), database {database}, "
+            f"webhook notifier {notifier}")
+    if settings.local:
+        from services.settings import LOCAL_KEY_FILE
+
+        key = settings.state_dir / LOCAL_KEY_FILE
+        own = key.exists() and key.read_text().strip() == settings.secret_key.get_secret_value()
+        line += (f"; webhooks may reach {', '.join(settings.webhook_allowed_networks)}"
+                 + (f", their secrets sealed with the key in {key}" if own else ""))
+    return line
+
+
+def _listen(app: Any, args: argparse.Namespace, banner: str) -> None:
+    """Run uvicorn; ``banner`` goes to standard error, whole, once the port is bound, after
+    (with -v) uvicorn's own start-up lines and never before a bind that fails."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                sys.stderr.write(banner + "\n")
+                sys.stderr.flush()
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                   log_level="info" if args.verbose else "warning"))
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):  # uvicorn exits where it cannot start
+        server.run()
+    if not server.started:
+        raise CliError(f"nothing is served at {args.host}:{args.port}: the server did not "
+                       "start (its reason is on the line above)")
 
 
 def _schema_ready(settings: Settings, url: str) -> None:
@@ -339,7 +394,8 @@ def _maintain_forever(settings, stop: threading.Event) -> None:
 def cmd_notifier(args: argparse.Namespace) -> int:
     from services.store import db
 
-    settings = get_settings()
+    # On the embedded database, the key and the receivers of the `serve` beside it.
+    settings = get_settings().with_local_defaults()
     print(f"ringwatch notifier: delivering webhooks from the outbox of "
           f"{db.describe_url(_database_url(settings))}, polling every "
           f"{settings.notifier_poll_s:g} s", file=sys.stderr, flush=True)
