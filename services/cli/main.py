@@ -167,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("preflight", help="may a job launch on these nodes? exit 0 healthy, 1 not")
     add_backend_args(p)
-    p.add_argument("--nodes", help="node names, comma-separated or as Slurm compresses them (node[001-004,007]); default: all")
+    p.add_argument("--nodes", help="the job's nodes, comma-separated or as Slurm compresses "
+                   "them (node[001-004,007]); asking the API, required; probing (--local, "
+                   "--address, --fabric), default all")
     p.add_argument("--max-age", type=float, default=900.0, help="reuse results younger than this (s)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this (s)")
     p.add_argument("--confirm", action="store_true",
