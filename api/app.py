@@ -24,6 +24,7 @@ from api import errors
 from api.auth import PUBLIC_PATHS, Authenticate
 from api.headers import SecurityHeaders
 from api.limits import BodyLimit, IngestSlots
+from api.request_metrics import ApiMetrics, RequestMetrics, RouteTemplates
 from api.routers import docs, fleet, measurements, meta, preflight, rankmaps, tokens, ui, webhooks
 from api.schemas import ErrorOut, MeasurementBatch
 from services.errors import RingwatchError
@@ -68,6 +69,10 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     # Around even those (it reads nothing of the request): security headers on every
     # answer, their 401s and 413s included.
     app.add_middleware(SecurityHeaders)
+    # Outermost: every request counted and timed, whoever answered it (/metrics serves them).
+    app.state.api_metrics = ApiMetrics()
+    app.add_middleware(RequestMetrics, metrics=app.state.api_metrics,
+                       templates=RouteTemplates(app))
     return app
 
 

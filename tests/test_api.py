@@ -250,11 +250,14 @@ def test_metrics_are_prometheus_text(api) -> None:
         for s in family.samples:
             samples.setdefault(s.name, []).append((s.labels, s.value))
     assert ({"status": "degraded"}, 4.0) in samples["ringwatch_links"]  # 3 pairs, 1 node
-    assert samples["ringwatch_open_findings"] == [({}, 1.0)]
+    assert samples["ringwatch_open_findings"] == [
+        ({"kind": "nvlink_degraded", "severity": "critical"}, 1.0)]
     degraded = [labels for labels, v in samples["ringwatch_link_degraded"] if v == 1]
-    assert degraded and all("node-001" in labels["members"] for labels in degraded)
-    assert ({"scope": "intra_node", "op": "allreduce", "members": "node-000/0,node-000/1"},
-            20.0) in samples["ringwatch_link_busbw_gbs"]
+    assert degraded and all("node-001" in (labels["node"], labels["peer_node"])
+                            for labels in degraded)
+    assert ({"scope": "intra_node", "op": "allreduce", "node": "node-000", "gpu": "0",
+             "peer_node": "node-000", "peer_gpu": "1"}, 20e9) in \
+        samples["ringwatch_link_busbw_bytes_per_second"]
 
 
 def test_repeated_hang_is_one_incident_resolved_by_a_clean_probe(api) -> None:

@@ -1,10 +1,11 @@
 """/metrics through the real app on a real Postgres: what Prometheus' and OpenMetrics'
-parsers read back, checked against the rows the database holds."""
+parsers read back, checked against the rows the database holds and against what a
+preflight answers; and the API process's own request and process families."""
 
 from __future__ import annotations
 
-import gzip
 import uuid
+import zlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from services.store import db, timeseries
+from services.store import health as health_store
 from services.store import webhooks as webhook_store
 from services.store.timeseries import Retention
 from tests.api_fixtures import REACT_AT_ONCE, api_client, fleet_batch, measurement
@@ -50,6 +52,13 @@ def scrape(api, openmetrics: bool = False, **headers: str) -> Samples:
     return parse(resp.text, openmetrics)
 
 
+def fleet(samples: Samples) -> Samples:
+    """The fleet's families alone: those read from the database, the same at every scrape
+    of one collection (not the process's own requests, CPU and memory)."""
+    return {k: v for k, v in samples.items()
+            if k.startswith("ringwatch_") and not k.startswith("ringwatch_http_")}
+
+
 def value(samples: Samples, name: str, **labels: str) -> float:
     found = [v for got, v in samples[name] if got == labels]
     assert len(found) == 1, (name, labels, samples.get(name))
@@ -77,13 +86,18 @@ def test_quotes_backslashes_and_newlines_in_labels_parse(api, openmetrics) -> No
     samples = scrape(api, openmetrics)
     assert value(samples, "ringwatch_node_duty_cycle", node=ODD_NODE) == 0.25
     assert value(samples, "ringwatch_shipper_batches", host=ODD_HOST, state="failed") == 1
-    assert value(samples, "ringwatch_link_busbw_gbs", scope="intra_node", op="allreduce",
-                 members=f"{ODD_NODE}/0,{ODD_NODE}/1") == 20.0
+    assert value(samples, "ringwatch_link_busbw_bytes_per_second", scope="intra_node",
+                 op="allreduce", node=ODD_NODE, gpu="0", peer_node=ODD_NODE,
+                 peer_gpu="1") == 20e9
+    assert value(samples, "ringwatch_node_healthy", node=ODD_NODE) == 1
     # Each family carries its own samples (none left empty by interleaving).
-    for name in ("ringwatch_link_busbw_gbs", "ringwatch_link_degraded", "ringwatch_link_ratio",
-                 "ringwatch_node_duty_cycle", "ringwatch_shipper_batches", "ringwatch_links"):
+    for name in ("ringwatch_link_busbw_bytes_per_second", "ringwatch_link_degraded",
+                 "ringwatch_link_ratio", "ringwatch_node_duty_cycle",
+                 "ringwatch_shipper_batches", "ringwatch_links", "ringwatch_node_healthy",
+                 "ringwatch_http_requests_total", "process_cpu_seconds_total"):
         assert samples[name], name
-    assert len(samples["ringwatch_link_busbw_gbs"]) == len(samples["ringwatch_link_degraded"])
+    assert (len(samples["ringwatch_link_busbw_bytes_per_second"])
+            == len(samples["ringwatch_link_degraded"]))
 
 
 def test_values_match_the_database(api, clean_db) -> None:
@@ -112,11 +126,15 @@ def test_values_match_the_database(api, clean_db) -> None:
             "SELECT status, count(*) FROM link_health GROUP BY status")).all())
         # The per-link families: links read within the last hour (the default window), and
         # those not ok however old; the stale batch's links are ok and two hours old.
-        links = s.execute(text("SELECT scope, op, group_key, status, busbw_gbs, ratio "
+        links = s.execute(text("SELECT scope, op, nodes, status, busbw_gbs, ratio "
                                "FROM link_health WHERE updated_at > now() - interval '1 hour' "
                                "OR status <> 'ok'")).all()
-        kinds: dict[str, int] = dict(s.execute(text(
-            "SELECT kind, count(*) FROM findings WHERE status = 'open' GROUP BY kind")).all())
+        kinds = {(k, sev): n for k, sev, n in s.execute(text(
+            "SELECT kind, severity, count(*) FROM findings WHERE status = 'open' "
+            "GROUP BY kind, severity")).all()}
+        per_node = {(node, k, sev): n for node, k, sev, n in s.execute(text(
+            "SELECT node, kind, severity, count(*) FROM findings, unnest(nodes) AS node "
+            "WHERE status = 'open' GROUP BY node, kind, severity")).all()}
         nodes_held = s.execute(text("SELECT count(*) FROM nodes")).scalar()
         pending = s.execute(text("SELECT count(*) FROM webhook_deliveries "
                                  "WHERE status = 'pending'")).scalar()
@@ -124,20 +142,28 @@ def test_values_match_the_database(api, clean_db) -> None:
             "SELECT status, count(*) FROM preflight_requests GROUP BY status")).all())
         last = s.execute(text("SELECT max(received_at) FROM probe_runs")).scalar_one()
 
-    assert len(samples["ringwatch_link_busbw_gbs"]) == len(links) > 0
+    # fleet_batch's links: node pairs (inter_node) and each node's two GPUs (intra_node).
+    assert len(samples["ringwatch_link_busbw_bytes_per_second"]) == len(links) > 0
     assert any(r.ratio is not None for r in links)
     for r in links:
-        labels = {"scope": r.scope, "op": r.op, "members": r.group_key}
-        assert value(samples, "ringwatch_link_busbw_gbs", **labels) == pytest.approx(r.busbw_gbs)
+        labels = {"scope": r.scope, "op": r.op, "node": r.nodes[0], "peer_node": r.nodes[-1]}
+        if r.scope == "intra_node":
+            labels.update(gpu="0", peer_gpu="1")
+        assert value(samples, "ringwatch_link_busbw_bytes_per_second",
+                     **labels) == pytest.approx(r.busbw_gbs * 1e9)
         assert value(samples, "ringwatch_link_degraded", **labels) == (r.status == "degraded")
         if r.ratio is not None:
             assert value(samples, "ringwatch_link_ratio", **labels) == pytest.approx(r.ratio)
     assert sum(counts.values()) > len(links) and counts["degraded"] > 0
     assert value(samples, "ringwatch_links", status="degraded") == counts["degraded"]
     assert value(samples, "ringwatch_links", status="ok") == counts["ok"]
-    assert kinds and value(samples, "ringwatch_open_findings") == sum(kinds.values())
-    for kind, n in kinds.items():
-        assert value(samples, "ringwatch_open_findings_by_kind", kind=kind) == n
+    assert kinds and len(samples["ringwatch_open_findings"]) == len(kinds)
+    for (kind, severity), n in kinds.items():
+        assert value(samples, "ringwatch_open_findings", kind=kind, severity=severity) == n
+    assert per_node and len(samples["ringwatch_node_open_findings"]) == len(per_node)
+    for (node, kind, severity), n in per_node.items():
+        assert value(samples, "ringwatch_node_open_findings", node=node, kind=kind,
+                     severity=severity) == n
     assert value(samples, "ringwatch_nodes") == nodes_held == 6
     assert pending and value(samples, "ringwatch_webhook_deliveries_pending") == pending
     assert value(samples, "ringwatch_webhook_oldest_pending_age_seconds") >= 0
@@ -156,7 +182,7 @@ def test_per_link_series_cover_recent_links_and_every_degraded_one(clean_db) -> 
     old = fleet_batch(slow_node="old-001", nodes=3, prefix="old")
     for m in old["measurements"]:
         m["time"] = two_hours_ago
-    key = "{scope}|{op}|{members}"
+    key = "{scope}|{op}|{node}|{peer_node}"
     seen = {}
     for window in (3600, 0):
         with api_client(clean_db, {**REACT_AT_ONCE, "metrics_link_max_age_s": window}) as api:
@@ -167,6 +193,7 @@ def test_per_link_series_cover_recent_links_and_every_degraded_one(clean_db) -> 
             samples = scrape(api)
         seen[window] = {key.format(**labels): v == 1
                         for labels, v in samples["ringwatch_link_degraded"]}
+        assert len(seen[window]) == len(samples["ringwatch_link_degraded"])
         # The counts are of every link: the stale batch's 3 ok and 3 through old-001, the
         # fresh batch's 3 ok.
         assert value(samples, "ringwatch_links", status="ok") == 6
@@ -185,6 +212,7 @@ def test_an_empty_database_scrapes_cleanly_in_both_formats(api) -> None:
         assert value(samples, "ringwatch_links", status="degraded") == 0
         # Nothing ingested yet: the family is described, with no sample.
         assert samples["ringwatch_last_ingest_timestamp_seconds"] == []
+        assert samples["ringwatch_node_healthy"] == samples["ringwatch_open_findings"] == []
 
 
 def test_gzip_when_asked_and_the_same_metrics_either_way(api) -> None:
@@ -195,10 +223,16 @@ def test_gzip_when_asked_and_the_same_metrics_either_way(api) -> None:
         assert zipped.headers["content-encoding"] == "gzip"
         wire = b"".join(zipped.iter_raw())
     assert len(wire) < len(raw.content)
-    # Timings and ages move between two collections; every other sample is the same.
-    unchanged = {k: v for k, v in parse(raw.text).items() if "seconds" not in k}
-    assert {k: v for k, v in parse(gzip.decompress(wire).decode()).items()
-            if "seconds" not in k} == unchanged
+    # One gzip member (the fleet's part compressed once, the process's appended to it):
+    # what a reader that stops after the first member gets is the whole body.
+    member = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    body = member.decompress(wire)
+    assert member.eof and member.unused_data == b""
+    # Timings and ages move between two collections, and the process's own families
+    # between two requests; every other sample is the same.
+    assert {k: v for k, v in fleet(parse(body.decode())).items() if "seconds" not in k} == {
+        k: v for k, v in fleet(parse(raw.text)).items() if "seconds" not in k}
+    assert "ringwatch_http_requests_total" in parse(body.decode())
 
 
 def test_the_token_setting_requires_a_valid_token(clean_db) -> None:
@@ -218,12 +252,17 @@ def test_the_cache_serves_one_collection_within_its_window(clean_db) -> None:
     with api_client(clean_db, {"metrics_cache_s": 3600}) as api:
         api.post("/v1/measurements", json=fleet_batch(nodes=2),
                  headers=api.h["agent"]).raise_for_status()
-        first = api.get("/metrics", headers={"Accept-Encoding": "identity"}).content
+        first = api.get("/metrics", headers={"Accept-Encoding": "identity"}).text
         api.post("/v1/measurements", json=fleet_batch(nodes=3, prefix="late"),
                  headers=api.h["agent"]).raise_for_status()
-        again = api.get("/metrics", headers={"Accept-Encoding": "identity"}).content
-        assert again == first
-        assert value(parse(again.decode()), "ringwatch_nodes") == 2
+        again = api.get("/metrics", headers={"Accept-Encoding": "identity"}).text
+        # The fleet's part is the same collection, to the byte; the process's own follows it
+        # fresh (the ingest between the scrapes is counted).
+        fleet_part = first[:first.index("# HELP process_")]
+        assert again.startswith(fleet_part) and again != first
+        assert value(parse(again), "ringwatch_nodes") == 2
+        assert value(parse(again), "ringwatch_http_requests_total", method="POST",
+                     route="/v1/measurements", code="200") == 2
         # Another format in the same window renders the same collection.
         assert value(scrape(api, openmetrics=True), "ringwatch_nodes") == 2
     with api_client(clean_db, {"metrics_cache_s": 0}) as api:
@@ -302,3 +341,159 @@ def test_preflight_latency_counts_each_verdict_under_its_bucket(api, clean_db) -
     assert bucket("probed", "30.0") == 0 and bucket("probed", "120.0") == 1
     assert value(samples, f"{name}_sum", answered="probed") >= 45
     assert value(samples, f"{name}_sum", answered="at_once") < 45
+
+
+def test_a_node_is_unhealthy_exactly_when_a_preflight_excludes_it(clean_db) -> None:
+    """ringwatch_node_healthy is the preflight's own judgement, not a rule beside it: a node
+    whose fault the latest cycle found is unhealthy before its incident opens (the default
+    hysteresis waits for a second bad cycle), and an incident on a path, which excludes
+    neither end, counts as an open finding on both nodes and leaves them healthy."""
+    with api_client(clean_db, {"metrics_cache_s": 0}) as api:
+        api.post("/v1/measurements", json=fleet_batch(slow_node="node-002"),
+                 headers=api.h["agent"]).raise_for_status()
+        with db.transaction(clean_db) as s:
+            health_store.open_finding(
+                s, kind="net_path_degraded", group_key=None, op="allreduce",
+                nodes=["node-000", "node-001"], severity="critical",
+                detail={"kind": "net_path_degraded", "nodes": ["node-000", "node-001"]})
+        samples = scrape(api)
+        healthy = {labels["node"]: v for labels, v in samples["ringwatch_node_healthy"]}
+        whole = api.post("/v1/preflight", json={"nodes": sorted(healthy)},
+                         headers=api.h["reader"]).json()
+        alone = {n: api.post("/v1/preflight", json={"nodes": [n]},
+                             headers=api.h["reader"]).json()["exclude"] for n in healthy}
+    assert healthy == {"node-000": 1, "node-001": 1, "node-002": 0, "node-003": 1}
+    assert whole["exclude"] == ["node-002"]
+    assert alone == {n: [] if v else [n] for n, v in healthy.items()}
+    # No incident is open on node-002 yet; the path's is open on both of its nodes.
+    assert {(labels["node"], labels["kind"]) for labels, _ in
+            samples["ringwatch_node_open_findings"]} == {("node-000", "net_path_degraded"),
+                                                        ("node-001", "net_path_degraded")}
+
+
+def test_link_series_are_named_by_node_gpu_or_group_key(api, clean_db) -> None:
+    """Each link by the labels DCGM exporter's series can be joined on: a node pair by
+    ``node``/``peer_node`` even where long host names make its group key a hash, two ranks
+    by ``gpu``/``peer_gpu`` as numbers, a group on more nodes by its key; and one series for
+    links that label alike (a node's NVLink group before and after it lost a GPU): the
+    worse."""
+    a, b = (f"rack-{i}-gpu-host-with-a-long-name.cluster.example.internal" for i in (7, 9))
+    wide = [f"{n}/{g}" for n in (a, b) for g in range(8)]
+    nodes = [f"node-00{i}" for i in range(3)]
+    batch = fleet_batch(nodes=3)
+    batch["measurements"] = [
+        measurement(wide, 12.0),
+        measurement(["node-000/2", "node-000/10"], 30.0, scope="gpu_pair"),
+        measurement(["node-000/3", "node-001/5"], 9.0),
+        measurement([f"{n}/{g}" for n in nodes for g in range(2)], 8.0, scope="world"),
+        *(measurement([f"{n}/{g}" for g in range(8)], 5.0 if n == "node-000" else 20.0,
+                      scope="intra_node") for n in nodes)]
+    api.post("/v1/measurements", json=batch, headers=api.h["agent"]).raise_for_status()
+    later = fleet_batch(nodes=3)
+    later["measurements"] = [
+        measurement([f"node-000/{g}" for g in range(7)], 20.0, scope="intra_node"),
+        *(measurement([f"{n}/{g}" for g in range(8)], 20.0, scope="intra_node")
+          for n in nodes[1:])]
+    api.post("/v1/measurements", json=later, headers=api.h["agent"]).raise_for_status()
+    samples = scrape(api)
+    bw = "ringwatch_link_busbw_bytes_per_second"
+    op = {"op": "allreduce"}
+
+    with db.transaction(clean_db) as s:
+        hashed = s.execute(text("SELECT group_key FROM link_health WHERE nodes = :n"),
+                           {"n": [a, b]}).scalar_one()
+        world = s.execute(text("SELECT group_key FROM link_health WHERE scope = 'world'"))\
+            .scalar_one()
+        intra = s.execute(text("SELECT busbw_gbs, status, ratio FROM link_health WHERE scope "
+                               "= 'intra_node' AND nodes = '{node-000}'")).all()
+    assert hashed.startswith("sha256:")
+    assert value(samples, bw, scope="inter_node", node=a, peer_node=b, **op) == 12e9
+    assert value(samples, bw, scope="gpu_pair", node="node-000", gpu="2",
+                 peer_node="node-000", peer_gpu="10", **op) == 30e9
+    assert value(samples, bw, scope="inter_node", node="node-000", gpu="3",
+                 peer_node="node-001", peer_gpu="5", **op) == 9e9
+    assert value(samples, bw, scope="world", group=world, **op) == 8e9
+    # Two NVLink groups of node-000 are stored, the older (all eight GPUs) degraded: one
+    # series, the degraded one.
+    assert sorted((r.busbw_gbs, r.status) for r in intra) == [(5.0, "degraded"), (20.0, "ok")]
+    assert value(samples, bw, scope="intra_node", node="node-000", **op) == 5e9
+    assert value(samples, "ringwatch_link_degraded", scope="intra_node", node="node-000",
+                 **op) == 1
+    assert all("members" not in labels for labels, _ in samples[bw])
+
+
+def fail_unexpectedly() -> None:
+    raise RuntimeError("a handler's own bug")
+
+
+def test_requests_are_counted_by_method_route_template_and_code(api) -> None:
+    api.app.add_api_route("/v1/fails", fail_unexpectedly)
+    reader = api.h["reader"]
+    api.post("/v1/measurements", json=fleet_batch(), headers=api.h["agent"]).raise_for_status()
+    answers = [api.get("/v1/nodes/node-000", headers=reader),
+               api.get("/v1/nodes/node-001", headers=reader),
+               api.get("/v1/nodes/nobody", headers=reader),
+               api.get("/v1/nodes"),  # refused before routing
+               api.get("/no/such/route", headers=reader),
+               api.request("BREW", "/v1/nodes", headers=reader),
+               api.get("/ui/")]
+    assert [r.status_code for r in answers] == [200, 200, 404, 401, 404, 405, 200]
+    with pytest.raises(RuntimeError):
+        api.get("/v1/fails", headers=reader)
+    samples = scrape(api)
+
+    def requests(method: str, route: str, code: str) -> float:
+        return value(samples, "ringwatch_http_requests_total", method=method, route=route,
+                     code=code)
+
+    assert requests("GET", "/v1/nodes/{name}", "200") == 2
+    assert requests("GET", "/v1/nodes/{name}", "404") == 1
+    assert requests("GET", "/v1/nodes", "401") == 1
+    assert requests("GET", "unmatched", "404") == 1
+    assert requests("other", "/v1/nodes", "405") == 1
+    assert requests("GET", "/ui/{path}", "200") == 1
+    assert requests("GET", "/v1/fails", "500") == 1
+    assert requests("POST", "/v1/measurements", "200") == 1
+    assert value(samples, "ringwatch_http_request_exceptions_total", method="GET",
+                 route="/v1/fails") == 1
+    # No raw path is a label: the names of nodes asked for are not in any.
+    routes = {labels["route"] for labels, _ in samples["ringwatch_http_requests_total"]}
+    assert not any("node-0" in r or "nobody" in r for r in routes)
+    assert value(samples, "ringwatch_http_request_duration_seconds_count", method="GET",
+                 route="/v1/nodes/{name}") == 3
+    assert value(samples, "ringwatch_http_request_duration_seconds_bucket", method="GET",
+                 route="/v1/nodes/{name}", le="+Inf") == 3
+    # The process's own, and no _created series beside the counters.
+    assert value(samples, "process_resident_memory_bytes") > 0
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert not [name for name in samples if name.endswith("_created")]
+
+
+def test_links_that_label_alike_report_the_worse_whatever_their_order() -> None:
+    """The collector alone (no database): of two rows with one label set, the degraded
+    one, else the lower ratio, in either order; rows that label apart stay apart."""
+    from services.monitor.metrics import FleetCollector, Snapshot
+    from services.store import metrics as store
+
+    def row(members: list[str], status: str, busbw: float, ratio: float | None) -> store.LinkRow:
+        return store.LinkRow("intra_node", "allreduce", ",".join(members), status, busbw, ratio,
+                             ["node-000"], None)
+
+    eight = [f"node-000/{g}" for g in range(8)]
+    rows = [row(eight, "degraded", 5.0, 0.9), row(eight[:7], "ok", 20.0, 0.5),
+            row(eight[:6], "ok", 19.0, 0.4)]
+    now = datetime.now(UTC)
+    for order in (rows, rows[::-1]):
+        snap = Snapshot({}, order, [], frozenset(), [], [], {}, store.Backlog(0, None, 0), {},
+                        {}, store.IngestTotals(0, 0), None, now, 0.0)
+        [family] = [f for f in FleetCollector(snap).collect()
+                    if f.name == "ringwatch_link_busbw_bytes_per_second"]
+        assert [(s.labels, s.value) for s in family.samples] == [
+            ({"scope": "intra_node", "op": "allreduce", "node": "node-000"}, 5e9)]
+    ok_only = [rows[1], rows[2]]
+    for order in (ok_only, ok_only[::-1]):
+        snap = Snapshot({}, order, [], frozenset(), [], [], {}, store.Backlog(0, None, 0), {},
+                        {}, store.IngestTotals(0, 0), None, now, 0.0)
+        [family] = [f for f in FleetCollector(snap).collect()
+                    if f.name == "ringwatch_link_ratio"]
+        assert [s.value for s in family.samples] == [0.4]

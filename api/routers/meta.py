@@ -46,12 +46,14 @@ def healthz(session: SessionDep) -> dict:
             responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}},
                              "description": "Prometheus text, or OpenMetrics when asked"}})
 def metrics(request: Request, session: SessionDep, cache: ScrapeCacheDep) -> Response:
-    """Prometheus metrics of the fleet: the Prometheus text format, or OpenMetrics when the
-    Accept header asks for it (gzipped when Accept-Encoding allows). One rendering is
-    served for RINGWATCH_METRICS_CACHE_S seconds; with RINGWATCH_METRICS_TOKEN_REQUIRED
-    set, any valid token is needed."""
+    """Prometheus metrics of the fleet and of this API process: the Prometheus text format,
+    or OpenMetrics when the Accept header asks for it (gzipped when Accept-Encoding allows).
+    The fleet's families are read once per RINGWATCH_METRICS_CACHE_S seconds, the process's
+    own at every scrape; with RINGWATCH_METRICS_TOKEN_REQUIRED set, any valid token is
+    needed."""
     scrape = cache.get(session, request.headers.get("accept", ""),
-                       "gzip" in request.headers.get("accept-encoding", ""))
+                       "gzip" in request.headers.get("accept-encoding", ""),
+                       own=request.app.state.api_metrics.registry)
     headers = {"Vary": "Accept, Accept-Encoding"}
     if scrape.gzipped:
         headers["Content-Encoding"] = "gzip"

@@ -1,12 +1,13 @@
 """Prometheus metrics of the fleet: a snapshot read by a few aggregate queries, rendered by
 prometheus_client (escaped labels, HELP and TYPE per family, OpenMetrics when the scraper
-asks for it), and cached in the API process so many scrapers cost one scan."""
+asks for it), and cached in the API process so many scrapers cost one scan; the process's
+own families (requests, latency, CPU, memory) are rendered fresh behind it at every scrape."""
 
 from __future__ import annotations
 
-import gzip
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,17 +21,20 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 
+from agents.groups import split_member
 from services.analyzer.hysteresis import DEGRADED, OK
+from services.monitor.stored_verdict import excluded_nodes
 from services.store import health as health_store
 from services.store import measurements as measurement_store
 from services.store import metrics as store
 from services.store.preflight import LATENCY_BOUNDS
 
-LINK_LABELS = ["scope", "op", "members"]
+# nccl-tests' GB/s are 10^9 bytes a second.
+BYTES_PER_GB = 1e9
 PREFLIGHT_STATUSES = ("pending", "running", "done", "failed")
 SHIPPER_STATES = ("pending", "failed", "rejected")
 
@@ -42,7 +46,9 @@ class Snapshot:
     link_counts: dict[str, int]
     links: list[store.LinkRow]
     nodes: list[store.NodeRow]
-    open_findings: dict[str, int]
+    excluded: frozenset[str]
+    open_findings: list[store.FindingCount]
+    node_findings: list[store.NodeFindingCount]
     shippers: dict[str, dict[str, Any]]
     backlog: store.Backlog
     preflight: dict[str, int]
@@ -60,16 +66,43 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
     started = time.perf_counter()
     link_counts = health_store.health_counts(session)
     links, nodes = store.link_rows(session, link_max_age_s), store.node_rows(session)
-    open_findings = store.open_findings_by_kind(session)
+    excluded = frozenset(excluded_nodes(session))
+    findings, per_node = store.open_findings(session), store.open_findings_per_node(session)
     shippers = measurement_store.shipper_states(session)
     backlog = store.delivery_backlog(session)
     preflight = store.preflight_requests_by_status(session)
     latency = store.preflight_latency(session)
     ingested = store.ingest_totals(session)
     last_ingest_at, now = store.last_ingest(session), store.database_now(session)
-    return Snapshot(link_counts, links, nodes, open_findings, shippers, backlog, preflight,
-                    latency, ingested, last_ingest_at, now,
+    return Snapshot(link_counts, links, nodes, excluded, findings, per_node, shippers, backlog,
+                    preflight, latency, ingested, last_ingest_at, now,
                     collect_s=time.perf_counter() - started)
+
+
+def link_labels(row: store.LinkRow) -> dict[str, str]:
+    """A link's series labels beside ``scope`` and ``op``: ``node`` for a group on one node,
+    ``node`` and ``peer_node`` for one on two (in name order), ``gpu`` and ``peer_gpu`` (with
+    ``peer_node``, the same node for a GPU pair) for a group of two ranks, and ``group``, its
+    key as /v1/series takes it, for a group across more nodes (a world group)."""
+    labels = {"scope": row.scope, "op": row.op}
+    if not row.nodes:
+        labels["group"] = row.group_key
+        return labels
+    labels["node"] = row.nodes[0]
+    if len(row.nodes) == 2:
+        labels["peer_node"] = row.nodes[1]
+    if row.members:
+        (node, gpu), (peer, peer_gpu) = sorted(split_member(m) for m in row.members)
+        labels.update(node=node, gpu=str(gpu), peer_node=peer, peer_gpu=str(peer_gpu))
+    return labels
+
+
+def _worse(a: store.LinkRow, b: store.LinkRow) -> store.LinkRow:
+    """The one to report of two links that label alike (a node's NVLink group before and
+    after it lost a GPU): the degraded one, else the lower ratio."""
+    def badness(r: store.LinkRow) -> tuple[bool, float]:
+        return r.status != OK, -(r.ratio if r.ratio is not None else float("inf"))
+    return b if badness(b) > badness(a) else a
 
 
 def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
@@ -102,45 +135,59 @@ class FleetCollector(Collector):
         for status, n in sorted(by_status.items()):
             links.add_metric([status], n)
         yield links
-        busbw = _gauge("ringwatch_link_busbw_gbs", "Last busbw of each link or group at its "
-                       "largest probed size (GB/s, nccl-tests); members is the group key. Links "
-                       "read within RINGWATCH_METRICS_LINK_MAX_AGE_S and those not ok.",
-                       labels=LINK_LABELS)
-        degraded = _gauge("ringwatch_link_degraded", "1 while the link or group is degraded.",
-                          labels=LINK_LABELS)
-        ratio = _gauge("ringwatch_link_ratio", "Last busbw of each link or group as a share "
-                       "of what was expected of it (below the degraded ratio is bad).",
-                       labels=LINK_LABELS)
+        window = (" Links read within RINGWATCH_METRICS_LINK_MAX_AGE_S and those not ok; "
+                  "node and peer_node (gpu and peer_gpu for two ranks) name a link on one "
+                  "or two nodes, group the key of a larger one.")
+        busbw = Metric("ringwatch_link_busbw_bytes_per_second", "Last busbw of each link or "
+                       "group at its largest probed size (nccl-tests' busbw)." + window, "gauge")
+        degraded = Metric("ringwatch_link_degraded",
+                          "1 while the link or group is degraded." + window, "gauge")
+        ratio = Metric("ringwatch_link_ratio", "Last busbw of each link or group as a share of "
+                       "what was expected of it (below the degraded ratio is bad)." + window,
+                       "gauge")
+        reported: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], store.LinkRow]] = {}
         for r in self.snap.links:
-            labels = [r.scope, r.op, r.group_key]
-            busbw.add_metric(labels, r.busbw_gbs)
-            degraded.add_metric(labels, int(r.status == DEGRADED))
+            labels = link_labels(r)
+            key = tuple(sorted(labels.items()))
+            known = reported.get(key)
+            reported[key] = (labels, r if known is None else _worse(known[1], r))
+        for labels, r in reported.values():
+            busbw.add_sample(busbw.name, labels, r.busbw_gbs * BYTES_PER_GB)
+            degraded.add_sample(degraded.name, labels, int(r.status == DEGRADED))
             if r.ratio is not None:
-                ratio.add_metric(labels, r.ratio)
+                ratio.add_sample(ratio.name, labels, r.ratio)
         yield from (busbw, degraded, ratio)
 
     def _findings(self) -> Iterator[Metric]:
-        yield _gauge("ringwatch_open_findings", "Open findings (incidents).",
-                     sum(self.snap.open_findings.values()))
-        by_kind = _gauge("ringwatch_open_findings_by_kind", "Open findings (incidents) by kind.",
-                         labels=["kind"])
-        for kind, n in sorted(self.snap.open_findings.items()):
-            by_kind.add_metric([kind], n)
-        yield by_kind
+        total = _gauge("ringwatch_open_findings", "Open findings (incidents) by kind and "
+                       "severity.", labels=["kind", "severity"])
+        for f in self.snap.open_findings:
+            total.add_metric([f.kind, f.severity], f.open)
+        yield total
+        per_node = _gauge("ringwatch_node_open_findings", "Open findings (incidents) touching "
+                          "the node, by kind and severity (one on a path counts on both its "
+                          "nodes).", labels=["node", "kind", "severity"])
+        for n in self.snap.node_findings:
+            per_node.add_metric([n.node, n.kind, n.severity], n.open)
+        yield per_node
 
     def _nodes(self) -> Iterator[Metric]:
         yield _gauge("ringwatch_nodes", "Nodes seen.", len(self.snap.nodes))
+        healthy = _gauge("ringwatch_node_healthy", "1 for a node a preflight would accept, 0 "
+                         "for one it would exclude (an open incident or the latest look's "
+                         "fault blames the node); every node seen.", labels=["node"])
         duty = _gauge("ringwatch_node_duty_cycle",
                       "Fraction of the node's GPU time spent probing.", labels=["node"])
         probed = _gauge("ringwatch_node_last_probe_timestamp_seconds",
                         "Unix time of the node's newest measurement.", labels=["node"],
                         unit="seconds")
         for n in self.snap.nodes:
+            healthy.add_metric([n.name], int(n.name not in self.snap.excluded))
             if n.duty_cycle is not None:
                 duty.add_metric([n.name], n.duty_cycle)
             if n.last_probed_at is not None:
                 probed.add_metric([n.name], n.last_probed_at.timestamp())
-        yield from (duty, probed)
+        yield from (healthy, duty, probed)
 
     def _ingest(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
@@ -203,10 +250,34 @@ class Scrape(NamedTuple):
     gzipped: bool
 
 
+OPENMETRICS_EOF = b"# EOF\n"
+
+
+class _Rendered:
+    """The fleet's families in one format, OpenMetrics' closing ``# EOF`` left off so the
+    process's own families can follow; and, once a scraper asks for gzip, that text
+    compressed into an open gzip stream whose compressor each scrape copies to finish."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self._zipped = b""
+        self._zipper: Any = None
+
+    def gzipped(self, tail: bytes) -> bytes:
+        """The gzip of ``body`` and ``tail``, one gzip member, ``body`` compressed once."""
+        if self._zipper is None:
+            self._zipper = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+            self._zipped = (self._zipper.compress(self.body)
+                            + self._zipper.flush(zlib.Z_SYNC_FLUSH))
+        rest = self._zipper.copy()
+        return self._zipped + rest.compress(tail) + rest.flush()
+
+
 class ScrapeCache:
-    """Rendered scrapes kept for ``ttl_s``: within the window every scraper gets the body of
-    one collection (in whichever format and encoding it asked); one collects at a time, and
-    those arriving meanwhile wait for its result instead of scanning again."""
+    """Rendered scrapes kept for ``ttl_s``: within the window every scraper gets the fleet
+    families of one collection (in whichever format and encoding it asked); one collects at
+    a time, and those arriving meanwhile wait for its result instead of scanning again. The
+    API process's own families (``own``) are rendered at each scrape and follow them."""
 
     def __init__(self, ttl_s: float, link_max_age_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
@@ -214,17 +285,21 @@ class ScrapeCache:
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
         self._taken = 0.0
-        self._bodies: dict[tuple[str, bool], bytes] = {}
+        self._rendered: dict[str, _Rendered] = {}
 
-    def get(self, session: Session, accept: str = "", gzip_ok: bool = False) -> Scrape:
+    def get(self, session: Session, accept: str = "", gzip_ok: bool = False,
+            own: Collector | None = None) -> Scrape:
         encoder, content_type = choose_encoder(accept)
+        tail = encoder(own if own is not None else CollectorRegistry())
         with self._lock:
             if self._snap is None or time.monotonic() - self._taken >= self.ttl_s:
                 self._snap = snapshot(session, self.link_max_age_s)
                 self._taken = time.monotonic()
-                self._bodies = {}
-            key = (content_type, gzip_ok)
-            if key not in self._bodies:
-                body = encoder(FleetCollector(self._snap))
-                self._bodies[key] = gzip.compress(body, compresslevel=6) if gzip_ok else body
-            return Scrape(self._bodies[key], content_type, gzip_ok)
+                self._rendered = {}
+            fleet = self._rendered.get(content_type)
+            if fleet is None:
+                body = encoder(FleetCollector(self._snap)).removesuffix(OPENMETRICS_EOF)
+                fleet = self._rendered[content_type] = _Rendered(body)
+            if gzip_ok:
+                return Scrape(fleet.gzipped(tail), content_type, True)
+        return Scrape(fleet.body + tail, content_type, False)

@@ -32,15 +32,7 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
     require_nodes(session, nodes)
     wanted = sorted(set(nodes))
     since = utcnow() - timedelta(seconds=max_age_s)
-    findings = [_finding(f.detail, f.kind) for f in health_store.open_findings_on(session, wanted)]
-    findings = [f for f in findings if _inside(f, set(wanted))]
-    latest: list[Finding] = []
-    earlier: list[Finding] = []
-    for state in health_store.pending_faults_on(session, wanted):
-        f = _finding(state.detail, state.kind, pending=True)
-        if _inside(f, set(wanted)):
-            (latest if state.recent.endswith("1") else earlier).append(f)
-    findings += latest
+    findings, earlier = _judged(session, set(wanted))
     suspects = sorted(set(exclude_of(earlier)) - set(exclude_of(findings)), key=node_order)
     unprobed = sorted(set(wanted) - store.probed_nodes(session, wanted, since), key=node_order)
     backend = store.latest_backend(session, wanted)
@@ -52,6 +44,34 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
     if unprobed:
         verdict["healthy"] = False
     return verdict
+
+
+def excluded_nodes(session: Session) -> set[str]:
+    """Every node a preflight naming it would exclude now. A node is blamed only by a
+    finding on that node, so the answer is the same whichever other nodes a preflight
+    names: this is each node's health as /metrics reports it."""
+    findings, _ = _judged(session, None)
+    return set(exclude_of(findings))
+
+
+def _judged(session: Session, wanted: set[str] | None) -> tuple[list[Finding], list[Finding]]:
+    """What the stored judgement holds against ``wanted`` (None: the whole fleet): the open
+    incidents and the faults its latest look found; and apart, the faults found only
+    earlier in the hysteresis window (suspects)."""
+    def concerns(f: Finding) -> bool:
+        return wanted is None or _inside(f, wanted)
+
+    names = sorted(wanted) if wanted is not None else None
+    findings = [f for f in (_finding(x.detail, x.kind)
+                            for x in health_store.open_findings_on(session, names))
+                if concerns(f)]
+    latest: list[Finding] = []
+    earlier: list[Finding] = []
+    for state in health_store.pending_faults_on(session, names):
+        f = _finding(state.detail, state.kind, pending=True)
+        if concerns(f):
+            (latest if state.recent.endswith("1") else earlier).append(f)
+    return findings + latest, earlier
 
 
 def _finding(detail: dict[str, Any], kind: str, *, pending: bool = False) -> Finding:

@@ -138,20 +138,21 @@ def touch_finding(session: Session, finding_id: int, at: datetime, detail: dict[
         finding.detail = {**detail, **kept, "fault": opened.get("fault")}
 
 
-def open_findings_on(session: Session, nodes: Sequence[str]) -> list[Finding]:
-    """Open incidents that touch any of ``nodes``."""
-    return list(session.scalars(
-        select(Finding).where(Finding.status == "open", Finding.nodes.overlap(list(nodes)))
-        .order_by(Finding.id)
-    ))
+def open_findings_on(session: Session, nodes: Sequence[str] | None) -> list[Finding]:
+    """Open incidents that touch any of ``nodes`` (None: every open incident)."""
+    q = select(Finding).where(Finding.status == "open")
+    if nodes is not None:
+        q = q.where(Finding.nodes.overlap(list(nodes)))
+    return list(session.scalars(q.order_by(Finding.id)))
 
 
-def pending_faults_on(session: Session, nodes: Sequence[str]) -> list[FaultState]:
-    """Faults seen recently that have not (yet) opened an incident, on any of ``nodes``."""
-    return list(session.scalars(
-        select(FaultState).where(FaultState.status == "ok", FaultState.nodes.overlap(list(nodes)))
-        .order_by(FaultState.id)
-    ))
+def pending_faults_on(session: Session, nodes: Sequence[str] | None) -> list[FaultState]:
+    """Faults seen recently that have not (yet) opened an incident, on any of ``nodes``
+    (None: on any node)."""
+    q = select(FaultState).where(FaultState.status == "ok")
+    if nodes is not None:
+        q = q.where(FaultState.nodes.overlap(list(nodes)))
+    return list(session.scalars(q.order_by(FaultState.id)))
 
 
 def resolve_finding(session: Session, finding: Finding, at: datetime) -> None:

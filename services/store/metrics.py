@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from sqlalchemy import func, or_, select, text
+from sqlalchemy import case, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from services.store.models import (
@@ -22,12 +22,18 @@ from services.store.preflight import LATENCY_BOUNDS
 
 
 class LinkRow(NamedTuple):
+    """One link's current reading; ``nodes`` only for a group on one or two nodes and
+    ``members`` only for a group of two ranks (None otherwise: a world group's arrays are
+    thousands of names no series is labelled with)."""
+
     scope: str
     op: str
     group_key: str
     status: str
     busbw_gbs: float
     ratio: float | None
+    nodes: list[str] | None
+    members: list[str] | None
 
 
 class NodeRow(NamedTuple):
@@ -46,9 +52,11 @@ class Backlog(NamedTuple):
 
 def link_rows(session: Session, max_age_s: float = 0.0) -> list[LinkRow]:
     """The current reading of every link read within ``max_age_s`` (0: of every link) and of
-    every link that is not ok however old, in one pass (no member arrays)."""
+    every link that is not ok however old, in one pass."""
     c = LinkHealth
-    q = select(c.scope, c.op, c.group_key, c.status, c.busbw_gbs, c.ratio)
+    q = select(c.scope, c.op, c.group_key, c.status, c.busbw_gbs, c.ratio,
+               case((func.cardinality(c.nodes) <= 2, c.nodes)),
+               case((func.cardinality(c.members) == 2, c.members)))
     if max_age_s > 0:
         q = q.where(or_(c.updated_at >= func.now() - timedelta(seconds=max_age_s),
                         c.status != "ok"))
@@ -61,11 +69,34 @@ def node_rows(session: Session) -> list[NodeRow]:
     return [NodeRow(*r) for r in rows]
 
 
-def open_findings_by_kind(session: Session) -> dict[str, int]:
+class FindingCount(NamedTuple):
+    kind: str
+    severity: str
+    open: int
+
+
+class NodeFindingCount(NamedTuple):
+    node: str
+    kind: str
+    severity: str
+    open: int
+
+
+def open_findings(session: Session) -> list[FindingCount]:
+    """Open incidents by kind and severity."""
     rows = session.execute(
-        select(Finding.kind, func.count()).where(Finding.status == "open")
-        .group_by(Finding.kind)).tuples()
-    return dict(rows.all())
+        select(Finding.kind, Finding.severity, func.count()).where(Finding.status == "open")
+        .group_by(Finding.kind, Finding.severity).order_by(Finding.kind, Finding.severity))
+    return [FindingCount(*r) for r in rows]
+
+
+def open_findings_per_node(session: Session) -> list[NodeFindingCount]:
+    """Open incidents by each node they touch, kind and severity (an incident on a path
+    counts on both its nodes)."""
+    rows = session.execute(text(
+        "SELECT node, kind, severity, count(*) FROM findings, unnest(nodes) AS node "
+        "WHERE status = 'open' GROUP BY node, kind, severity ORDER BY node, kind, severity"))
+    return [NodeFindingCount(*r) for r in rows]
 
 
 def preflight_requests_by_status(session: Session) -> dict[str, int]:
