@@ -3,6 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+from services.store.db import migration_lock
 from services.store.models import Base, is_partition
 
 config = context.config
@@ -23,7 +24,9 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
-    with engine.connect() as connection:
+    with engine.connect() as connection, migration_lock(connection):
+        # Configured once the lock is held: the revision alembic starts from is read after
+        # any upgrade running beside this one has committed.
         context.configure(connection=connection, target_metadata=target_metadata,
                           include_name=_not_a_partition)
         with context.begin_transaction():

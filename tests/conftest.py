@@ -42,7 +42,8 @@ SLOW_FIXTURES = frozenset({"server", "served", "browser", "cluster", "slurm_clus
 STARTERS = frozenset({"subprocess", "tests.procs.cli", "tests.procs.start_server",
                       "tests.procs.running_api", "services.selftest.runner.run_world",
                       "bench.chaos.suite.run_fault"})
-SLOW_MODULES = frozenset({"test_cli_imports.py", "test_notifier_process.py"})
+SLOW_MODULES = frozenset({"test_cli_imports.py", "test_notifier_process.py",
+                          "test_notifier_health.py"})
 
 
 def _names(code: CodeType) -> set[str]:

@@ -92,3 +92,45 @@ def test_a_cluster_of_another_ray_version_is_refused_in_one_line(cluster, monkey
     assert f"runs Ray {ray.__version__}, this environment Ray 2.0.0" in text
     assert f"pip install 'ray=={ray.__version__}'" in text
     assert not ray.is_initialized()
+
+
+def test_the_ranks_follow_the_nodes_of_the_cluster_joined(tmp_path_factory) -> None:
+    """A node whose worker joins after the scheduler started (a new GPU node's DaemonSet pod)
+    gets agents at the next refresh and is probed; one that leaves takes its ranks with it
+    and the rest go on; no restart of the scheduler either way."""
+    import time
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False,
+        "temp_dir": str(ray_temp_dir(tmp_path_factory.mktemp("ray")))})
+    said: list[str] = []
+    try:
+        with RayBackend("gloo", address=c.address, ranks_per_node=1,
+                        progress=said.append) as backend:
+            (first,) = backend.ranks()
+            node = c.add_node(num_cpus=1)
+            c.wait_for_nodes()
+            backend.refresh_ranks(max_age_s=0)
+            ranks = backend.ranks()
+            assert len(ranks) == 2 and first in ranks  # the first node kept its name
+            assert any("1 rank(s) joined" in line for line in said), said
+            result = backend.run_round([GroupSpec("inter_node", tuple(r.member for r in ranks),
+                                                  sizes=(1 << 16,), warmup=1, iters=3)])
+            assert result.findings == [] and result.measurements
+
+            c.remove_node(node)
+            deadline = time.monotonic() + 60
+            while any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node.node_id):
+                assert time.monotonic() < deadline, "Ray never saw the node go"
+                time.sleep(0.2)
+            backend.refresh_ranks(max_age_s=0)
+            assert backend.ranks() == [first]
+            assert any("1 rank(s) left with their node" in line for line in said), said
+            result = backend.run_round([GroupSpec("intra_node", (first.member,),
+                                                  sizes=(1 << 16,), warmup=1, iters=3)])
+            assert result.findings == []
+    finally:
+        c.shutdown()

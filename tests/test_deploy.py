@@ -1,8 +1,9 @@
 """deploy/kubernetes: every manifest parses, validates against the Kubernetes schema (bundled,
-offline), and runs real ringwatch commands with real settings. No cluster is needed.
+offline), and runs real ringwatch and Ray commands with real settings. No cluster is needed.
 
 The kustomizations are rendered here for the features they use (resources, namespace,
 labels, images, JSON 6902 patches); where kubectl is on PATH its own rendering must agree.
+`python -m tests.test_deploy` prints the objects each kustomization renders.
 """
 
 from __future__ import annotations
@@ -23,12 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 BASE = DEPLOY / "base"
 EXCLUSIVE = DEPLOY / "overlays" / "exclusive-gpus"
-KUSTOMIZATIONS = (BASE, EXCLUSIVE)
+INFINIBAND = DEPLOY / "overlays" / "rdma-infiniband"
+EFA = DEPLOY / "overlays" / "efa"
+KUSTOMIZATIONS = (BASE, EXCLUSIVE, INFINIBAND, EFA)
+# The node label (and taint key) that sets a node aside for workers that hold its devices.
+SET_ASIDE = "ringwatch.io/set-aside"
 EXAMPLE = ROOT / "examples" / "k8s-init-container.yaml"
 DOCS = ROOT / "docs" / "kubernetes.md"
 # The oldest Kubernetes the manifests are meant for; strict: an unknown field is an error.
 K8S_VERSION = "1.29.0"
 SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash")
+# Words that start a shell command without being one; what follows them is the command.
+SHELL_WORDS = {"exec", "if", "then", "else", "elif", "until", "while", "do", "!"}
 SECRET_SETTINGS = {"RINGWATCH_DATABASE_URL", "RINGWATCH_TOKEN", "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN",
                    "RINGWATCH_SECRET_KEY"}
 
@@ -171,7 +178,8 @@ def test_manifests_validate_against_the_kubernetes_schema() -> None:
             validate(where, doc)
         checked.add(doc["kind"])
     assert {"Namespace", "ConfigMap", "Deployment", "Service", "PersistentVolumeClaim",
-            "RayCluster", "Pod"} <= checked
+            "RayCluster", "Pod", "DaemonSet", "Job", "PodDisruptionBudget",
+            "NetworkPolicy"} <= checked
 
 
 def test_the_schema_validation_refuses_what_a_cluster_would() -> None:
@@ -191,7 +199,7 @@ def test_the_schema_validation_refuses_what_a_cluster_would() -> None:
 
 def _ray_templates(doc: dict) -> Iterator[tuple[str, dict]]:
     yield "head", doc["spec"]["headGroupSpec"]["template"]
-    for group in doc["spec"]["workerGroupSpecs"]:
+    for group in doc["spec"].get("workerGroupSpecs", []):
         yield group["groupName"], group["template"]
 
 
@@ -215,12 +223,10 @@ def test_the_raycluster_has_the_shape_kuberay_reads() -> None:
         assert "rayStartParams" in spec["headGroupSpec"]
         # Which Ray: the agent image's locked one (tests/test_images.py).
         assert re.fullmatch(r"\d+\.\d+\.\d+", spec["rayVersion"])
-        names = [g["groupName"] for g in spec["workerGroupSpecs"]]
-        assert names and len(set(names)) == len(names)
-        for group in spec["workerGroupSpecs"]:
-            assert set(group) <= RAY_WORKER, set(group) - RAY_WORKER
-            assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        # The GPU workers are the DaemonSet's: a worker group beside it would put a second
+        # raylet on GPU nodes, and a fixed count of them would leave new nodes unwatched.
+        assert not spec.get("workerGroupSpecs") and not spec.get("enableInTreeAutoscaling")
+        for group in [spec["headGroupSpec"]]:
             # KubeRay turns each pair into --key=value: values are strings.
             assert all(isinstance(v, str) for v in group["rayStartParams"].values())
             assert group["template"]["spec"]["containers"], "KubeRay runs Ray in the first container"
@@ -235,7 +241,15 @@ def test_the_raycluster_has_the_shape_kuberay_reads() -> None:
             assert "readinessProbe" in ray_container and "livenessProbe" in ray_container
 
 
-def test_the_head_runs_the_scheduler_and_the_workers_take_every_gpu_node() -> None:
+def _gpu_agents(directory: Path = BASE) -> dict:
+    return find(render(directory), "DaemonSet", "ringwatch-gpu-agent")
+
+
+def _worker(directory: Path = BASE) -> dict:
+    return _gpu_agents(directory)["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_head_runs_the_scheduler() -> None:
     ray = find(manifests(), "RayCluster", "ringwatch")
     head = ray["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"
@@ -251,34 +265,124 @@ def test_the_head_runs_the_scheduler_and_the_workers_take_every_gpu_node() -> No
     find(manifests(), "PersistentVolumeClaim", claim)
     assert _dockerfile_env()["RINGWATCH_STATE_DIR"] == "/app/.ringwatch"
 
-    for group in ray["spec"]["workerGroupSpecs"]:
-        pod = group["template"]["spec"]
-        # Host networking: the Ray worker's hostname, which names the node in ringwatch,
-        # is the node's own, as a preflight's --nodes $(NODE_NAME) asks.
-        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
-        # One worker per node.
-        labels = group["template"]["metadata"]["labels"]
-        (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        assert term["topologyKey"] == "kubernetes.io/hostname"
-        assert term["labelSelector"]["matchLabels"].items() <= labels.items()
-        shm = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-        assert "/dev/shm" in shm
+
+def test_a_worker_runs_on_every_gpu_node_and_joins_the_head() -> None:
+    docs = manifests()
+    ray = find(docs, "RayCluster", "ringwatch")
+    agents = _gpu_agents()
+    pod = agents["spec"]["template"]["spec"]
+    labels = agents["spec"]["template"]["metadata"]["labels"]
+    assert agents["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # Every GPU node, whatever its taint: GPU feature discovery's label, the GPU taint.
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert gpu_taint in pod["tolerations"]
+    # Host networking: the Ray worker's hostname, which names the node in ringwatch, is the
+    # node's own, as a preflight's --nodes $(NODE_NAME) asks; so never two on one node.
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert agents["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+    worker = pod["containers"][0]
+    assert "/dev/shm" in {m["mountPath"] for m in worker["volumeMounts"]}
+
+    # It joins the head through the Service KubeRay makes for it, on the head's GCS port, as
+    # the container's main process; Ray counts the GPUs the container sees (no --num-gpus),
+    # and the scheduler places an agent on each.
+    (start,) = [a for a in _ray_argvs(worker) if a[0] == "start"]
+    options = _parse_ray(start)
+    head_ports = {p["name"]: p["containerPort"] for p in
+                  ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert options["address"] == f"{ray['metadata']['name']}-head-svc:{head_ports['gcs-server']}"
+    assert options["block"] and options["num_gpus"] is None
+    assert _commands(worker)[-1] == ["ray", *start] and "exec ray start" in _script(worker)
+    env = {e["name"]: e for e in worker["env"]}
+    assert options["node_ip_address"] == "$HOST_IP"
+    assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    # A stop is graceful: Ray's processes stop in turn, within the grace period.
+    stop = worker["lifecycle"]["preStop"]["exec"]["command"]
+    assert stop[:2] == ["ray", "stop"] and _parse_ray(stop[1:])
+    assert pod["terminationGracePeriodSeconds"] > 16  # `ray stop`'s own grace period
 
 
-def test_base_workers_share_the_gpus_and_the_overlay_requests_them_all() -> None:
-    def worker(directory: Path) -> dict:
-        ray = find(render(directory), "RayCluster", "ringwatch")
-        return ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
-
-    shared = worker(BASE)
+def test_base_workers_share_the_gpus_and_exclusive_ones_hold_them_on_set_aside_nodes() -> None:
+    shared = _worker(BASE)
     assert "nvidia.com/gpu" not in shared["resources"].get("limits", {})
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in shared["env"]
-    exclusive = worker(EXCLUSIVE)
+    exclusive = _worker(EXCLUSIVE)
     assert int(exclusive["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in exclusive["env"]}
-    # The overlay changes the GPU request and nothing else.
-    assert {e["name"] for e in shared["env"]} - {e["name"] for e in exclusive["env"]} == {
-        "NVIDIA_VISIBLE_DEVICES"}
+    # Holding a node's GPUs, the worker runs only where a node is set aside for it.
+    pod = _gpu_agents(EXCLUSIVE)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"][SET_ASIDE] == "true"
+    assert {"key": SET_ASIDE, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+
+def _without(worker_pod: dict, *, limits: tuple[str, ...] = (), env: tuple[str, ...] = (),
+             capabilities: bool = False, set_aside: bool = False) -> dict:
+    """The DaemonSet ``worker_pod`` with what an overlay claims to add taken out again."""
+    doc = copy.deepcopy(worker_pod)
+    pod = doc["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    for name in limits:
+        c["resources"]["limits"].pop(name)
+        c["resources"].get("requests", {}).pop(name, None)
+    c["env"] = [e for e in c["env"] if e["name"] not in env]
+    if capabilities:
+        c["securityContext"]["capabilities"].pop("add")
+    if set_aside:
+        pod["nodeSelector"].pop(SET_ASIDE)
+        pod["tolerations"] = [t for t in pod["tolerations"] if t["key"] != SET_ASIDE]
+    return doc
+
+
+def test_each_overlay_adds_what_it_says_and_nothing_else() -> None:
+    base = {(d["kind"], d["metadata"]["name"]): d for d in render(BASE)}
+    claims = {
+        EXCLUSIVE: {"limits": ("nvidia.com/gpu",), "set_aside": True},
+        INFINIBAND: {"limits": ("rdma/rdma_shared_device_a",), "capabilities": True,
+                     "env": ("NCCL_NET", "NCCL_IB_HCA")},
+        EFA: {"limits": ("vpc.amazonaws.com/efa",), "capabilities": True, "set_aside": True,
+              "env": ("NCCL_NET_PLUGIN", "NCCL_NET", "FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA",
+                      "FI_EFA_USE_HUGE_PAGE")},
+    }
+    for directory, claim in claims.items():
+        rendered = {(d["kind"], d["metadata"]["name"]): d for d in render(directory)}
+        assert rendered.keys() == base.keys(), directory
+        key = ("DaemonSet", "ringwatch-gpu-agent")
+        assert {k for k in base if rendered[k] != base[k]} == {key}, directory
+        stripped = _without(rendered[key], **claim)  # type: ignore[arg-type]
+        if directory == EXCLUSIVE:  # it also takes the device plugin's word on the GPUs
+            stripped["spec"]["template"]["spec"]["containers"][0]["env"].insert(
+                0, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+        assert stripped == base[key], directory
+
+
+def test_the_rdma_overlays_give_nccl_the_fabric_or_an_error_never_sockets() -> None:
+    for directory, resource in ((INFINIBAND, "rdma/rdma_shared_device_a"),
+                                (EFA, "vpc.amazonaws.com/efa")):
+        worker = _worker(directory)
+        env = {e["name"]: e["value"] for e in worker["env"] if "value" in e}
+        # The devices, as a device plugin's resource (requests equal limits, as an extended
+        # resource must have them), and pinned memory.
+        limits, requests = worker["resources"]["limits"], worker["resources"]["requests"]
+        assert int(limits[resource]) >= 1 and requests[resource] == limits[resource]
+        assert worker["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert worker["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        # NCCL is told which network: it uses it or fails, and the worker refuses to start
+        # where the memlock limit cannot be lifted.
+        assert env["NCCL_NET"]
+        script = _script(worker)
+        assert 'if [ -n "${NCCL_NET:-}" ] && ! ulimit -l unlimited' in script
+        assert script.index("ulimit -l unlimited") < script.index("exec ray start")
+    ib = {e["name"]: e["value"] for e in _worker(INFINIBAND)["env"] if "value" in e}
+    assert ib["NCCL_NET"] == "IB" and ib["NCCL_IB_HCA"]
+    efa = {e["name"]: e["value"] for e in _worker(EFA)["env"] if "value" in e}
+    # The OFI plugin the agent image builds, which NCCL loads only by name (the image drops
+    # the default-named link, so InfiniBand nodes keep NCCL's own transport); libfabric's EFA.
+    assert efa["NCCL_NET_PLUGIN"] == "ofi" and efa["NCCL_NET"] == "OFI"
+    assert efa["FI_PROVIDER"] == "efa" and efa["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert re.search(r"rm -f \S*/libnccl-net\.so\b", (ROOT / "Dockerfile").read_text())
+    # EFA interfaces go to one pod each: held only on a node set aside for it.
+    assert _gpu_agents(EFA)["spec"]["template"]["spec"]["nodeSelector"][SET_ASIDE] == "true"
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
@@ -303,23 +407,60 @@ def _parse(argv: list[str]):
         raise AssertionError(f"ringwatch {' '.join(argv)}: the CLI refuses it") from exc
 
 
-def _ringwatch_argvs(container: dict) -> list[list[str]]:
-    """The argv of every `ringwatch` the container runs, directly or in a shell script;
-    Kubernetes' $(VAR) references stand as the variable's name."""
-    argv = [re.sub(r"\$\((\w+)\)", r"\1", a) for a in container.get("command", []) + container.get("args", [])]
-    if argv[:1] == ["ringwatch"]:
-        return [argv[1:]]
+def _script(container: dict) -> str:
+    """The shell script a container runs (its whole argv joined where it runs none)."""
+    argv = container.get("command", []) + container.get("args", [])
     if argv[:1] and argv[0] in SHELLS:
-        script = next(a for a in argv[1:] if not a.startswith("-"))
-        runs = []
-        for piece in re.split(r"&&|\|\||[;&|\n]", script):
-            words = shlex.split(piece)
-            if words[:1] == ["exec"]:
-                words = words[1:]
-            if words[:1] == ["ringwatch"]:
-                runs.append(words[1:])
-        return runs
-    return []
+        return next(a for a in argv[1:] if not a.startswith("-"))
+    return shlex.join(argv)
+
+
+def _commands(container: dict) -> list[list[str]]:
+    """Every simple command the container runs, directly or in a shell script (leading shell
+    keywords and redirections left out); Kubernetes' $(VAR) references stand as the
+    variable's name."""
+    argv = [re.sub(r"\$\((\w+)\)", r"\1", a)
+            for a in container.get("command", []) + container.get("args", [])]
+    if not argv or argv[0] not in SHELLS:
+        return [argv] if argv else []
+    script = next(a for a in argv[1:] if not a.startswith("-"))
+    runs = []
+    for piece in re.split(r"&&|\|\||[;&|\n]", script):
+        words = [w for w in shlex.split(piece) if not re.match(r"\d*>", w)]
+        while words and words[0] in SHELL_WORDS:
+            words = words[1:]
+        if words:
+            runs.append(words)
+    return runs
+
+
+def _ringwatch_argvs(container: dict) -> list[list[str]]:
+    """The argv of every `ringwatch` the container runs, directly or in a shell script."""
+    return [words[1:] for words in _commands(container) if words[:1] == ["ringwatch"]]
+
+
+def _ray_argvs(container: dict) -> list[list[str]]:
+    """The argv of every `ray` the container runs: in its script, its probes, its hooks."""
+    runs = [words[1:] for words in _commands(container) if words[:1] == ["ray"]]
+    execs = [container.get(p, {}).get("exec") for p in ("readinessProbe", "livenessProbe",
+                                                         "startupProbe")]
+    execs += [container.get("lifecycle", {}).get(h, {}).get("exec") for h in ("preStop",
+                                                                              "postStart")]
+    runs += [e["command"][1:] for e in execs if e and e["command"][:1] == ["ray"]]
+    return runs
+
+
+def _parse_ray(argv: list[str]) -> dict:
+    """The options of ``ray ARGV`` as Ray's own command line reads them; an option it does
+    not have, or a value of the wrong kind, fails."""
+    scripts = pytest.importorskip("ray.scripts.scripts")
+    import click  # Ray's command line is click's
+    command = scripts.cli.commands.get(argv[0])
+    assert command is not None, f"ray {argv[0]}: Ray has no such command"
+    try:
+        return command.make_context(f"ray {argv[0]}", list(argv[1:])).params
+    except click.ClickException as exc:
+        raise AssertionError(f"ray {' '.join(argv)}: {exc.format_message()}") from None
 
 
 def test_every_ringwatch_command_is_one_the_cli_accepts() -> None:
@@ -330,7 +471,16 @@ def test_every_ringwatch_command_is_one_the_cli_accepts() -> None:
             commands.add(" ".join(w for w in (args.command, getattr(args, "db_command", None)) if w))
         if c["image"].startswith("ringwatch") and c["name"] != "ray-worker":
             assert _ringwatch_argvs(c), f"{where} runs no ringwatch command"
-    assert {"db upgrade", "serve", "notifier", "scheduler", "preflight"} <= commands
+    assert {"db upgrade", "db wait", "serve", "notifier", "scheduler", "preflight"} <= commands
+
+
+def test_every_ray_command_is_one_ray_accepts() -> None:
+    seen = set()
+    for _, c in every_container():
+        for argv in _ray_argvs(c):
+            _parse_ray(argv)
+            seen.add(argv[0])
+    assert {"start", "stop", "health-check"} <= seen
 
 
 def test_container_variable_references_are_defined() -> None:
@@ -433,9 +583,164 @@ def test_the_api_service_reaches_the_serving_port_and_its_probes_a_real_route() 
     routes = {r.path for r in router.routes}  # type: ignore[attr-defined]
     probe = container["readinessProbe"]["httpGet"]
     assert probe["path"] in routes and ports[probe["port"]] == args.port
-    # Migrations run before the API starts.
-    (migrate,) = pod["spec"]["initContainers"]
-    assert [_parse(a).db_command for a in _ringwatch_argvs(migrate)] == ["upgrade"]
+    # It starts once the database is at its schema, which the migration Job brings it to.
+    (schema,) = pod["spec"]["initContainers"]
+    assert [_parse(a).db_command for a in _ringwatch_argvs(schema)] == ["wait"]
+
+
+def test_the_migration_job_alone_runs_migrations() -> None:
+    for directory in KUSTOMIZATIONS:
+        docs = render(directory)
+        migrating = {(d["kind"], d["metadata"]["name"], c["name"]) for d in docs
+                     for c in _containers(d) for argv in _ringwatch_argvs(c)
+                     if _parse(argv).command == "db" and _parse(argv).db_command == "upgrade"}
+        assert migrating == {("Job", "ringwatch-migrate", "migrate")}, directory
+    job = find(manifests(), "Job", "ringwatch-migrate")
+    # Retried until the database answers, and gone a while after it is done (a Job's pod
+    # template cannot change, so the next image's Job is a new one).
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
+    assert job["spec"]["backoffLimit"] >= 3 and job["spec"]["ttlSecondsAfterFinished"] > 0
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    api = find(manifests(), "Deployment", "ringwatch-api")["spec"]["template"]["spec"]
+    # The same database as the API waits on.
+    assert c["env"] == api["initContainers"][0]["env"]
+    assert c["image"] == api["containers"][0]["image"]
+
+
+def _http_routes(container: dict) -> dict[int, set[str]]:
+    """Port -> paths the ringwatch process of ``container`` serves over HTTP."""
+    from api.routers.meta import router
+    from services.notifier.health import PATHS
+
+    (argv,) = _ringwatch_argvs(container)
+    args = _parse(argv)
+    if args.command == "serve":
+        return {args.port: {r.path for r in router.routes}}  # type: ignore[attr-defined]
+    if args.command == "notifier" and args.health_port is not None:
+        return {args.health_port: set(PATHS)}
+    return {}
+
+
+def test_every_probe_asks_what_its_process_really_serves() -> None:
+    probed = set()
+    for directory in KUSTOMIZATIONS:
+        for doc in render(directory):
+            for c in _containers(doc):
+                ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+                for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+                    probe = c.get(kind)
+                    if probe is None:
+                        continue
+                    where = f"{directory.name} {doc['kind']}/{doc['metadata']['name']} {kind}"
+                    if "httpGet" in probe:
+                        port = probe["httpGet"]["port"]
+                        port = ports[port] if isinstance(port, str) else port
+                        assert probe["httpGet"]["path"] in _http_routes(c).get(port, ()), where
+                    elif "tcpSocket" in probe:
+                        port = probe["tcpSocket"]["port"]
+                        assert (ports[port] if isinstance(port, str) else port) in _http_routes(c)
+                    else:  # exec: a real command (ray's are parsed with the others)
+                        assert probe["exec"]["command"][0] in ("ray", "ringwatch"), where
+                    probed.add((doc["kind"], c["name"], kind))
+    notifier = find(manifests(), "Deployment", "ringwatch-notifier")
+    (c,) = notifier["spec"]["template"]["spec"]["containers"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert {("Deployment", "api", "readinessProbe"), ("Deployment", "notifier", "livenessProbe"),
+            ("Deployment", "notifier", "readinessProbe"),
+            ("DaemonSet", "ray-worker", "livenessProbe")} <= probed
+
+
+def _pods_by_labels(docs: list[dict]) -> list[tuple[str, dict]]:
+    """(kind/name, pod labels) of every workload, the KubeRay head's pod template included."""
+    pods = []
+    for doc in docs:
+        if doc["kind"] == "RayCluster":
+            for name, template in _ray_templates(doc):
+                pods.append((f"RayCluster/{name}", template["metadata"]["labels"]))
+        elif "template" in doc.get("spec", {}):
+            pods.append((f"{doc['kind']}/{doc['metadata']['name']}",
+                         doc["spec"]["template"]["metadata"]["labels"]))
+    return pods
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # the only form used here
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_the_api_and_the_notifier_lose_one_replica_at_a_time() -> None:
+    docs = manifests()
+    for name in ("ringwatch-api", "ringwatch-notifier"):
+        deployment = find(docs, "Deployment", name)
+        budget = find(docs, "PodDisruptionBudget", name)["spec"]
+        assert _selects(budget["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+        # One at a time, never none: a budget that allows nothing blocks every node drain.
+        assert budget["maxUnavailable"] == 1 and deployment["spec"]["replicas"] >= 2
+        assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        others = [w for w, labels in _pods_by_labels(docs) if _selects(budget["selector"], labels)]
+        assert others == [f"Deployment/{name}"], others
+
+
+def _rule_ports(rule: dict) -> set[tuple[str, int]]:
+    return {(p.get("protocol", "TCP"), p["port"]) for p in rule.get("ports", [])}
+
+
+def _peers_admit(peers: list[dict] | None, labels: dict) -> bool:
+    """Whether ``peers`` (a rule's from/to) admit a pod of this namespace with ``labels``."""
+    return peers is None or any("podSelector" in p and "namespaceSelector" not in p
+                                and _selects(p["podSelector"], labels) for p in peers)
+
+
+def test_network_policies_hold_every_pod_to_the_traffic_it_needs() -> None:
+    docs = manifests()
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    pods = dict(_pods_by_labels(docs))
+    # Every pod is selected by exactly one policy, which governs both directions.
+    for workload, labels in pods.items():
+        chosen = [n for n, p in policies.items() if _selects(p["podSelector"], labels)]
+        assert len(chosen) == 1, (workload, chosen)
+        assert set(policies[chosen[0]]["policyTypes"]) == {"Ingress", "Egress"}
+
+    def policy(workload: str) -> dict:
+        (spec,) = [p for p in policies.values() if _selects(p["podSelector"], pods[workload])]
+        return spec
+
+    def egress(workload: str, port: tuple[str, int]) -> list[dict]:
+        return [r for r in policy(workload).get("egress", [])
+                if port in _rule_ports(r) or not r.get("ports")]
+
+    head, api = pods["RayCluster/head"], pods["Deployment/ringwatch-api"]
+    api_port = find(docs, "Service", "ringwatch-api")["spec"]["ports"][0]["port"]
+    # Everyone resolves names.
+    for workload in pods:
+        assert egress(workload, ("UDP", 53)), workload
+    # The database: the API, the notifier, the migration; nobody else.
+    for workload in pods:
+        reaches = any(not r.get("to") for r in egress(workload, ("TCP", 5432)))
+        assert reaches == (workload in ("Deployment/ringwatch-api",
+                                        "Deployment/ringwatch-notifier",
+                                        "Job/ringwatch-migrate")), workload
+    # The API takes the scheduler's calls, and those of client namespaces you label.
+    (rule,) = policy("Deployment/ringwatch-api")["ingress"]
+    assert _rule_ports(rule) == {("TCP", api_port)} and _peers_admit(rule["from"], head)
+    assert {"ringwatch.io/api-client": "true"} in [
+        p["namespaceSelector"].get("matchLabels") for p in rule["from"] if "namespaceSelector" in p]
+    assert any(_peers_admit(r.get("to"), api) for r in egress("RayCluster/head", ("TCP", api_port)))
+    # Webhooks leave the notifier on HTTPS; nothing but the kubelet calls it.
+    assert any({p["ipBlock"]["cidr"] for p in r.get("to", [])} >= {"0.0.0.0/0", "::/0"}
+               for r in egress("Deployment/ringwatch-notifier", ("TCP", 443)))
+    assert not policy("Deployment/ringwatch-notifier").get("ingress")
+    # The Ray head and the GPU workers reach each other on every port, the workers by their
+    # nodes' addresses (host network) as well as by their pods.
+    agents = pods["DaemonSet/ringwatch-gpu-agent"]
+    for a, b in (("RayCluster/head", agents), ("DaemonSet/ringwatch-gpu-agent", head)):
+        (inbound,) = [r for r in policy(a)["ingress"] if _peers_admit(r["from"], b)]
+        (outbound,) = [r for r in policy(a)["egress"] if r.get("to") and _peers_admit(r["to"], b)]
+        for rule in (inbound, outbound):
+            assert not rule.get("ports")
+            peers = rule.get("from") or rule.get("to")
+            assert {p["ipBlock"]["cidr"] for p in peers if "ipBlock" in p}, a
 
 
 def test_the_scheduler_and_the_preflight_example_reach_the_api_service() -> None:
@@ -478,3 +783,11 @@ def test_containers_run_unprivileged_as_the_image_user_with_resources() -> None:
                     assert sc["capabilities"]["drop"] == ["ALL"], f"{where} {c['name']}"
                     assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
                     assert "memory" in c["resources"]["limits"], f"{where} {c['name']}"
+
+
+if __name__ == "__main__":
+    # The objects each kustomization renders, as `kubectl apply -k` would create them.
+    for directory in KUSTOMIZATIONS:
+        print(f"{directory.relative_to(ROOT)}:")
+        for doc in render(directory):
+            print(f"  {doc['kind']}/{doc['metadata']['name']}")

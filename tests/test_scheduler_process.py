@@ -245,3 +245,30 @@ def test_monitoring_with_a_profile_keeps_the_jobs_series_and_says_how_they_ran(
     tp_ring = [link for link in links
                if link["op"] == "allreduce:ring" and link["scope"] == "intra_node"]
     assert sorted(link["nodes"][0] for link in tp_ring) == [f"node-{i:03d}" for i in range(4)]
+
+
+def test_a_preflight_naming_a_node_not_seen_yet_looks_for_it_before_refusing() -> None:
+    """A node whose worker joined after the scheduler's last cycle (a new GPU node's
+    DaemonSet pod) is looked for (the backend follows its cluster) before the request is
+    refused as naming a node not in this cluster."""
+
+    class Joining(SimBackend):
+        refreshed = 0
+
+        def refresh_ranks(self) -> None:
+            self.refreshed += 1
+
+    class Api:
+        completed: dict = {}
+
+        def claim_preflight(self, lease_s: float) -> dict:
+            return {"id": "req-1", "nodes": ["node-000", "node-009"]}
+
+        def complete_preflight(self, request_id: str, **answer) -> dict:
+            self.completed = answer
+            return {}
+
+    backend, api = Joining({"nodes": 2, "gpus_per_node": 2, "seed": 1}), Api()
+    assert serve_preflight(backend, None, api, ProbeOptions())  # type: ignore[arg-type]
+    assert backend.refreshed == 1
+    assert api.completed == {"error": "nodes not in this cluster: node-009"}

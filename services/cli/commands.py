@@ -157,12 +157,53 @@ def cmd_db(args: argparse.Namespace) -> int:
         finally:
             engine.dispose()
         return 0
+    if args.db_command == "wait":
+        return _wait_for_schema(url, args.timeout)
     before = db.current_revision(url)
     db.upgrade(url)
     after = db.current_revision(url)
     moved = f"from {before} to {after}" if before != after else f"already at {after}"
     print(f"database {db.describe_url(url)}: migrated {moved} (head)")
     return 0
+
+
+def _wait_for_schema(url: str, timeout_s: float) -> int:
+    """Until the database is at this code's migration head, which another step brings it to
+    (on Kubernetes the migration Job, while the API's init container runs this); past
+    ``timeout_s``, one line saying where it stands."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from services.store import db
+
+    head, where = db.head_revision(), db.describe_url(url)
+    engine = create_engine(db.normalize_url(url), connect_args={"connect_timeout": 10})
+    deadline = time.monotonic() + timeout_s
+    said = ""
+    try:
+        while True:
+            try:
+                at = db.revision_at(engine)
+                state = f"at migration {at or '(none)'}, not {head}"
+            except SQLAlchemyError as exc:
+                cause = getattr(exc, "orig", None) or exc
+                at, state = None, f"unreachable ({type(cause).__name__})"
+            if at == head:
+                print(f"database {where}: at {head} (head)")
+                return 0
+            if at is not None and not db.known_revision(at):
+                raise CliError(f"the database {where} is at migration {at}, which this ringwatch "
+                               f"does not have (its newest is {head}): run the ringwatch that "
+                               "migrated it")
+            if time.monotonic() >= deadline:
+                raise CliError(f"the database {where} is still {state} after {timeout_s:g} s: "
+                               "is `ringwatch db upgrade` (the migration Job) running?")
+            if state != said:
+                progress(f"database {where} is {state}: waiting for `ringwatch db upgrade`")
+                said = state
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    finally:
+        engine.dispose()
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -396,11 +437,28 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
     # On the embedded database, the key and the receivers of the `serve` beside it.
     settings = get_settings().with_local_defaults()
+    notifier = _notifier(settings)
+    health, line = None, ""
+    if args.health_port is not None:
+        from services.notifier.health import PATHS, NotifierHealth
+
+        check = NotifierHealth(notifier, notifier.factory.kw["bind"], settings.notifier_poll_s)
+        try:
+            health = check.serve(args.health_host, args.health_port)
+        except OSError as exc:
+            raise CliError(f"cannot answer health checks on {args.health_host}:"
+                           f"{args.health_port}: {exc.strerror or exc}") from None
+        line = (f"; health at http://{args.health_host}:{health.server_address[1]} "
+                f"({', '.join(PATHS)})")
     print(f"ringwatch notifier: delivering webhooks from the outbox of "
           f"{db.describe_url(_database_url(settings))}, polling every "
-          f"{settings.notifier_poll_s:g} s", file=sys.stderr, flush=True)
+          f"{settings.notifier_poll_s:g} s{line}", file=sys.stderr, flush=True)
     stop = threading.Event()
-    _notifier(settings).run_forever(settings.notifier_poll_s, stop)
+    try:
+        notifier.run_forever(settings.notifier_poll_s, stop)
+    finally:
+        if health is not None:
+            health.shutdown()
     return 0
 
 

@@ -131,7 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8420)
     p.add_argument("--no-notifier", action="store_true")
 
-    sub.add_parser("notifier", help="run the webhook notifier loop")
+    p = sub.add_parser("notifier", help="run the webhook notifier loop")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="answer GET /healthz (the loop comes round) and /readyz (key set, "
+                        "database at this ringwatch's migrations) on this port, for a "
+                        "supervisor's probes (default: off)")
+    p.add_argument("--health-host", default="0.0.0.0",
+                   help="the address --health-port listens on (default: every interface)")
 
     p = sub.add_parser("scheduler", help="probe periodically and send results to the API")
     add_backend_args(p)
@@ -214,7 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("db", help="database")
     dsub = p.add_subparsers(dest="db_command", required=True)
-    dsub.add_parser("upgrade", help="apply migrations")
+    dsub.add_parser("upgrade", help="apply migrations (one upgrade at a time: a second waits "
+                                    "for the first)")
+    p = dsub.add_parser("wait", help="wait until another step (`db upgrade`, a migration Job) "
+                                     "has brought the database to this ringwatch's migrations; "
+                                     "exit 2 past --timeout")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="give up after this long (default 300)")
     dsub.add_parser("maintain", help="one maintenance pass: partitions ahead, rollups, "
                                      "retention (`serve` runs one every minute)")
     dsub.add_parser("stop", help="stop the embedded Postgres (started when no "

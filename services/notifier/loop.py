@@ -119,6 +119,8 @@ class Notifier:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._listener: Any = None
+        # When the delivery loop last came round (services/notifier/health.py reads it).
+        self.came_round = time.monotonic()
         if box is None:
             log.warning("RINGWATCH_SECRET_KEY is unset: webhook secrets stored encrypted cannot be "
                         "decrypted, so their deliveries wait (and are retried) until it is set")
@@ -154,6 +156,7 @@ class Notifier:
         every ``poll_s`` for retries."""
         self._listener = self._listen()
         while not stop.is_set():
+            self.came_round = time.monotonic()
             try:
                 self._seal_plaintext_secrets()
                 self._prune()

@@ -252,6 +252,10 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     if req is None:
         return False
     ranks = backend.ranks()
+    if set(req["nodes"]) - {r.node for r in ranks}:
+        # A node whose worker joined since the last cycle (a new GPU node) is looked for now.
+        backend.refresh_ranks()
+        ranks = backend.ranks()
     missing = sorted(set(req["nodes"]) - {r.node for r in ranks}, key=node_order)
     if missing:
         api.complete_preflight(req["id"], error=f"nodes not in this cluster: {', '.join(missing)}")

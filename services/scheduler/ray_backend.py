@@ -85,6 +85,8 @@ class _Slot:
     device_index: int
     options: dict[str, Any]
     handle: Any = None
+    # The Ray node the agent is pinned to, on a cluster the backend joined ("" on its own).
+    ray_node_id: str = ""
 
     @property
     def member(self) -> str:
@@ -148,6 +150,9 @@ class RayBackend(BackendDefaults):
         self._owns_ray = False  # never shut down a Ray connection someone else made
         self._slots: dict[str, _Slot] = {}
         self._identities: dict[str, RankInfo] = {}
+        # On a cluster it joined, the ranks follow its nodes (refresh_ranks).
+        self._joined = False
+        self._ranks_per_node = ranks_per_node
         # When the identities were last read: a cycle right after start need not ask again.
         self._identified_at = 0.0
         self._round = 0
@@ -221,32 +226,54 @@ class RayBackend(BackendDefaults):
             if mismatch is None:
                 raise
             raise ProbeSetupError(mismatch) from None
-        seen: dict[str, int] = {}
-        for info in sorted(ray.nodes(), key=lambda n: n["NodeManagerHostname"]):
-            if not info.get("Alive"):
-                continue
-            res = info.get("Resources", {})
-            slots = int(res.get("GPU", 0)) if self.name == "nccl" else min(
-                ranks_per_node, int(res.get("CPU", 0)))
-            if slots == 0:
-                continue
-            host = info["NodeManagerHostname"]
-            seen[host] = seen.get(host, 0) + 1
-            # Two raylets on one host (rare) still need distinct node names.
-            node = host if seen[host] == 1 else f"{host}-{seen[host]}"
-            pin = NodeAffinitySchedulingStrategy(node_id=info["NodeID"], soft=False)
-            for j in range(slots):
-                # nccl agents reserve no GPU in Ray: they must never keep a training job off
-                # its GPUs, and a GPU that other Ray work holds marks the node busy instead.
-                options: dict[str, Any] = {"num_cpus": 0 if self.name == "nccl" else 1,
-                                           "scheduling_strategy": pin}
-                self._add_slot(node, j, j, options)
+        self._joined = True
+        self._slots = {slot.member: slot for slot in self._cluster_slots()}
         if not self._slots:
             raise RuntimeError(f"no alive Ray node at {named} has a "
                                f"{'GPU' if self.name == 'nccl' else 'CPU'}")
         self._progress(f"ray: joined {named}: {len(self._slots)} ranks")
 
+    def _cluster_slots(self) -> list[_Slot]:
+        """A slot per rank on every alive node of the joined cluster that has what probes
+        need (GPUs under nccl, cores under gloo). A node is named by its host; a node already
+        known keeps its name, and a node's new raylet (its worker restarted) takes the name
+        of the one that died, so a node is the same node in ringwatch across restarts."""
+        alive = sorted((n for n in ray.nodes() if n.get("Alive")),
+                       key=lambda n: (n["NodeManagerHostname"], n["NodeID"]))
+        ids = {n["NodeID"] for n in alive}
+        known = {s.ray_node_id: s.node for s in self._slots.values() if s.ray_node_id in ids}
+        taken = set(known.values())
+        slots = []
+        for info in alive:
+            res = info.get("Resources", {})
+            count = int(res.get("GPU", 0)) if self.name == "nccl" else min(
+                self._ranks_per_node, int(res.get("CPU", 0)))
+            if count == 0:
+                continue
+            node = known.get(info["NodeID"])
+            if node is None:
+                # Two raylets on one host (rare) still need distinct node names.
+                host, k = info["NodeManagerHostname"], 1
+                node = host
+                while node in taken:
+                    k += 1
+                    node = f"{host}-{k}"
+                taken.add(node)
+            pin = NodeAffinitySchedulingStrategy(node_id=info["NodeID"], soft=False)
+            for j in range(count):
+                # nccl agents reserve no GPU in Ray: they must never keep a training job off
+                # its GPUs, and a GPU that other Ray work holds marks the node busy instead.
+                options: dict[str, Any] = {"num_cpus": 0 if self.name == "nccl" else 1,
+                                           "scheduling_strategy": pin}
+                slots.append(self._slot(node, j, j, options, info["NodeID"]))
+        return slots
+
     def _add_slot(self, node: str, local_index: int, device_index: int, options: dict[str, Any]) -> None:
+        slot = self._slot(node, local_index, device_index, options)
+        self._slots[slot.member] = slot
+
+    def _slot(self, node: str, local_index: int, device_index: int, options: dict[str, Any],
+              ray_node_id: str = "") -> _Slot:
         if self.name == "nccl":
             # Ray would narrow CUDA_VISIBLE_DEVICES to one GPU per actor; NCCL needs to
             # see its peers to use NVLink P2P, so the agent picks cuda:<index> itself.
@@ -254,8 +281,42 @@ class RayBackend(BackendDefaults):
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             }}}
-        slot = _Slot(node, local_index, device_index, options)
-        self._slots[slot.member] = slot
+        return _Slot(node, local_index, device_index, options, ray_node_id=ray_node_id)
+
+    def _follow_cluster(self) -> None:
+        """The joined cluster's nodes as they are now: agents for nodes that joined since (a
+        new GPU node's worker), none kept for nodes that left or whose worker restarted
+        (their agents went with them). A new node whose agents do not start is left out
+        and tried again at the next call; the others go on probing."""
+        now = {slot.member: slot for slot in self._cluster_slots()}
+        gone = sorted(m for m, slot in self._slots.items()
+                      if m not in now or now[m].ray_node_id != slot.ray_node_id)
+        for member in gone:
+            slot = self._slots.pop(member)
+            self._identities.pop(member, None)
+            self._hang_cleared.discard(member)
+            with contextlib.suppress(Exception):  # gone with its node
+                ray.kill(slot.handle, no_restart=True)
+        new = [slot for member, slot in now.items() if member not in self._slots]
+        if gone or new:
+            self._node_id_cache.clear()
+        if gone:
+            self._progress(f"ray: {len(gone)} rank(s) left with their node: "
+                           f"{', '.join(sorted({node_of(m) for m in gone}))}")
+        if not new:
+            return
+        nodes = ", ".join(sorted({slot.node for slot in new}))
+        try:
+            self._start_agents(new)
+        except (ProbeSetupError, RuntimeError, ray.exceptions.RayError) as exc:
+            for slot in new:
+                with contextlib.suppress(Exception):
+                    ray.kill(slot.handle, no_restart=True)
+            self._progress(f"ray: agents on {nodes}, which joined, did not start ({exc}); "
+                           "trying again next cycle")
+            return
+        self._slots.update({slot.member: slot for slot in new})
+        self._progress(f"ray: {len(new)} rank(s) joined on {nodes}")
 
     # ---- agents -------------------------------------------------------------------
 
@@ -305,9 +366,13 @@ class RayBackend(BackendDefaults):
         return [self._identities[m] for m in self._slots]
 
     def refresh_ranks(self, max_age_s: float = 30.0) -> None:
-        """Ask every agent for its identity again (inventory each cycle: a GPU, NVLink or
-        NIC lost since the agents started shows in the next cycle's batch), unless they
-        were read less than ``max_age_s`` ago (the first cycle after start)."""
+        """On a cluster it joined, follow its nodes (``_follow_cluster``: a GPU node added
+        to the cluster is probed from the next cycle on, without a restart). Then ask every
+        agent for its identity again (inventory each cycle: a GPU, NVLink or NIC lost since
+        the agents started shows in the next cycle's batch), unless they were read less
+        than ``max_age_s`` ago (the first cycle after start)."""
+        if self._joined:
+            self._follow_cluster()
         if time.monotonic() - self._identified_at < max_age_s:
             return
         members = list(self._slots)

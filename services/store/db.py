@@ -7,18 +7,22 @@ machine needs no server.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy import Connection, Engine, create_engine, make_url, text
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+# pg_advisory_lock key of migrations ("rwdb"): one upgrade at a time, whoever runs it.
+MIGRATION_LOCK = 0x72776462
 
 
 def normalize_url(url: str) -> str:
@@ -40,15 +44,23 @@ def describe_url(url: str) -> str:
 
 
 def current_revision(url: str) -> str | None:
-    """The migration the database is at (None: not migrated)."""
+    """The migration the database is at (None: not migrated, or not reachable)."""
     engine = create_engine(normalize_url(url))
     try:
-        with engine.connect() as conn:
-            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        return revision_at(engine)
     except Exception:
         return None
     finally:
         engine.dispose()
+
+
+def revision_at(engine: Engine) -> str | None:
+    """The migration the database is at, None where it has none; raises where the database
+    cannot be reached."""
+    with engine.connect() as conn:
+        if conn.execute(text("SELECT to_regclass('alembic_version')")).scalar() is None:
+            return None
+        return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
 def start_embedded(state_dir: Path) -> str:
@@ -119,18 +131,45 @@ def alembic_config(url: str):  # -> alembic.config.Config
     return cfg
 
 
-def head_revision() -> str | None:
-    """The migration this code's schema is at (the newest in migrations/versions)."""
+def _scripts():  # -> alembic.script.ScriptDirectory
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(alembic_config("postgresql://unused")).get_current_head()
+    return ScriptDirectory.from_config(alembic_config("postgresql://unused"))
+
+
+def head_revision() -> str | None:
+    """The migration this code's schema is at (the newest in migrations/versions)."""
+    return _scripts().get_current_head()
+
+
+def known_revision(revision: str) -> bool:
+    """Whether ``revision`` is one of this code's migrations (not one a newer ringwatch made)."""
+    return revision in {script.revision for script in _scripts().walk_revisions()}
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Apply migrations up to ``revision``."""
+    """Apply migrations up to ``revision``. Two upgrades at once take turns: migrations/env.py
+    holds ``migration_lock`` while it migrates, so the second finds the database where the
+    first left it."""
     from alembic import command
 
     command.upgrade(alembic_config(url), revision)
+
+
+@contextmanager
+def migration_lock(conn: Connection) -> Iterator[None]:
+    """Hold the migrations' advisory lock on ``conn``, waiting for it while another process
+    migrates. Session-level, so it outlives the transactions alembic commits on ``conn``."""
+    conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+    conn.commit()
+    try:
+        yield
+    finally:
+        # A connection that broke took its lock with it.
+        with contextlib.suppress(SQLAlchemyError):
+            conn.rollback()
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
+            conn.commit()
 
 
 def downgrade(url: str, revision: str) -> None:

@@ -1,0 +1,103 @@
+"""The notifier's health over HTTP, for a supervisor's probes (Kubernetes' liveness and
+readiness): ``/healthz`` while its delivery loop comes round, ``/readyz`` while it could
+deliver (its key set, its database reachable and at this code's migrations).
+
+A database outage makes it unready, never dead: restarting a notifier brings no database
+back, and its loop carries on through the outage by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from services.store import db
+
+# The loop is alive while it came round within this many poll intervals, and never less than
+# LIVE_FLOOR_S: a connection attempt to a database that vanished may hold a pass for about
+# two minutes (the kernel's SYN retries) before the loop comes round again; a pass stuck
+# longer (a query on a half-open connection waits for ever) only a restart mends.
+LIVE_POLLS = 10
+LIVE_FLOOR_S = 300.0
+# The routes the health server answers: what a probe may point at.
+PATHS = ("/healthz", "/readyz")
+
+
+class Looping(Protocol):
+    """What the health check reads of a notifier (services.notifier.loop.Notifier)."""
+
+    came_round: float  # time.monotonic() of the latest pass's start
+    box: object  # None: RINGWATCH_SECRET_KEY unset
+
+
+class NotifierHealth:
+    """Answers /healthz and /readyz for one notifier polling every ``poll_s``."""
+
+    def __init__(self, notifier: Looping, engine: Engine, poll_s: float) -> None:
+        self.notifier = notifier
+        self.engine = engine
+        self.stale_after_s = max(LIVE_POLLS * poll_s, LIVE_FLOOR_S)
+        self.head = db.head_revision()  # the code does not change while it runs
+
+    def dead(self, now: float | None = None) -> str:
+        """Why the loop counts as dead ('' while it is alive)."""
+        idle = (time.monotonic() if now is None else now) - self.notifier.came_round
+        if idle > self.stale_after_s:
+            return (f"the delivery loop has not come round for {idle:.0f} s "
+                    f"(more than {self.stale_after_s:g} s)")
+        return ""
+
+    def unready(self) -> str:
+        """Why the notifier could not deliver now ('' when it could)."""
+        if self.notifier.box is None:
+            return "RINGWATCH_SECRET_KEY is unset: stored webhook secrets cannot be read"
+        try:
+            at = db.revision_at(self.engine)
+        except SQLAlchemyError as exc:
+            cause = getattr(exc, "orig", None) or exc
+            return f"the database is unreachable ({type(cause).__name__})"
+        if at != self.head:
+            return (f"the database is at migration {at or '(none)'}, not {self.head}: "
+                    "run `ringwatch db upgrade`")
+        return ""
+
+    def serve(self, host: str, port: int) -> ThreadingHTTPServer:
+        """Answer on ``host:port`` from a thread of its own; ``shutdown()`` the returned
+        server to stop."""
+        server = ThreadingHTTPServer((host, port), _handler(self))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True, name="notifier-health").start()
+        return server
+
+
+def _handler(health: NotifierHealth) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path not in PATHS:
+                self._answer(404, {"status": "not found", "paths": list(PATHS)})
+                return
+            reason = health.dead() if path == "/healthz" else health.unready()
+            if reason:
+                self._answer(503, {"status": "unavailable", "reason": reason})
+            else:
+                self._answer(200, {"status": "ok"})
+
+        def _answer(self, code: int, body: dict[str, object]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass  # a probe every few seconds is not news
+
+    return Handler
