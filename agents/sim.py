@@ -22,7 +22,7 @@ import numpy as np
 
 from agents.collectives import busbw_factor
 from agents.fabric_presets import preset
-from agents.groups import split_member
+from agents.groups import member, split_member
 from agents.spec import (
     ALGOS,
     TIMING_MODEL,
@@ -34,9 +34,17 @@ from agents.spec import (
     RoundResult,
     redop_for,
 )
+from agents.transport import transport_finding
 
 FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "error",
-               "fallback")
+               "fallback", "transport", "nic_errors")
+# A transport fault's "transport": what NCCL is modeled to take instead of the fabric
+# (agents.nccl_log's vocabulary), and what it should have taken. Without "gpus" it is the
+# node's inter-node traffic; with them, that GPU pair's.
+NET_FALLBACKS = {"socket": "net_socket"}
+PAIR_FALLBACKS = {"shm": "shm", "pcie": "p2p_pcie"}
+# The modeled seconds between a cycle's two counter reads: the default probe interval.
+COUNTER_INTERVAL_S = 300.0
 # Faults that scale a rate: they take a "factor" and may drift.
 RATE_KINDS = ("nvlink", "nic", "net_path", "fallback")
 # NCCL's double binary tree runs each half of the data down one of two trees; its busbw at
@@ -178,10 +186,12 @@ def _gpu_index(where: str, g: Any, gpus: int) -> int:
 def fault_fields(kind: str) -> tuple[str, ...]:
     """The fields a scenario fault of ``kind`` takes (docs/formats.md)."""
     place = ("nodes",) if kind == "net_path" else ("node",)
-    gpus: tuple[str, ...] = (("gpus",) if kind in ("nvlink", "pcie_only") else
+    gpus: tuple[str, ...] = (("gpus",) if kind in ("nvlink", "pcie_only", "transport") else
                              ("gpu",) if kind in ("hang", "corrupt", "error") else ())
     extra: tuple[str, ...] = (("factor", "drift") if kind in RATE_KINDS else ()) + (
-        ("op", "algo") if kind == "fallback" else ("message",) if kind == "error" else ())
+        ("op", "algo") if kind == "fallback" else ("message",) if kind == "error" else
+        ("transport",) if kind == "transport" else
+        ("counter", "per_cycle", "device") if kind == "nic_errors" else ())
     return ("kind", *place, *gpus, *extra, "start")
 
 
@@ -206,6 +216,10 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
             raise ValueError(f"{where}: net_path needs two different nodes")
     else:
         _node_index(where, f.get("node"), n_nodes)
+    if kind == "transport":
+        _check_transport(where, f, gpus)
+    if kind == "nic_errors":
+        _check_nic_errors(where, f)
     if kind in ("nvlink", "pcie_only"):
         pair = f.get("gpus")
         if not isinstance(pair, list) or len(pair) != 2:
@@ -235,6 +249,38 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
     elif "drift" in f:
         raise ValueError(f"{where}: drift applies to {', '.join(RATE_KINDS)} faults only, "
                          f"not {kind}")
+
+
+def _check_transport(where: str, f: dict[str, Any], gpus: int) -> None:
+    pair = f.get("gpus")
+    allowed = PAIR_FALLBACKS if pair is not None else NET_FALLBACKS
+    if f.get("transport") not in allowed:
+        what = "a GPU pair's" if pair is not None else "a node's inter-node"
+        raise ValueError(f"{where}: transport for {what} traffic must be one of "
+                         f"{', '.join(allowed)}, got {f.get('transport')!r}")
+    if pair is not None:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{where}: transport needs \"gpus\": [a, b] (or none: the node's "
+                             "inter-node traffic)")
+        if _gpu_index(where, pair[0], gpus) == _gpu_index(where, pair[1], gpus):
+            raise ValueError(f"{where}: transport needs two different gpus")
+
+
+def _check_nic_errors(where: str, f: dict[str, Any]) -> None:
+    from agents.nic_counters import THRESHOLDS
+
+    counters = sorted({t.counter for t in THRESHOLDS if "ib" in t.kinds})
+    if f.get("counter") not in counters:
+        raise ValueError(f"{where}: nic_errors counter must be one of {', '.join(counters)}, "
+                         f"got {f.get('counter')!r}")
+    k = f.get("per_cycle")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{where}: nic_errors needs \"per_cycle\": a positive integer (how "
+                         f"much the counter rises a cycle), got {k!r}")
+    device = f.get("device", 0)
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"{where}: nic_errors device must be a NIC index (0: mlx5_0), "
+                         f"got {device!r}")
 
 
 def fault_factor(f: dict[str, Any], cycle: int = 0) -> float:
@@ -276,6 +322,12 @@ class Fabric:
         # (node, op, algo) -> factor: a node whose traffic of one op, under one algorithm
         # (None: the one NCCL chooses), falls back to a slower protocol or path.
         self.fallback: dict[tuple[int, str, str | None], float] = {}
+        # Transports NCCL is modeled to take instead of the fabric: a node's inter-node
+        # traffic, a GPU pair's (node, a, b) with a < b. Bandwidth is the rate faults' to model.
+        self.net_transport: dict[int, str] = {}
+        self.pair_transport: dict[tuple[int, int, int], str] = {}
+        # node -> [(counter, per_cycle, device)]: NIC error counters rising each cycle.
+        self.nic_errors: dict[int, list[tuple[str, int, int]]] = {}
         for f in s.faults:
             self._apply(f)
         idx = np.arange(self.g)
@@ -296,6 +348,17 @@ class Fabric:
             self.path_fault[(a, b)] = self.path_fault.get((a, b), 1.0) * fault_factor(f, self.cycle)
             return
         node = int(f["node"][5:])
+        if kind == "transport":
+            if f.get("gpus") is not None:
+                a, b = sorted(int(g) for g in f["gpus"])
+                self.pair_transport[(node, a, b)] = PAIR_FALLBACKS[f["transport"]]
+            else:
+                self.net_transport[node] = NET_FALLBACKS[f["transport"]]
+            return
+        if kind == "nic_errors":
+            self.nic_errors.setdefault(node, []).append(
+                (str(f["counter"]), int(f["per_cycle"]), int(f.get("device", 0))))
+            return
         if kind == "fallback":
             key = (node, str(f.get("op", "allreduce")), f.get("algo"))
             self.fallback[key] = self.fallback.get(key, 1.0) * fault_factor(f, self.cycle)
@@ -612,6 +675,10 @@ class SimBackend(BackendDefaults):
         self._groups: dict[tuple[str, ...], _Group] = {}
         self._places: dict[str, tuple[int, int]] = {}
         self._ranks: list[RankInfo] | None = None
+        # Modeled NIC error counters, (node, device, counter) -> count; raised once a cycle.
+        self._nic_counts: dict[tuple[int, int, str], int] = {}
+        self._errors_counted = False
+        self._counter_reads = 0
 
     @classmethod
     def from_file(cls, path: str | Path) -> SimBackend:
@@ -643,6 +710,7 @@ class SimBackend(BackendDefaults):
             self.model = CostModel(self.fabric)
         self._cycle = index
         self._noise_rng = np.random.default_rng([self.scenario.seed, 1, index])
+        self._errors_counted = False
 
     def ranks(self) -> list[RankInfo]:
         if self._ranks is None:
@@ -684,10 +752,41 @@ class SimBackend(BackendDefaults):
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         started = time.perf_counter()
         out = RoundResult()
+        if self.fabric.nic_errors and not self._errors_counted:
+            # The cycle's traffic is what raises the modeled error counters.
+            self._errors_counted = True
+            for node, faults in self.fabric.nic_errors.items():
+                for counter, per_cycle, device in faults:
+                    key = (node, device, counter)
+                    self._nic_counts[key] = self._nic_counts.get(key, 0) + per_cycle
         for spec in groups:
             seconds = self._run_group(spec, out)
             out.fabric_time_s = max(out.fabric_time_s, seconds)
         out.wall_time_s = time.perf_counter() - started
+        return out
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """The modeled NIC ports of nodes whose error counters a scenario makes rise (under
+        each node's first rank: a node's NICs are read once), as agents.nic_counters
+        snapshots with the modeled time between a cycle's two reads; elsewhere the counters
+        stand still, which says nothing either way."""
+        f = self.fabric
+        if not f.nic_errors:
+            return {}
+        self._counter_reads += 1
+        at = COUNTER_INTERVAL_S * self._counter_reads
+        out: dict[str, dict[str, Any]] = {}
+        for node, faults in sorted(f.nic_errors.items()):
+            ports = []
+            for device in sorted({d for _, _, d in faults}):
+                counts = {c: self._nic_counts.get((node, device, c), 0) for c, _, d in faults
+                          if d == device}
+                ports.append({"device": f"mlx5_{device}", "port": 1, "kind": "ib",
+                              "link_layer": "InfiniBand", "state": "ACTIVE",
+                              "phys_state": "LinkUp", "rate_gbps": f.net_gbs * 8,
+                              "counters": counts, "hw_counters": {}, "unreadable": [],
+                              "read_at": at})
+            out[member(node_name(node), 0)] = {"nic": ports}
         return out
 
     def _run_group(self, spec: GroupSpec, out: RoundResult) -> float:
@@ -714,6 +813,8 @@ class SimBackend(BackendDefaults):
             corrupt = [r for r in ranks if r in f.corrupt]
             out.findings += [Finding(kind="data_corruption", node=node_name(n), gpu=g,
                                      detail={"scope": spec.scope}) for n, g in corrupt]
+        if f.net_transport or f.pair_transport:
+            out.findings += [x for x in self._transports(spec, grp) if x not in out.findings]
         seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2))
         repeats = spec.warmup + spec.iters
         for op in spec.ops:
@@ -723,6 +824,23 @@ class SimBackend(BackendDefaults):
                 seconds += repeats * t
                 out.measurements.append(self._measurement(spec, op, size, t, grp, bool(corrupt)))
         return seconds
+
+    def _transports(self, spec: GroupSpec, grp: _Group) -> list[Finding]:
+        """What NCCL's log would show this group took instead of the fabric: a node's
+        inter-node connections over sockets while its IB ports are up, a GPU pair over SHM or
+        PCIe while NVLink joins them (agents.transport judges the real log alike)."""
+        f = self.fabric
+        nodes = set(grp.nodes)
+        found = []
+        if len(nodes) > 1:
+            found += [transport_finding(node_name(n), seen, "net_ib", spec.scope,
+                                        devices=[f"mlx5_{g}" for g in range(f.g)])
+                      for n, seen in sorted(f.net_transport.items()) if n in nodes]
+        ranks = set(grp.ranks)
+        found += [transport_finding(node_name(n), seen, "p2p_nvlink", spec.scope, gpus=[a, b])
+                  for (n, a, b), seen in sorted(f.pair_transport.items())
+                  if (n, a) in ranks and (n, b) in ranks]
+        return found
 
     def _noise(self) -> float:
         sigma = self.scenario.noise

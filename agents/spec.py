@@ -34,14 +34,18 @@ Algo = Literal["ring", "tree"]
 ALGOS: tuple[str, ...] = get_args(Algo)
 FindingKind = Literal["nvlink_degraded", "nic_degraded", "net_path_degraded", "hang",
                       "data_corruption", "topology_mismatch", "rank_mapping", "probe_error",
-                      "fabric_below_rated", "inventory_mismatch", "gpu_xid"]
+                      "fabric_below_rated", "inventory_mismatch", "gpu_xid",
+                      "transport_fallback", "nic_errors", "nvlink_fabric"]
 FINDING_KINDS: tuple[str, ...] = get_args(FindingKind)
 # Finding kinds whose node a job should not use (docs/formats.md, "Verdict"). A probe_error is a
 # rank whose own collective raised (CUDA OOM, NCCL init or communicator error): its node
-# cannot run the job's collectives either.
+# cannot run the job's collectives either. A transport_fallback (NCCL took sockets, SHM or
+# PCIe where the node has RDMA ports or NVLink up), nic_errors (a port's error counters
+# rising, bandwidth still fine) and nvlink_fabric (a GPU not registered in its NVLink
+# fabric, or in another clique than its domain) are why a job would crawl or fail there.
 EXCLUDING_KINDS = frozenset(
     {"nvlink_degraded", "nic_degraded", "hang", "data_corruption", "topology_mismatch",
-     "probe_error", "gpu_xid"}
+     "probe_error", "gpu_xid", "transport_fallback", "nic_errors", "nvlink_fabric"}
 )
 
 # How a measurement was timed (Measurement.timing): the timed iterations captured in one

@@ -50,10 +50,16 @@ def fault_nodes(f: Finding) -> list[str]:
     return sorted({f.node} if f.node else set(f.nodes or ()), key=node_order)
 
 
+# Where a finding read a fact rather than timed a noisy measurement: NVML's counters, NCCL's
+# own log of the transport it took, the NIC's sysfs counters.
+FACTS = frozenset({"nvml", "nccl", "sysfs"})
+
+
 def policy_for(kind: str, policy: Policy, detail: dict | None = None) -> Policy:
-    """Rank faults, inventory facts and NVML's own counters open at once (they are
-    facts, not noisy measurements); degradations go through the hysteresis ``policy``."""
-    if kind in RANK_KINDS or kind == INVENTORY_KIND or (detail or {}).get("source") == "nvml":
+    """Rank faults, inventory facts and what was read rather than timed (``FACTS``) open at
+    once (they are facts, not noisy measurements); degradations go through the hysteresis
+    ``policy``."""
+    if kind in RANK_KINDS or kind == INVENTORY_KIND or (detail or {}).get("source") in FACTS:
         return AT_ONCE
     return policy
 
@@ -102,6 +108,10 @@ class Coverage:
             return f.node in self.local
         if f.kind == "nic_degraded":
             return f.node in self.nic
+        if f.kind == "transport_fallback":  # a GPU pair's in its node's groups, else between nodes
+            return f.node in (self.local if f.gpus else self.nic)
+        if f.kind in ("nic_errors", "nvlink_fabric"):  # read around every cycle the node is in
+            return f.node in self.local | self.nic | self.clean_nodes
         if f.kind == "net_path_degraded" and f.nodes and len(f.nodes) == 2:
             a, b = f.nodes
             return bool(self._groups_of.get(a, set()) & self._groups_of.get(b, set()))

@@ -8,15 +8,21 @@ from typing import Any
 
 def headline(finding: dict[str, Any]) -> str:
     """A finding's headline as every surface prints it (its ``headline.text``: op, size,
-    measured of expected busbw, ratio); for a record stored before findings had one, its
-    measured and expected busbw."""
+    measured of expected busbw, ratio; for a record stored before findings had one, its
+    measured and expected busbw), and its ``cause`` beside it where one is known."""
     h = finding.get("headline")
-    if isinstance(h, dict) and isinstance(h.get("text"), str):
-        return h["text"]
     measured, expected = finding.get("measured_gbs"), finding.get("expected_gbs")
-    if isinstance(measured, int | float) and isinstance(expected, int | float) and expected:
-        return f"{measured:g} of {expected:g} GB/s ({measured / expected:.2f})"
-    return ""
+    if isinstance(h, dict) and isinstance(h.get("text"), str):
+        figure = h["text"]
+    elif isinstance(measured, int | float) and isinstance(expected, int | float) and expected:
+        figure = f"{measured:g} of {expected:g} GB/s ({measured / expected:.2f})"
+    else:
+        figure = ""
+    # Why, where it is known (the transport NCCL took, a NIC counter, the fabric state).
+    cause = finding.get("cause")
+    if isinstance(cause, str) and cause:
+        return f"{figure}; {cause}" if figure else cause
+    return figure
 
 
 def print_json(obj: Any) -> None:

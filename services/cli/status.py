@@ -99,7 +99,8 @@ def where(incident: dict[str, Any]) -> str:
     detail = incident.get("detail") or {}
     nodes = incident.get("nodes") or []
     if detail.get("gpus") and nodes:
-        return f"{nodes[0]} GPUs {detail['gpus'][0]}-{detail['gpus'][1]}"
+        # "GPUs 2,5": the pair, not a range (2-5 would read as four GPUs).
+        return f"{nodes[0]} GPUs {','.join(str(g) for g in detail['gpus'])}"
     if detail.get("gpu") is not None and nodes:
         return f"{nodes[0]}/{detail['gpu']}"
     return " - ".join(nodes[:2]) + (f" +{len(nodes) - 2}" if len(nodes) > 2 else "")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from agents.groups import node_of, node_order, split_member
 from agents.spec import Finding, Measurement, ProbeBackend, ProbeSetupError, RankInfo
 from agents.telemetry import counter_findings
+from agents.transport import node_nic_findings
 from agents.workloads import JobLayout, LayoutError
 from services.analyzer.assess import LinkKey, Thresholds
 from services.check import CheckBudget, ProbeSpec, run_check
@@ -164,9 +165,13 @@ def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[s
         if not a:
             continue
         node, gpu = split_member(member_name)
+        # A node's NICs are read under one of its ranks: their counters' verdict is the node's.
+        nic = node_nic_findings(b, a, node) if "nic" in b else []
+        findings += nic
         xids = list(b.get("xid") or []) + list(a.get("xid") or [])
         found = counter_findings(b, a, node, gpu, xids)
         findings += found
+        found += nic
         if found:
             snapshots.append({"node": node, "local_index": gpu, "before": b.get("nvlinks", []),
                               "after": a.get("nvlinks", []), "xid": xids,

@@ -1,0 +1,162 @@
+"""Why a link is slow: the transport NCCL fell back to and NIC error counters rising, as the
+sim models them, through the check, a monitoring cycle, the real API, its webhooks and the
+preflight (docs/transport.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import httpx
+import pytest
+
+from agents.nic_counters import NicError
+from agents.sim import Scenario, SimBackend
+from agents.transport import error_text, nic_finding
+from services.check import run_check
+from services.notifier.receiver import WebhookReceiver
+from services.scheduler.cycle import ProbeOptions, run_cycle
+from tests.api_fixtures import TEST_SECRET_KEY
+from tests.procs import api_env, cli, start_server, stop_server
+
+SOCKET = {"kind": "transport", "node": "node-002", "transport": "socket"}
+SHM = {"kind": "transport", "node": "node-005", "gpus": [1, 6], "transport": "shm"}
+SYMBOLS = {"kind": "nic_errors", "node": "node-009", "counter": "symbol_error", "per_cycle": 500}
+FLAP = {"kind": "nic_errors", "node": "node-012", "counter": "link_downed", "per_cycle": 1}
+
+
+def _scenario(nodes: int, *faults: dict) -> dict:
+    return {"nodes": nodes, "gpus_per_node": 8, "seed": 5, "faults": list(faults)}
+
+
+@pytest.mark.parametrize("fault, error", [
+    ({"kind": "transport", "node": "node-001", "transport": "shm"}, "must be one of socket"),
+    ({"kind": "transport", "node": "node-001", "gpus": [1, 2], "transport": "socket"},
+     "must be one of shm, pcie"),
+    ({"kind": "transport", "node": "node-001", "gpus": [3, 3], "transport": "shm"},
+     "two different gpus"),
+    ({"kind": "nic_errors", "node": "node-001", "counter": "crc", "per_cycle": 1},
+     "counter must be one of"),
+    ({"kind": "nic_errors", "node": "node-001", "counter": "symbol_error", "per_cycle": 0},
+     "positive integer"),
+    ({"kind": "nic_errors", "node": "node-001", "counter": "symbol_error", "per_cycle": 5,
+      "factor": 0.5}, "unknown field"),
+])
+def test_a_scenario_names_what_is_wrong_with_a_transport_or_counter_fault(fault, error) -> None:
+    with pytest.raises(ValueError, match=error):
+        Scenario.from_dict(_scenario(4, fault))
+
+
+def test_a_preflight_names_the_transport_it_fell_back_to_and_nothing_else_there() -> None:
+    with SimBackend(_scenario(16, SOCKET, SHM)) as backend:
+        verdict = run_check(backend).verdict()
+    assert verdict["exclude"] == ["node-002", "node-005"]
+    found = {(f["kind"], f["node"], tuple(f.get("gpus") or ())): f for f in verdict["findings"]}
+    assert set(found) == {("transport_fallback", "node-002", ()),
+                          ("transport_fallback", "node-005", (1, 6))}
+    net = found[("transport_fallback", "node-002", ())]
+    assert (net["transport"], net["expected_transport"]) == ("net_socket", "net_ib")
+    assert net["cause"] == "inter-node over NET/Socket, expected NET/IB (mlx5_0..mlx5_7 up)"
+    pair = found[("transport_fallback", "node-005", (1, 6))]
+    assert pair["cause"] == "GPUs 1,6 over SHM, expected P2P over NVLink"
+
+
+def test_a_rising_counter_is_a_finding_while_bandwidth_is_fine() -> None:
+    with SimBackend(_scenario(16, SYMBOLS, FLAP)) as backend:
+        cycle = run_cycle(backend, ProbeOptions(), rotation=0)
+    nic = {f.node: f for f in cycle.findings if f.kind == "nic_errors"}
+    assert set(nic) == {"node-009", "node-012"}
+    symbols = nic["node-009"].detail
+    assert (symbols["device"], symbols["port"], symbols["counter"]) == ("mlx5_0", 1, "symbol_error")
+    # 500 in the modeled 300 s between reads is 1.67/s, past 400 Gb/s x 1e-12 = 0.4/s.
+    assert symbols["cause"] == "mlx5_0 port 1 symbol_error +500 in 300 s (1.67/s, threshold 0.4/s)"
+    assert nic["node-009"].severity == "warning"
+    assert nic["node-012"].severity == "critical" and "(a link flap)" in nic["node-012"].detail["cause"]
+    # Its bandwidth is still fine: nothing else is found on either node.
+    assert {f.node for f in cycle.judged} == {"node-009", "node-012"}
+    assert {f.kind for f in cycle.judged} == {"nic_errors"}
+    assert cycle.counters and {c["node"] for c in cycle.counters} == {"node-009", "node-012"}
+
+
+def test_the_worst_counter_of_a_node_is_its_cause() -> None:
+    def err(counter: str, delta: int, threshold: float, flap: bool = False) -> NicError:
+        return NicError(node="n", device="mlx5_1", port=1, counter=counter, delta=delta,
+                        rate_per_s=delta / 60, threshold=threshold, threshold_per="interval",
+                        interval_s=60, severity="critical" if flap else "warning", flap=flap,
+                        why="")
+    minor, major = err("port_rcv_errors", 12, 10), err("port_xmit_discards", 5000, 100)
+    f = nic_finding("n", [minor, major])
+    assert f is not None and f.detail["counter"] == "port_xmit_discards"
+    assert f.severity == "warning" and len(f.detail["counters"]) == 2
+    flap = nic_finding("n", [major, err("link_downed", 1, 1, flap=True)])
+    assert flap is not None and flap.severity == "critical"
+    assert flap.detail["cause"] == error_text(err("link_downed", 1, 1, flap=True))
+    assert nic_finding("n", []) is None
+
+
+ADMIN = "rw_transport_" + uuid.uuid4().hex
+EXPECTED = {"node-002": {"transport_fallback"}, "node-705": {"transport_fallback"},
+            "node-009": {"nic_errors"}, "node-900": {"nic_errors"}}
+
+
+@pytest.mark.slow
+def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None:
+    """1024 x 8 on the sim through `ringwatch scheduler --once`, the real API and its
+    notifier: each fault opens one incident saying why, its webhook carries the cause, the
+    stored preflight of the whole fleet excludes exactly those nodes for those kinds alone,
+    and `ringwatch status` prints the cause."""
+    fabric = tmp_path / "fabric.json"
+    fabric.write_text(json.dumps(_scenario(
+        1024, SOCKET | {"node": "node-002"}, SHM | {"node": "node-705"}, SYMBOLS,
+        FLAP | {"node": "node-900"})))
+    env = {**api_env(database_url, tmp_path, ADMIN), "RINGWATCH_SECRET_KEY": TEST_SECRET_KEY,
+           "RINGWATCH_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1/32", "RINGWATCH_NOTIFIER_POLL_S": "0.5"}
+    api, h = env["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
+    proc = start_server(env, notifier=True)
+    try:
+        with WebhookReceiver("a receiver's own secret") as rx:
+            httpx.post(f"{api}/v1/webhooks", headers=h, timeout=30, json={
+                "url": rx.url, "secret": "a receiver's own secret",
+                "events": ["health.degraded"]}).raise_for_status()
+            run = subprocess.run([sys.executable, "-m", "services.cli.main", "scheduler",
+                                  "--fabric", str(fabric), "--gpus-per-node", "8", "--once"],
+                                 env=env, capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, run.stderr[-2000:]
+            events = rx.wait_for(len(EXPECTED), timeout_s=120)
+        incidents = httpx.get(f"{api}/v1/findings", params={"status": "open"}, headers=h,
+                              timeout=30).json()
+        status = cli("status", env=env)
+    finally:
+        stop_server(proc)
+
+    # Facts read, not timed: open on the first cycle that sees them, one incident each.
+    assert sorted((f["kind"], f["nodes"][0]) for f in incidents) == sorted(
+        (kind, node) for node, kinds in EXPECTED.items() for kind in kinds)
+    causes = {f["nodes"][0]: f["detail"]["cause"] for f in incidents}
+    assert causes["node-002"].startswith("inter-node over NET/Socket, expected NET/IB")
+    assert causes["node-705"] == "GPUs 1,6 over SHM, expected P2P over NVLink"
+    assert causes["node-009"].startswith("mlx5_0 port 1 symbol_error +500 in 300 s")
+    assert "link_downed" in causes["node-900"] and "(a link flap)" in causes["node-900"]
+
+    hooks = {e["body"]["finding"]["node"]: e["body"]["finding"] for e in events}
+    assert set(hooks) == set(EXPECTED) and all(e["verified"] for e in events)
+    assert all(hooks[n]["cause"] == causes[n] for n in EXPECTED)
+
+    nodes = [f"node-{i:03d}" for i in range(1024)]
+    with httpx.Client(base_url=api, headers=h, timeout=60) as client:
+        proc = start_server(env)
+        try:
+            verdict = client.post("/v1/preflight", json={"nodes": nodes}).json()
+        finally:
+            stop_server(proc)
+    assert verdict["exclude"] == sorted(EXPECTED)
+    named: dict[str, set[str]] = {}
+    for f in verdict["findings"]:
+        named.setdefault(f["node"], set()).add(f["kind"])
+    assert named == EXPECTED
+
+    assert status.returncode == 1, status.stderr
+    for node in EXPECTED:
+        assert causes[node] in status.stdout
