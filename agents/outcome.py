@@ -70,6 +70,18 @@ def _rank_finding(kind: str, spec: GroupSpec, rank: int, detail: dict[str, Any],
     return Finding(kind=kind, node=node, gpu=local, detail=info)
 
 
+def transport_findings(replies: dict[int, Reply]) -> list[Finding]:
+    """The ``transport_fallback`` findings the ranks read in NCCL's log (agents.transport),
+    each once however many ranks of its node saw it."""
+    found: list[Finding] = []
+    for _, reply in sorted(replies.items()):
+        for d in reply.get("transport_findings") or []:
+            f = Finding.from_dict(d)
+            if f not in found:
+                found.append(f)
+    return found
+
+
 def corruption_findings(spec: GroupSpec, replies: dict[int, Reply],
                         injected: Injected = ()) -> list[Finding]:
     findings = []

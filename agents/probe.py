@@ -14,17 +14,20 @@ import datetime
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from agents import device as device_seam
-from agents import inventory, profiles, telemetry
+from agents import inventory, nccl_log, nic_counters, profiles, telemetry
+from agents import transport as transport_judge
 from agents.collectives import Buffers, check_redop, collective, plan
 from agents.device import (
     HostDevice,
@@ -405,6 +408,21 @@ def _origin(exc: BaseException) -> str:
     return "local"
 
 
+def _nccl_log_reader() -> nccl_log.NcclLogReader | None:
+    """NCCL's INIT, NET and GRAPH lines into a file of this process's own, set before its
+    first communicator forms (NCCL reads them once); None where the user set NCCL_DEBUG in a
+    way that leaves the transports unwritten (docs/transport.md)."""
+    setup = nccl_log.nccl_debug_setup(Path(tempfile.gettempdir()) / "ringwatch-nccl", os.environ)
+    for key, value in setup.env.items():
+        os.environ.setdefault(key, value)
+    return nccl_log.NcclLogReader.for_this_process() if setup.transports_visible else None
+
+
+def _ports() -> list[nic_counters.PortSnapshot]:
+    """This node's RDMA ports (sysfs under RINGWATCH_SYSFS_ROOT, default /)."""
+    return nic_counters.read_ports(os.environ.get("RINGWATCH_SYSFS_ROOT", "/"))
+
+
 class ProbeAgent:
     """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too
     (nothing here imports ray unless it is already loaded)."""
@@ -434,9 +452,15 @@ class ProbeAgent:
         self._probe_device: ProbeDevice | None = None
         self._faults: dict[str, InjectedFault] = {}
         self.set_injected(injected or [])
+        # NCCL's own log of the transports it takes, and what this node's GPU and NICs
+        # offer instead (transport_fallback, docs/transport.md).
+        self._nccl_log: nccl_log.NcclLogReader | None = None
+        self._nvlink_peers: set[int] = set()
+        self._rdma: tuple[str, ...] = ()
         if backend == "nccl":
             # A peer that dies must surface as an error here, not as a silent hang.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            self._nccl_log = _nccl_log_reader()
 
     @property
     def member(self) -> str:
@@ -463,6 +487,10 @@ class ProbeAgent:
             tel.update(inventory.versions(tel.get("driver")))
             if self.local_index == 0:  # the node's NICs, once per node
                 tel["nics"] = inventory.read_nics()
+            self._nvlink_peers = {int(peer) for peer, row in (tel.get("p2p") or {}).items()
+                                  if isinstance(row, dict) and row.get("nvlink")}
+            self._rdma = tuple(sorted({p.device for p in _ports() if p.state == "ACTIVE"
+                                       and p.kind in ("ib", "roce", "efa")}))
         info = RankInfo(
             node=self.node,
             local_index=self.local_index,
@@ -488,6 +516,8 @@ class ProbeAgent:
         if self._xid is None:
             self._xid = telemetry.XidWatcher(self.device_index)
         reading["xid"] = self._xid.drain()
+        if self.local_index == 0:  # the node's NIC ports and their error counters, once per node
+            reading["nic"] = [p.to_dict() for p in _ports()]
         return reading
 
     def where(self) -> dict[str, Any]:
@@ -567,8 +597,11 @@ class ProbeAgent:
                 host=self._gloo_host(),
                 device=device,
             )
+            if self._nccl_log is not None:
+                self._nccl_log.skip()  # what NCCL wrote before this group is not this group's
             self._run_ops(spec, rank, store, pg, device, out)
             out["stage"] = "done"
+            self._transports(spec, rank, out)
         except Exception as exc:  # a sick peer or a broken group is a result, not a crash
             failed = True
             out["status"] = "error"
@@ -579,6 +612,23 @@ class ProbeAgent:
             leave_group(pg, failed)
             algo_env.close()
         return out
+
+    def _transports(self, spec: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
+        """What NCCL's log says this group's connections ran over (``transports``), and the
+        node's fallbacks it shows (``transport_findings``). Never fails the group: a log
+        that cannot be read says nothing."""
+        if self._nccl_log is None:
+            return
+        try:
+            summary = nccl_log.summarize(self._nccl_log.read(), rdma_devices=self._rdma)
+        except OSError:
+            return
+        if not summary.pairs and not summary.counts:
+            return
+        out["transports"] = {"counts": summary.counts, "intra_node": list(summary.intra_node),
+                             "inter_node": list(summary.inter_node)}
+        out["transport_findings"] = [f.to_dict() for f in transport_judge.judge_transports(
+            summary, self.node, spec["members"], rank, spec.get("scope", ""), self._nvlink_peers)]
 
     def _run_ops(
         self, spec: dict[str, Any], rank: int, store: dist.Store, pg: Any, device: ProbeDevice,

@@ -13,9 +13,11 @@ figure, instead of) the headline.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from agents.groups import split_member
+from agents.nccl_log import TransportSummary
 from agents.nic_counters import NicError, PortSnapshot, nic_errors
 from agents.spec import Finding
 
@@ -95,3 +97,32 @@ def _weight(e: NicError) -> tuple[int, float]:
 def _devices(devices: Sequence[str]) -> str:
     names = list(devices)
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def judge_transports(summary: TransportSummary, node: str, members: Sequence[str], rank: int,
+                     scope: str, nvlink_peers: Iterable[int] = ()) -> list[Finding]:
+    """What one rank's NCCL log of one probe group says of its node: inter-node traffic over
+    sockets while the node has RDMA NICs (``summary.socket_fallback``), and, for each GPU
+    pair of this node with this rank the lower one (each pair judged once), a connection
+    over anything but NVLink P2P where NVML says NVLink joins them (``nvlink_peers``: this
+    GPU's NVLink peers by local index)."""
+    found = []
+    if summary.socket_fallback:
+        expected = "net_ofi" if any(n.startswith("AWS") or "OFI" in n or "Libfabric" in n
+                                    for n in summary.networks) else "net_ib"
+        found.append(transport_finding(node, "net_socket", expected, scope,
+                                       devices=summary.rdma_devices))
+    peers = set(nvlink_peers)
+    gpu = split_member(members[rank])[1]
+    for pair in summary.pairs:
+        if rank not in pair.ranks or pair.inter_node or rank != min(pair.ranks):
+            continue
+        other = max(pair.ranks)
+        if other >= len(members):
+            continue
+        other_node, other_gpu = split_member(members[other])
+        slower = [t for t in pair.transports if t in ("shm", "p2p_pcie") or t.startswith("net_")]
+        if other_node == node and other_gpu in peers and slower:
+            found.append(transport_finding(node, slower[0], "p2p_nvlink", scope,
+                                           gpus=[gpu, other_gpu]))
+    return found

@@ -8,11 +8,15 @@ import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
+from agents.groups import split_member
+from agents.nccl_log import NcclLogReader
 from agents.nic_counters import NicError
+from agents.probe import ProbeAgent
 from agents.sim import Scenario, SimBackend
 from agents.transport import error_text, nic_finding
 from services.check import run_check
@@ -160,3 +164,56 @@ def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None
     assert status.returncode == 1, status.stderr
     for node in EXPECTED:
         assert causes[node] in status.stdout
+
+
+# -- a rank's own NCCL log, through the agent's judgement ---------------------------------
+
+NCCL_LOGS = Path(__file__).parent / "data" / "nccl"
+
+
+def _agent_reads(log: str, members: list[str], scope: str, *, rdma: tuple[str, ...] = (),
+                 nvlink_peers: set[int] | None = None) -> dict:
+    """What ProbeAgent._transports adds to rank 0's reply after a group whose NCCL log is
+    ``log`` (the file NCCL writes is the seam: everything from it on is the agent's)."""
+    agent = ProbeAgent(split_member(members[0])[0], 0, "gloo")
+    agent._nccl_log = NcclLogReader(str(NCCL_LOGS / log))
+    agent._rdma = rdma
+    agent._nvlink_peers = nvlink_peers or set()
+    out: dict = {}
+    agent._transports({"members": members, "scope": scope}, 0, out)
+    return out
+
+
+def test_a_rank_names_inter_node_sockets_while_its_rdma_nics_are_up() -> None:
+    members = ["node-000/0", "node-001/0"]
+    out = _agent_reads("built-2.28.3-socket-fallback-2node.log", members, "inter_node",
+                       rdma=("mlx5_0", "mlx5_1"))
+    assert "net_socket" in out["transports"]["inter_node"]
+    [f] = out["transport_findings"]
+    assert (f["kind"], f["node"], f["transport"], f["expected_transport"]) == (
+        "transport_fallback", "node-000", "net_socket", "net_ib")
+    assert f["cause"] == "inter-node over NET/Socket, expected NET/IB (mlx5_0..mlx5_1 up)"
+
+
+def test_ib_with_gpudirect_is_no_fallback() -> None:
+    out = _agent_reads("built-2.22.3-ib-gdr-2node.log", ["node-000/0", "node-001/0"],
+                       "inter_node", rdma=("mlx5_0",))
+    assert "net_ib" in out["transports"]["inter_node"] and out["transport_findings"] == []
+
+
+def test_a_gpu_pair_over_shm_is_a_fallback_only_where_nvlink_joins_it() -> None:
+    members = ["node-000/0", "node-000/1"]
+    out = _agent_reads("built-2.22.3-shm-pair.log", members, "gpu_pair", nvlink_peers={1})
+    [f] = out["transport_findings"]
+    assert (f["gpus"], f["transport"], f["cause"]) == (
+        [0, 1], "shm", "GPUs 0,1 over SHM, expected P2P over NVLink")
+    # A pair NVML does not join by NVLink (a PCIe-only box): SHM is what NCCL should take.
+    assert _agent_reads("built-2.22.3-shm-pair.log", members, "gpu_pair")["transport_findings"] == []
+
+
+def test_eight_gpus_over_nvlink_say_nothing() -> None:
+    members = [f"node-000/{g}" for g in range(8)]
+    out = _agent_reads("built-2.22.3-a100-nvlink-8gpu.log", members, "intra_node",
+                       nvlink_peers=set(range(1, 8)))
+    assert out["transports"]["intra_node"] == ["p2p_nvlink"]
+    assert out["transport_findings"] == []

@@ -516,6 +516,7 @@ class RayBackend(BackendDefaults):
         result.findings.extend(errors)
         result.findings.extend(self._hang_findings(run, errors))
         result.findings.extend(outcome.corruption_findings(run.spec, run.replies, injected))
+        result.findings.extend(outcome.transport_findings(run.replies))
         result.measurements.extend(outcome.measurements(run.spec, run.replies))
         run.store = None  # closes the listening socket
 
