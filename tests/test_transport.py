@@ -20,6 +20,7 @@ from agents.probe import ProbeAgent
 from agents.sim import Scenario, SimBackend
 from agents.transport import error_text, nic_finding
 from services.check import run_check
+from services.cli.output import headline
 from services.notifier.receiver import WebhookReceiver
 from services.scheduler.cycle import ProbeOptions, run_cycle
 from tests.api_fixtures import TEST_SECRET_KEY
@@ -217,3 +218,28 @@ def test_eight_gpus_over_nvlink_say_nothing() -> None:
                        nvlink_peers=set(range(1, 8)))
     assert out["transports"]["intra_node"] == ["p2p_nvlink"]
     assert out["transport_findings"] == []
+
+
+def test_a_cause_carries_the_slow_figure_it_explains() -> None:
+    """Sockets slow the network as a NIC at 0.4 would, a pair over SHM is slow like a bad
+    NVLink: each node is named for its cause alone, with the slow result beside it as its
+    headline; a slow NVLink with no fact beside it is an nvlink_degraded as ever."""
+    with SimBackend(_scenario(16, SOCKET, {"kind": "nic", "node": "node-002", "factor": 0.4},
+                              SHM, {"kind": "nvlink", "node": "node-005", "gpus": [1, 6],
+                                    "factor": 0.3},
+                              {"kind": "nvlink", "node": "node-011", "gpus": [0, 3],
+                               "factor": 0.4})) as backend:
+        verdict = run_check(backend).verdict()
+    found = {(f["kind"], f["node"]): f for f in verdict["findings"]}
+    assert set(found) == {("transport_fallback", "node-002"), ("transport_fallback", "node-005"),
+                          ("nvlink_degraded", "node-011")}
+    net = found[("transport_fallback", "node-002")]
+    assert net["headline"]["ratio"] < 0.7 and net["headline"]["op"] in ("allreduce", "alltoall")
+    assert headline({**net}) == f"{net['headline']['text']}; {net['cause']}"
+    pair = found[("transport_fallback", "node-005")]
+    assert pair["headline"]["ratio"] < 0.7
+    assert "cause" not in found[("nvlink_degraded", "node-011")]
+    # Without a slowdown the cause stands alone.
+    with SimBackend(_scenario(16, SOCKET)) as backend:
+        (alone,) = run_check(backend).verdict()["findings"]
+    assert "headline" not in alone and headline(alone) == alone["cause"]

@@ -370,3 +370,51 @@ def test_a_link_slow_once_says_why_it_is_still_ok_on_the_page(served_2_of_3, pag
     fine = [badge for (g, op), (st, badge) in shown.items() if st == "ok" and (g, op) not in once]
     assert fine and all(badge.strip() == "\u2713 ok" for badge in fine)
     shot(page, "node-003-slow-once-still-ok")
+
+
+# ---- why: the cause beside (or, without a bandwidth figure, instead of) the headline
+
+
+@pytest.fixture(scope="module")
+def served_why(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A real API process fed one cycle of a 12 x 8 sim fleet where NCCL took sockets out of
+    node-004 and node-007's NIC counts symbol errors (facts: each opens at once)."""
+    from agents.sim import SimBackend
+    from services.scheduler.cycle import ProbeOptions, run_cycle
+    from services.scheduler.shipper import Shipper
+    from tests.procs import api_env
+
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with db.transaction(session_factory) as s:
+        s.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    state = tmp_path_factory.mktemp("ui-why")
+    env = api_env(database_url, state, ADMIN)
+    url = env["RINGWATCH_API_URL"]
+    proc = start_server(env, notifier=False)
+    try:
+        with SimBackend({"nodes": 12, "gpus_per_node": 8, "seed": 3, "faults": [
+                {"kind": "transport", "node": "node-004", "transport": "socket"},
+                {"kind": "nic_errors", "node": "node-007", "counter": "symbol_error",
+                 "per_cycle": 900}]}) as backend:
+            cycle = run_cycle(backend, ProbeOptions())
+        shipper = Shipper(url, ADMIN, state / "spool")
+        assert shipper.ship(cycle.to_batch()) == 0
+        shipper.close()
+        reader = httpx.post(f"{url}/v1/tokens", json={"role": "reader", "name": "ui"},
+                            headers={"Authorization": f"Bearer {ADMIN}"}).json()["token"]
+        yield {"url": url, "reader": reader, "h": {"Authorization": f"Bearer {reader}"}}
+    finally:
+        stop_server(proc)
+
+
+def test_the_page_says_why(served_why, page) -> None:
+    served = served_why
+    incidents = httpx.get(f"{served['url']}/v1/findings?status=open", headers=served["h"]).json()
+    causes = {f["nodes"][0]: f["detail"]["cause"] for f in incidents}
+    assert set(causes) == {"node-004", "node-007"}
+    assert causes["node-007"].startswith("mlx5_0 port 1 symbol_error +900 in 300 s")
+    login(page, served)
+    wait_drawn(page, "fleet")
+    shown = page.locator("#incidents .headline").all_text_contents()
+    assert sorted(shown) == sorted(causes.values())
+    shot(page, "fleet-incident-cause")

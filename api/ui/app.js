@@ -205,8 +205,15 @@ function findingPlace(f) {
 }
 // A finding's figure: its headline's text, the same on every surface (docs/analysis.md,
 // "The headline"); a record stored before findings had one shows its measured and expected.
+// Its cause follows where one is known (the transport NCCL took, a NIC counter, the fabric
+// state: docs/transport.md), as the CLI prints it.
 function findingFigures(f) {
   const d = f.detail || f;
+  const figure = bandwidthFigure(d);
+  const cause = typeof d.cause === "string" && d.cause ? d.cause : "";
+  return figure && cause ? `${figure}; ${cause}` : figure || cause;
+}
+function bandwidthFigure(d) {
   if (d.headline && typeof d.headline.text === "string") return d.headline.text;
   const measured = d.measured_gbs, expected = d.expected_gbs;
   if (measured === null || measured === undefined || expected === null || expected === undefined) return "";

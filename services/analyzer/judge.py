@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from agents.groups import split_member
 from agents.spec import Finding, Measurement, RankInfo
 from services.analyzer.assess import (
     AssessCache,
@@ -20,6 +21,7 @@ from services.analyzer.assess import (
     assess,
 )
 from services.analyzer.faults import Coverage
+from services.analyzer.headline import deciding_result, headline_of
 from services.analyzer.inventory import inventory_findings
 from services.analyzer.localize import (
     GroupKey,
@@ -111,4 +113,38 @@ def judge(
             f.nodes = [n for n in f.nodes or () if n in wanted]
         if f.nodes:
             findings.append(f)
+    explain(findings, assessments)
     return Judgement(assessed, verdicts, findings, {r.node for r in rank_list})
+
+
+
+# Findings that say why (docs/transport.md): a fact read on a node, which excludes it, so
+# no bandwidth finding is made there; the slow results it explains become its headline.
+CAUSES = ("transport_fallback", "nic_errors", "nvlink_fabric")
+
+
+def explain(findings: list[Finding], assessments: Sequence[Assessment]) -> None:
+    """Give each cause finding the bandwidth figure it explains, where its node measured
+    slow: among the bad results of groups through its place (a GPU pair's transport, that
+    pair; a node's network, groups across nodes; a GPU's fabric state, groups in its node),
+    the one at the middle by ratio, as every finding's headline is chosen."""
+    for f in findings:
+        if f.kind not in CAUSES or f.node is None or "headline" in f.detail:
+            continue
+        slow = [a for a in assessments if a.bad and _through(f, a.measurement.members)]
+        a = deciding_result(slow)
+        if a is not None:
+            f.detail["headline"] = headline_of(a)
+            f.measured_gbs, f.expected_gbs = a.measurement.busbw_gbs, a.expected_gbs
+
+
+def _through(f: Finding, members: Sequence[str]) -> bool:
+    places = [split_member(m) for m in members]
+    nodes = {n for n, _ in places}
+    if f.node not in nodes:
+        return False
+    if f.gpus:  # a GPU pair: results of that pair's own group
+        return nodes == {f.node} and {g for _, g in places} == set(f.gpus)
+    if f.kind == "nvlink_fabric":
+        return nodes == {f.node}
+    return len(nodes) > 1
