@@ -133,6 +133,7 @@ def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None
         incidents = httpx.get(f"{api}/v1/findings", params={"status": "open"}, headers=h,
                               timeout=30).json()
         status = cli("status", env=env)
+        metrics = httpx.get(f"{api}/metrics", headers=h, timeout=60).text
     finally:
         stop_server(proc)
 
@@ -165,6 +166,15 @@ def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None
     assert status.returncode == 1, status.stderr
     for node in EXPECTED:
         assert causes[node] in status.stdout
+
+    # Per node and device on /metrics: the counters' rates, the transport taken.
+    assert ('ringwatch_nic_error_rate_per_second{counter="symbol_error",device="mlx5_0",'
+            'node="node-009",port="1"} 1.6666' in metrics)
+    assert 'counter="link_downed",device="mlx5_0",node="node-900",port="1"}' in metrics
+    assert ('ringwatch_transport_fallback{expected="net_ib",gpus="",node="node-002",'
+            'transport="net_socket"} 1.0' in metrics)
+    assert ('ringwatch_transport_fallback{expected="p2p_nvlink",gpus="1,6",node="node-705",'
+            'transport="shm"} 1.0' in metrics)
 
 
 # -- a rank's own NCCL log, through the agent's judgement ---------------------------------

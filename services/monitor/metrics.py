@@ -10,7 +10,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -57,6 +57,8 @@ class Snapshot:
     last_ingest_at: datetime | None
     now: datetime
     collect_s: float
+    # Open nic_errors and transport_fallback incidents: why, per node (docs/transport.md).
+    causes: list[store.CauseRow] = field(default_factory=list)
 
 
 def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
@@ -74,9 +76,10 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
     latency = store.preflight_latency(session)
     ingested = store.ingest_totals(session)
     last_ingest_at, now = store.last_ingest(session), store.database_now(session)
+    causes = store.open_causes(session)
     return Snapshot(link_counts, links, nodes, excluded, findings, per_node, shippers, backlog,
                     preflight, latency, ingested, last_ingest_at, now,
-                    collect_s=time.perf_counter() - started)
+                    collect_s=time.perf_counter() - started, causes=causes)
 
 
 def link_labels(row: store.LinkRow) -> dict[str, str]:
@@ -170,6 +173,30 @@ class FleetCollector(Collector):
         for n in self.snap.node_findings:
             per_node.add_metric([n.node, n.kind, n.severity], n.open)
         yield per_node
+        yield from self._causes()
+
+    def _causes(self) -> Iterator[Metric]:
+        """Why, per node: each open nic_errors incident's counters that rose past their
+        thresholds, as rates, and each open transport_fallback's transport against the one
+        expected (docs/transport.md)."""
+        rates = _gauge("ringwatch_nic_error_rate_per_second", "NIC error counters past their "
+                       "thresholds in the latest cycle that read them (open nic_errors "
+                       "incidents), per second.", labels=["node", "device", "port", "counter"])
+        fallback = _gauge("ringwatch_transport_fallback", "1 for each open transport_fallback: "
+                          "NCCL took `transport` where `expected` was up (gpus: a GPU pair's, "
+                          "empty: the node's inter-node traffic).",
+                          labels=["node", "transport", "expected", "gpus"])
+        for c in self.snap.causes:
+            if c.kind == "nic_errors":
+                for e in c.detail.get("counters") or []:
+                    rates.add_metric([c.node, str(e.get("device")), str(e.get("port")),
+                                      str(e.get("counter"))], float(e.get("rate_per_s") or 0.0))
+            else:
+                gpus = ",".join(str(g) for g in c.detail.get("gpus") or ())
+                fallback.add_metric([c.node, str(c.detail.get("transport")),
+                                     str(c.detail.get("expected_transport")), gpus], 1.0)
+        yield rates
+        yield fallback
 
     def _nodes(self) -> Iterator[Metric]:
         yield _gauge("ringwatch_nodes", "Nodes seen.", len(self.snap.nodes))

@@ -99,6 +99,23 @@ def open_findings_per_node(session: Session) -> list[NodeFindingCount]:
     return [NodeFindingCount(*r) for r in rows]
 
 
+class CauseRow(NamedTuple):
+    """One open cause finding's facts (docs/transport.md): its node and detail."""
+
+    node: str
+    kind: str
+    detail: dict
+
+
+def open_causes(session: Session) -> list[CauseRow]:
+    """The open ``nic_errors`` and ``transport_fallback`` incidents, with their details as
+    the latest cycle that saw them left them."""
+    rows = session.execute(text(
+        "SELECT nodes[1], kind, detail FROM findings WHERE status = 'open' "
+        "AND kind IN ('nic_errors', 'transport_fallback') ORDER BY nodes[1], kind, id"))
+    return [CauseRow(*r) for r in rows]
+
+
 def preflight_requests_by_status(session: Session) -> dict[str, int]:
     rows = session.execute(
         select(PreflightRequest.status, func.count()).group_by(PreflightRequest.status)).tuples()
