@@ -13,7 +13,7 @@ import sys
 import time
 
 BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
-              "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles")
+              "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why")
 
 
 def main(argv: list[str]) -> int:
