@@ -45,6 +45,11 @@ class Profile:
     network_busbw: dict[str, float] = field(default_factory=dict)
     # Substrings of the instance type or product name (e.g. "p5.48xlarge"), if any.
     instance_match: tuple[str, ...] = ()
+    # GPUs in one NVLink domain where it spans nodes: 72 on an NVL72 rack, whose nodes are
+    # its 18 compute trays of 4 GPUs; 0 where NVLink ends at the node. A group on several
+    # trays of one rack rides NVLink, but ``rated_busbw`` rates it by the network figure
+    # still, a floor below what it reaches (docs/profiles.md, "NVL72").
+    nvlink_domain_gpus: int = 0
 
     @property
     def network_gbs_per_gpu(self) -> float:
@@ -83,8 +88,24 @@ BUILTIN: dict[str, Profile] = {
         "p5.48xlarge", ("H100",), gpus_per_node=8, nvlinks_per_gpu=18, nics_per_node=32,
         nic_gbps=100, nvlink_busbw=_ops(450.0, 450.0, 450.0),
         network_busbw=_ops(50.0, 50.0, 50.0), instance_match=("p5.48xlarge", "p5en.48xlarge")),
+    # Blackwell, NVLink 5: 18 links, 1.8 TB/s per GPU both directions (900 one way).
+    "B200": Profile(
+        # NVML names it "NVIDIA B200"; the Grace Blackwell parts ("GB200") match longer.
+        "B200", ("B200",), gpus_per_node=8, nvlinks_per_gpu=18, nics_per_node=8, nic_gbps=400,
+        nvlink_busbw=_ops(900.0, 900.0, 900.0), network_busbw=_ops(50.0, 50.0, 50.0)),
+    "GB200-NVL72": Profile(
+        # A node is a compute tray: 2 Grace CPUs, 4 GPUs, a ConnectX-7 at 400 Gb/s per GPU.
+        "GB200-NVL72", ("GB200",), gpus_per_node=4, nvlinks_per_gpu=18, nics_per_node=4,
+        nic_gbps=400, nvlink_busbw=_ops(900.0, 900.0, 900.0),
+        network_busbw=_ops(50.0, 50.0, 50.0), nvlink_domain_gpus=72),
+    "GB300-NVL72": Profile(
+        # Blackwell Ultra trays of 4 GPUs, a ConnectX-8 at 800 Gb/s per GPU.
+        "GB300-NVL72", ("GB300",), gpus_per_node=4, nvlinks_per_gpu=18, nics_per_node=4,
+        nic_gbps=800, nvlink_busbw=_ops(900.0, 900.0, 900.0),
+        network_busbw=_ops(100.0, 100.0, 100.0), nvlink_domain_gpus=72),
 }
-ALIASES = {"H100": "H100-SXM", "H200-SXM": "H200", "A100-SXM": "A100", "A100-SXM4-80GB": "A100"}
+ALIASES = {"H100": "H100-SXM", "H200-SXM": "H200", "A100-SXM": "A100", "A100-SXM4-80GB": "A100",
+           "B200-SXM": "B200", "GB200": "GB200-NVL72", "GB300": "GB300-NVL72"}
 
 
 def load(site_file: str | os.PathLike[str] | None = None) -> dict[str, Profile]:

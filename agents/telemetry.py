@@ -1,4 +1,5 @@
-"""NVML telemetry of one GPU: identity, NVLink state and error counters, P2P topology.
+"""NVML telemetry of one GPU: identity, NVLink state and error counters, NVLink fabric
+state, P2P topology.
 
 Everything goes through the module-level ``_nvml`` (the ``pynvml`` module of
 nvidia-ml-py): the one seam a test replaces with a fake. Without an NVML library
@@ -8,12 +9,14 @@ nvidia-ml-py): the one seam a test replaces with a fake. Without an NVML library
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
 import pynvml
 
+from agents import nvlink_fabric
 from agents.spec import Finding
 
 _nvml: Any = pynvml
@@ -27,6 +30,19 @@ _ERROR_COUNTERS = {
 }
 # nvmlGpuTopologyLevel_t -> nvidia-smi topo's words, nearest first.
 _TOPOLOGY_LEVELS = {0: "internal", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+# GPU fabric info, newest struct first: v3 adds a health summary to v2's health mask; the
+# unversioned call (deprecated, older drivers) has neither. A driver that knows only v2
+# answers v3 with NVML_ERROR_ARGUMENT_VERSION_MISMATCH, one without the V call with
+# NVML_ERROR_FUNCTION_NOT_FOUND: either way the next one is tried.
+_FABRIC_QUERIES = (
+    ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v3_t", "v3"),
+    ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v2_t", "v2"),
+    ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t", "v1"),
+)
+_NVML_ERROR_NOT_SUPPORTED = 3
+# nvmlReturn_t by name, for a fabric struct's ``status`` (pynvml's own table, not the seam).
+_RETURN_NAMES = {0: "SUCCESS", **{getattr(pynvml, n): n.removeprefix("NVML_")
+                                  for n in dir(pynvml) if n.startswith("NVML_ERROR_")}}
 
 
 class NvmlUnavailable(Exception):
@@ -122,6 +138,34 @@ def _nvlinks(nvml: Any, handle: Any) -> list[dict[str, Any]]:
     return links
 
 
+def _fabric(nvml: Any, handle: Any) -> dict[str, Any]:
+    """This GPU's NVLink fabric registration, domain, clique and health
+    (agents.nvlink_fabric.reading); ``{"supported": False, "reason": ...}`` where it has no
+    fabric (NVML_ERROR_NOT_SUPPORTED, state NOT_SUPPORTED) or this NVML cannot say."""
+    reason = "no GPU fabric query in this NVML"
+    for call, struct, api in _FABRIC_QUERIES:
+        fn, make = getattr(nvml, call, None), getattr(nvml, struct, None)
+        if fn is None or make is None:
+            continue
+        info = make()
+        try:
+            fn(handle, ctypes.byref(info))
+        except Exception as exc:  # NotSupported ends the search; VersionMismatch, ... do not
+            reason = f"{call}: {type(exc).__name__}: {exc}"
+            if getattr(exc, "value", None) == _NVML_ERROR_NOT_SUPPORTED:
+                break
+            continue
+        status = int(info.status)
+        return nvlink_fabric.reading(
+            # nvml.h declares the state an unsigned char; pynvml reads a c_uint, whose
+            # upper bytes are the struct's padding.
+            state=int(info.state) & 0xFF, status=_RETURN_NAMES.get(status, f"ERROR_{status}"),
+            cluster_uuid=bytes(info.clusterUuid), clique_id=int(info.cliqueId),
+            health_mask=int(info.healthMask) if api != "v1" else None,
+            health_summary=int(info.healthSummary) if api == "v3" else None, api=api)
+    return {"supported": False, "reason": reason}
+
+
 def _p2p_row(nvml: Any, handle: Any, local_index: int) -> dict[str, dict[str, Any]]:
     """How this GPU reaches each other GPU of the node: over NVLink or only over PCIe."""
     row: dict[str, dict[str, Any]] = {}
@@ -166,8 +210,9 @@ def gpu_identity(local_index: int) -> dict[str, Any]:
 
 def read_gpu_telemetry(local_index: int) -> dict[str, Any]:
     """A full reading of GPU ``local_index``: identity, every NVLink with its error
-    counters and throughput, and the P2P row. Counters are cumulative since driver load,
-    so compare two readings (``telemetry_findings``) to see errors that are rising.
+    counters and throughput, its NVLink fabric state, and the P2P row. Counters are
+    cumulative since driver load, so compare two readings (``telemetry_findings``) to see
+    errors that are rising.
     """
     try:
         with _session() as nvml:
@@ -177,6 +222,7 @@ def read_gpu_telemetry(local_index: int) -> dict[str, Any]:
                 "local_index": local_index,
                 **_identity(nvml, handle),
                 "nvlinks": _nvlinks(nvml, handle),
+                "fabric": _fabric(nvml, handle),
                 "p2p": _p2p_row(nvml, handle, local_index),
             }
     except NvmlUnavailable as exc:
@@ -229,8 +275,9 @@ def telemetry_findings(
 
 
 def read_counters(local_index: int) -> dict[str, Any]:
-    """NVLink state and error counters of GPU ``local_index`` alone: the cheap reading
-    taken before and after every cycle (``telemetry_findings`` compares two)."""
+    """NVLink state and error counters of GPU ``local_index``, and its NVLink fabric state:
+    the cheap reading taken before and after every cycle (``telemetry_findings`` compares
+    two; agents.nvlink_fabric judges the fabric states of a node's or a domain's GPUs)."""
     try:
         with _session() as nvml:
             handle = _handle(nvml, local_index)
@@ -243,7 +290,8 @@ def read_counters(local_index: int) -> dict[str, Any]:
                     name: _optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link,
                                     getattr(nvml, const))
                     for name, const in _ERROR_COUNTERS.items()}})
-            return {"available": True, "local_index": local_index, "nvlinks": links}
+            return {"available": True, "local_index": local_index, "nvlinks": links,
+                    "fabric": _fabric(nvml, handle)}
     except NvmlUnavailable as exc:
         return {"available": False, "reason": str(exc)}
 

@@ -74,6 +74,56 @@ def test_detection_by_gpu_name_instance_or_setting(monkeypatch) -> None:
         profiles.detect("NVIDIA H100 80GB HBM3")
 
 
+# Each Blackwell profile's rated figures and where they come from (docs/profiles.md).
+BLACKWELL = {
+    # name: (GPUs per node, NIC rate Gb/s, network per rail GB/s, NVLink domain, sources)
+    "B200": (8, 400, 50.0, 0, ("docs.nvidia.com/dgx/dgxb200-user-guide",
+                               "www.nvidia.com/en-us/data-center/nvlink")),
+    "GB200-NVL72": (4, 400, 50.0, 72, ("docs.nvidia.com/dgx/dgxgb200-user-guide/hardware",
+                                       "docs.nvidia.com/dgx/dgxgb200-user-guide/networking")),
+    "GB300-NVL72": (4, 800, 100.0, 72, ("docs.nvidia.com/enterprise-reference-architectures/"
+                                        "nvl72-ai-factory", "connectx8supernic")),
+}
+
+
+def test_blackwell_profiles_by_nvml_name_with_their_rated_figures(monkeypatch) -> None:
+    monkeypatch.delenv("RINGWATCH_PROFILE", raising=False)
+    assert profiles.detect("NVIDIA B200") == "B200"
+    # "B200" is inside "GB200": the longer pattern wins, as "H100 80GB HBM3" beats "H100".
+    assert profiles.detect("NVIDIA GB200") == "GB200-NVL72"
+    assert profiles.detect("NVIDIA GB300") == "GB300-NVL72"
+    assert profiles.detect("NVIDIA B300 SXM6 AC") is None  # HGX B300: no profile yet
+    assert profiles.get("GB200").name == "GB200-NVL72"
+    table = profiles.load()
+    for name, (gpus, nic, rail, domain, _) in BLACKWELL.items():
+        p = table[name]
+        assert (p.gpus_per_node, p.nvlinks_per_gpu, p.nic_gbps, p.nvlink_domain_gpus) == (
+            gpus, 18, nic, domain), name
+        # NVLink 5: 1.8 TB/s per GPU both ways, 900 GB/s one way; one NIC rail per GPU.
+        assert all(p.rated("nvlink", op) == 900.0 for op in profiles.OPS), name
+        assert all(p.rated("network", op) == rail for op in profiles.OPS), name
+        assert p.network_gbs_per_gpu == rail, name
+    # Two full trays of one rack: four rails in parallel, far below the rack's NVLink.
+    two_trays = [f"{n}/{g}" for n in "ab" for g in range(4)]
+    assert profiles.rated_busbw(table["GB200-NVL72"], "allreduce", two_trays, 1 << 28) == 200.0
+
+
+def test_an_nvl36x2_site_sets_its_nvlink_domain(tmp_path: Path) -> None:
+    site = tmp_path / "profiles.json"
+    site.write_text(json.dumps({"GB200-NVL72": {"nvlink_domain_gpus": 36}}))
+    assert profiles.load(site)["GB200-NVL72"].nvlink_domain_gpus == 36
+    assert profiles.load(site)["GB200-NVL72"].rated("nvlink", "allreduce") == 900.0
+
+
+def test_every_builtin_profile_and_its_sources_are_in_the_docs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
+    for name in profiles.BUILTIN:
+        assert f"| `{name}` |" in text, name
+    for name, (*_, sources) in BLACKWELL.items():
+        for source in sources:
+            assert source in text, (name, source)
+
+
 def test_rated_figures_apply_to_bandwidth_bound_sizes_and_the_lowest_profile_wins() -> None:
     intra = [f"a/{g}" for g in range(8)]
     pair = ["a/0", "b/0"]

@@ -253,3 +253,16 @@ def test_a_cause_carries_the_slow_figure_it_explains() -> None:
     with SimBackend(_scenario(16, SOCKET)) as backend:
         (alone,) = run_check(backend).verdict()["findings"]
     assert "headline" not in alone and headline(alone) == alone["cause"]
+
+
+def test_slurm_drains_the_node_with_its_cause_as_the_reason() -> None:
+    from services.cli.slurm import reason_for
+
+    with SimBackend(_scenario(16, SYMBOLS | {"node": "node-004"})) as backend:
+        cycle = run_cycle(backend, ProbeOptions())
+    (f,) = [x.to_dict() for x in cycle.judged]
+    verdict = {"exclude": ["node-004"], "findings": [f]}
+    assert reason_for(verdict, "node-004") == (
+        "ringwatch: nic_errors node-004 mlx5_0 port 1 symbol_error +500 in 300 s "
+        "(1.67/s, threshold 0.4/s)")
+    assert reason_for(verdict, "node-005") is None

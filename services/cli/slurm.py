@@ -327,13 +327,19 @@ def _where(f: Mapping[str, Any]) -> str:
 
 
 def _figure(f: Mapping[str, Any]) -> str:
+    """The headline's text, and the cause beside it where one is known (docs/transport.md)."""
     headline = f.get("headline")
-    if isinstance(headline, Mapping) and headline.get("text"):
-        return str(headline["text"])
     measured, expected = f.get("measured_gbs"), f.get("expected_gbs")
-    if isinstance(measured, int | float) and isinstance(expected, int | float):
-        return f"{measured:.3g} of {expected:.3g} GB/s"
-    return ""
+    if isinstance(headline, Mapping) and headline.get("text"):
+        figure = str(headline["text"])
+    elif isinstance(measured, int | float) and isinstance(expected, int | float):
+        figure = f"{measured:.3g} of {expected:.3g} GB/s"
+    else:
+        figure = ""
+    cause = f.get("cause")
+    if isinstance(cause, str) and cause:
+        return f"{figure}; {cause}" if figure else cause
+    return figure
 
 
 def clean_reason(text: str) -> str:

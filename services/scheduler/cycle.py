@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agents.groups import member as member_key
 from agents.groups import node_of, node_order, split_member
+from agents.nvlink_fabric import domain_findings, fabric_by_node
 from agents.spec import Finding, Measurement, ProbeBackend, ProbeSetupError, RankInfo
 from agents.telemetry import counter_findings
 from agents.transport import node_nic_findings
@@ -176,6 +178,15 @@ def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[s
             snapshots.append({"node": node, "local_index": gpu, "before": b.get("nvlinks", []),
                               "after": a.get("nvlinks", []), "xid": xids,
                               "findings": [f.kind for f in found]})
+    # The NVLink fabric's state (registration, health, clique) is a state, not a counter:
+    # judged on the readings after the cycle, across the nodes of each NVLink domain.
+    fabric = domain_findings(fabric_by_node(after))
+    findings += fabric
+    for f in fabric:
+        reading = after.get(member_key(f.node, f.gpu)) if f.node and f.gpu is not None else None
+        snapshots.append({"node": f.node, "local_index": f.gpu, "before": [], "after": [],
+                          "xid": [], "fabric": (reading or {}).get("fabric"),
+                          "findings": [f.kind]})
     return findings, snapshots
 
 
