@@ -33,7 +33,19 @@ def measurements(spec: GroupSpec, replies: dict[int, Reply]) -> list[Measurement
         return []
     per_rank = [replies[r]["probes"] for r in range(spec.world_size)]
     finished = min(len(p) for p in per_rank)
-    return [measurement(spec, [p[i] for p in per_rank]) for i in range(finished)]
+    found = [measurement(spec, [p[i] for p in per_rank]) for i in range(finished)]
+    taken = transport_of(replies)
+    for m in found:
+        m.transport = taken
+    return found
+
+
+def transport_of(replies: dict[int, Reply]) -> str | None:
+    """The transports NCCL's log showed any rank of the group take, comma-joined in name
+    order; None where no rank's log said (gloo, NCCL_DEBUG set elsewhere)."""
+    seen = {t for reply in replies.values()
+            for t in ((reply.get("transports") or {}).get("counts") or {})}
+    return ",".join(sorted(seen)) if seen else None
 
 
 def measurement(spec: GroupSpec, probes: list[dict[str, Any]]) -> Measurement:

@@ -328,6 +328,8 @@ class Fabric:
         self.pair_transport: dict[tuple[int, int, int], str] = {}
         # node -> [(counter, per_cycle, device)]: NIC error counters rising each cycle.
         self.nic_errors: dict[int, list[tuple[str, int, int]]] = {}
+        # Group key -> the transports NCCL would log for it (SimBackend._transport).
+        self.transports: dict[tuple[str, ...], str] = {}
         for f in s.faults:
             self._apply(f)
         idx = np.arange(self.g)
@@ -860,7 +862,37 @@ class SimBackend(BackendDefaults):
                         redop=redop_for(op, spec.redop), timing=TIMING_MODEL,
                         algo=spec.algo if op == "allreduce" else None)
         m.preset_gbs = self._expected(m.op, m.size_bytes, grp, m.algo)
+        m.transport = self._transport(grp)
         return m
+
+    def _transport(self, grp: _Group) -> str:
+        """The transports NCCL would log for this group, as a real probe records them: NVLink
+        P2P between GPUs of a node (PCIe for a pcie_only pair, SHM or PCIe for a pair's
+        transport fault), IB between nodes (sockets out of a node whose transport fault says
+        so)."""
+        f = self.fabric
+        taken = f.transports.get(grp.key)
+        if taken is None:
+            seen: set[str] = set()
+            by_node: dict[int, list[int]] = {}
+            for n, g in grp.ranks:
+                by_node.setdefault(n, []).append(g)
+            for n, gpus in by_node.items():
+                if len(gpus) < 2:
+                    continue
+                seen.add("p2p_nvlink")
+                pairs = [(a, b) for a in gpus for b in gpus if a < b]
+                seen |= {"p2p_pcie" for a, b in pairs if f.pcie[n, a, b]}
+                seen |= {t for (m, a, b), t in f.pair_transport.items()
+                         if m == n and a in gpus and b in gpus}
+            if len(by_node) > 1:
+                seen.add("net_ib")
+                seen |= {t for n, t in f.net_transport.items() if n in by_node}
+            taken = ",".join(sorted(seen))
+            if len(f.transports) >= CACHE_LIMIT:
+                f.transports.clear()
+            f.transports[grp.key] = taken
+        return taken
 
     def expected_busbw(self, m: Measurement) -> float | None:
         """The hardware preset for this measurement: fault-free, variation-free links."""

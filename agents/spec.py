@@ -173,6 +173,9 @@ class Measurement:
     # where the backend chose (NCCL's own tuning, gloo's fixed algorithms). A series of its
     # own: links are keyed by it (services.analyzer.assess.link_key).
     algo: str | None = None
+    # The transports NCCL's log showed the group took, comma-joined in name order
+    # (agents.nccl_log's classes: "net_ib,p2p_nvlink"); None where the probe cannot say.
+    transport: str | None = None
 
     @cached_property
     def nodes(self) -> list[str]:
@@ -195,7 +198,7 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()
-        for key in ("stats", "timing", "preset_gbs", "rated_gbs", "algo"):
+        for key in ("stats", "timing", "preset_gbs", "rated_gbs", "algo", "transport"):
             if d[key] is None:
                 del d[key]
         return d

@@ -116,6 +116,8 @@ class MeasurementIn(Strict):
     # The algorithm its communicator was pinned to (NCCL_ALGO); stored as a series of its
     # own, named by op and algorithm (allreduce:ring).
     algo: Algo | None = None
+    # The transports NCCL took for the group, comma-joined (docs/transport.md).
+    transport: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9_]+(,[a-z0-9_]+)*$")
 
     @field_validator("members")
     @classmethod
@@ -382,6 +384,8 @@ class SeriesPoint(BaseModel):
     dtype: str | None = None
     redop: str | None = None
     timing: str | None = None
+    # The transports NCCL took for the group (raw probes; docs/transport.md).
+    transport: str | None = None
     time_us: float
     algbw_gbs: float
     busbw_gbs: float

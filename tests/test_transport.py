@@ -16,8 +16,10 @@ import pytest
 from agents.groups import split_member
 from agents.nccl_log import NcclLogReader
 from agents.nic_counters import NicError
+from agents.outcome import transport_of
 from agents.probe import ProbeAgent
 from agents.sim import Scenario, SimBackend
+from agents.spec import GroupSpec
 from agents.transport import error_text, nic_finding
 from services.check import run_check
 from services.cli.output import headline
@@ -134,6 +136,10 @@ def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None
                               timeout=30).json()
         status = cli("status", env=env)
         metrics = httpx.get(f"{api}/metrics", headers=h, timeout=60).text
+        # Each probe records the transports its group took: node-705's NVLink group, one of
+        # whose pairs went over SHM.
+        series = httpx.get(f"{api}/v1/series", headers=h, timeout=60, params={
+            "members": ",".join(f"node-705/{g}" for g in range(8)), "resolution": "raw"}).json()
     finally:
         stop_server(proc)
 
@@ -166,6 +172,8 @@ def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None
     assert status.returncode == 1, status.stderr
     for node in EXPECTED:
         assert causes[node] in status.stdout
+
+    assert series["points"] and {p["transport"] for p in series["points"]} == {"p2p_nvlink,shm"}
 
     # Per node and device on /metrics: the counters' rates, the transport taken.
     assert ('ringwatch_nic_error_rate_per_second{counter="symbol_error",device="mlx5_0",'
@@ -266,3 +274,25 @@ def test_slurm_drains_the_node_with_its_cause_as_the_reason() -> None:
         "ringwatch: nic_errors node-004 mlx5_0 port 1 symbol_error +500 in 300 s "
         "(1.67/s, threshold 0.4/s)")
     assert reason_for(verdict, "node-005") is None
+
+
+def test_each_measurement_records_the_transports_its_group_took() -> None:
+    with SimBackend(_scenario(4, SOCKET, SHM | {"node": "node-001"},
+                              {"kind": "pcie_only", "node": "node-003", "gpus": [2, 3]})) as b:
+        got = b.run_round([GroupSpec(scope, tuple(members), sizes=(1 << 20,)) for scope, members in (
+            ("intra_node", [f"node-000/{g}" for g in range(8)]),
+            ("gpu_pair", ["node-001/1", "node-001/6"]),
+            ("gpu_pair", ["node-003/2", "node-003/3"]),
+            ("inter_node", ["node-000/0", "node-003/0"]),
+            ("inter_node", ["node-002/0", "node-002/1", "node-003/0", "node-003/1"]))])
+    taken = {(m.scope, m.members[0]): m.transport for m in got.measurements}
+    assert taken == {("intra_node", "node-000/0"): "p2p_nvlink",
+                     ("gpu_pair", "node-001/1"): "p2p_nvlink,shm",
+                     ("gpu_pair", "node-003/2"): "p2p_nvlink,p2p_pcie",
+                     ("inter_node", "node-000/0"): "net_ib",
+                     ("inter_node", "node-002/0"): "net_ib,net_socket,p2p_nvlink"}
+    # From the ranks' replies, as the Ray backend reduces them.
+    replies = {0: {"transports": {"counts": {"net_ib": 4, "p2p_nvlink": 2}}},
+               1: {"transports": {"counts": {"net_ib": 4}}}, 2: {}}
+    assert transport_of(replies) == "net_ib,p2p_nvlink"
+    assert transport_of({0: {}, 1: {"status": "ok"}}) is None

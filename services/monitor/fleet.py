@@ -282,7 +282,8 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
     if resolution == "raw":
         out["points"] = [
             {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
-             "redop": m.redop, "timing": m.timing, "time_us": m.time_us,
+             "redop": m.redop, "timing": m.timing, "transport": m.transport,
+             "time_us": m.time_us,
              "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
             for m in rows]
     else:

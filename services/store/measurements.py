@@ -129,9 +129,9 @@ def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dic
 
 COPY_COLUMNS = ("time", "size_bytes", "time_us", "algbw_gbs", "busbw_gbs", "preset_gbs",
                 "group_id", "run_id", "warmup", "iters", "wrong", "op", "backend", "dtype",
-                "redop", "timing")
+                "redop", "timing", "transport")
 COPY_TYPES = ("timestamptz", "int8", "float8", "float8", "float8", "float8", "int4", "int4",
-              "int4", "int4", "int4", "text", "text", "text", "text", "text")
+              "int4", "int4", "int4", "text", "text", "text", "text", "text", "text")
 
 
 def _as_time(t: datetime | str) -> datetime:
@@ -157,7 +157,8 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
                     _as_time(r["time"]), r["size_bytes"], r["time_us"], r["algbw_gbs"],
                     r["busbw_gbs"], r.get("preset_gbs"), ids[k], run.id, r.get("warmup", 0),
                     r["iters"], r.get("wrong", 0), series_op(r["op"], r.get("algo")), run.backend,
-                    r.get("dtype", "float32"), r.get("redop") or "sum", r.get("timing")))
+                    r.get("dtype", "float32"), r.get("redop") or "sum", r.get("timing"),
+                    r.get("transport")))
     run.measurement_count = len(rows)
     return len(rows)
 

@@ -174,6 +174,9 @@ measurements = Table(
     Column("redop", String(8), nullable=False, server_default="sum"),
     # How it was timed (agents.spec.TIMINGS); None where the sender did not say.
     Column("timing", String(16)),
+    # The transports NCCL took for the group (agents.nccl_log's classes, comma-joined);
+    # None where the probe did not say (gloo, rows from before).
+    Column("transport", String(64)),
     Index("ix_measurements_series", "group_id", "op", "size_bytes", "time"),
     postgresql_partition_by="RANGE (time)",
 )
