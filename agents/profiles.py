@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -174,9 +175,15 @@ def detect(gpu_name: str | None, instance: str | None = None,
         if p.instance_match:
             continue  # an instance profile is chosen by its instance type only
         for s in p.gpu_match:
-            if s.lower() in gpu_name.lower() and (best is None or len(s) > best[0]):
+            if _names(gpu_name, s) and (best is None or len(s) > best[0]):
                 best = (len(s), p.name)
     return best[1] if best else None
+
+
+def _names(gpu_name: str, pattern: str) -> bool:
+    """Whether ``pattern`` is in ``gpu_name`` as a word of its own at its start: "H200" is in
+    "NVIDIA H200" but not in "NVIDIA GH200 480GB" (a Grace Hopper, not an H200 board)."""
+    return re.search(r"(?<![a-z0-9])" + re.escape(pattern.lower()), gpu_name.lower()) is not None
 
 
 def scope_class(nodes: list[str] | tuple[str, ...]) -> str:

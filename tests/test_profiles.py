@@ -63,6 +63,8 @@ def test_detection_by_gpu_name_instance_or_setting(monkeypatch) -> None:
     monkeypatch.delenv("RINGWATCH_PROFILE", raising=False)
     assert profiles.detect("NVIDIA H100 80GB HBM3") == "H100-SXM"
     assert profiles.detect("NVIDIA H200") == "H200"
+    # A Grace Hopper superchip is no H200 board: no profile rather than the wrong one.
+    assert profiles.detect("NVIDIA GH200 480GB") is None
     assert profiles.detect("NVIDIA A100-SXM4-80GB") == "A100"
     assert profiles.detect("NVIDIA H100 80GB HBM3", instance="p5.48xlarge") == "p5.48xlarge"
     assert profiles.detect("NVIDIA H100 PCIe") is None  # not an 8-GPU NVLink node
