@@ -116,3 +116,33 @@ def test_allreduce_runs_under_each_nccl_algo_and_the_variable_is_put_back() -> N
         assert [r["status"] for r in replies.values()] == ["ok"], replies
         assert len(ms) == len(SIZES) and all(m.wrong == 0 and m.algo == algo for m in ms)
         assert "NCCL_ALGO" not in os.environ
+
+
+@needs_gpu
+def test_the_agent_reads_ncclS_own_log_of_its_group() -> None:
+    """The agent's NCCL debug file, as NCCL itself wrote it on this GPU, parsed: the version
+    torch links, the network plugin chosen. Run with -s to see the summary (the issue asks
+    for a real log parsed on a GPU)."""
+    from agents import nccl_log
+
+    agent = ProbeAgent("gpu-node", 0, backend="nccl")
+    spec = GroupSpec("intra_node", ("gpu-node/0",), ops=("allreduce",), sizes=(1 << 20,),
+                     warmup=1, iters=3, deadline_s=120)
+    (reply,) = run_agents([agent], spec)
+    assert reply["status"] == "ok", reply
+    assert agent._nccl_log is not None, "NCCL_DEBUG set in this environment: nothing recorded"
+    log = nccl_log.parse_nccl_log(agent._nccl_log.path.read_text())
+    major, minor, patch = torch.cuda.nccl.version()
+    assert f"{major}.{minor}.{patch}" in log.nccl_versions()
+    assert log.processes and log.processes[0].network is not None
+    print(nccl_log.summarize(log).to_dict(), log.processes[0])
+
+
+@needs_two
+def test_two_gpus_record_the_transport_nccl_took() -> None:
+    ms, errors = _run(2, ("allreduce",))
+    assert errors == [] and ms
+    taken = {m.transport for m in ms}
+    assert len(taken) == 1 and None not in taken
+    print("two GPUs took", taken)
+    assert set(taken.pop().split(",")) & {"p2p_nvlink", "p2p_pcie", "p2p", "shm"}
