@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     probe_interval_s: float = Field(default=300.0, gt=0)
     # The most of any GPU's time scheduled probing may take; stretches the interval.
     max_duty_cycle: float = Field(default=0.005, gt=0, le=1)
+    # NVLink domains (an NVL72 rack) split into NVLink partitions on purpose: GPUs of one
+    # cluster in several cliques is then the layout, not a fault (docs/transport.md).
+    nvlink_partitioned: bool = False
     state_dir: Path = STATE_DIR
     # Webhook delivery: retries with exponential backoff up to this age.
     webhook_max_age_s: float = Field(default=24 * 3600.0, gt=0)

@@ -369,3 +369,20 @@ def test_a_cycle_names_the_gpu_its_fabric_has_not_registered(nvml: FabricNvml) -
     kept = [c for c in cycle.counters if c.get("fabric")]
     assert [(c["node"], c["fabric"]["state"]) for c in kept] == [
         ("node-000", "IN_PROGRESS"), ("node-001", "IN_PROGRESS")]
+
+
+def test_a_rack_partitioned_on_purpose_compares_no_cliques(nvml: FabricNvml) -> None:
+    """RINGWATCH_NVLINK_PARTITIONED: two cliques in one cluster are the layout; a GPU not
+    registered is still a finding."""
+    from agents.sim import SimBackend
+    from services.scheduler.cycle import ProbeOptions, run_cycle
+
+    class ReadsNvml(SimBackend):
+        def counters(self):
+            return {f"node-{n:03d}/{g}": read_counters(g) for n in range(2) for g in range(4)}
+
+    nvml.fabric[2] = GpuFabric(clique=7)
+    for partitioned, want in ((False, [("node-000", 2), ("node-001", 2)]), (True, [])):
+        with ReadsNvml({"nodes": 2, "gpus_per_node": 4, "seed": 1}) as backend:
+            cycle = run_cycle(backend, ProbeOptions(nvlink_partitioned=partitioned))
+        assert [(f.node, f.gpu) for f in cycle.judged if f.kind == "nvlink_fabric"] == want

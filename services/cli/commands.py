@@ -464,6 +464,7 @@ def cmd_notifier(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     import socket
+    from dataclasses import replace
 
     from services.check import CheckBudget
     from services.scheduler.api_client import SchedulerApi
@@ -472,7 +473,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     settings = get_settings()
     settings.check_secrets()
-    options = _probe_options(args)
+    options = replace(_probe_options(args), nvlink_partitioned=settings.nvlink_partitioned)
     if not settings.token:
         raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
     progress.stamp = True

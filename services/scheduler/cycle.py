@@ -52,6 +52,9 @@ class ProbeOptions(ProbeSpec):
     # series (ring and tree apart) are kept like any link's. ``ops`` already holds its ops.
     profile: str | None = None
     job: JobLayout | None = None
+    # NVLink domains split into partitions on purpose (RINGWATCH_NVLINK_PARTITIONED): the
+    # fabric check then compares no cliques, judging registration and health alone.
+    nvlink_partitioned: bool = False
 
 
 @dataclass
@@ -121,7 +124,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
                     profile=options.profile, job=options.job, progress=progress,
                     label="round")
     after = backend.counters()
-    nvml, snapshots = _counter_findings(before, after)
+    nvml, snapshots = _counter_findings(before, after, partitioned=options.nvlink_partitioned)
     return CycleResult(
         backend=backend.name, ranks=ranks, measurements=run.measurements,
         findings=run.probe_findings + nvml, judged=run.judgement.findings + nvml,
@@ -156,8 +159,8 @@ class Rotation:
         return current
 
 
-def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
-                      ) -> tuple[list[Finding], list[dict[str, Any]]]:
+def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]],
+                      partitioned: bool = False) -> tuple[list[Finding], list[dict[str, Any]]]:
     """Each GPU's NVML verdict over the cycle (counters that rose, links that went down,
     XID errors) and, for the GPUs where something changed, the two readings to store."""
     findings: list[Finding] = []
@@ -180,7 +183,7 @@ def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[s
                               "findings": [f.kind for f in found]})
     # The NVLink fabric's state (registration, health, clique) is a state, not a counter:
     # judged on the readings after the cycle, across the nodes of each NVLink domain.
-    fabric = domain_findings(fabric_by_node(after))
+    fabric = domain_findings(fabric_by_node(after), partitioned=partitioned)
     findings += fabric
     for f in fabric:
         reading = after.get(member_key(f.node, f.gpu)) if f.node and f.gpu is not None else None
