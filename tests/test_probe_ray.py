@@ -272,6 +272,10 @@ def test_format_table_is_nccl_tests_shaped() -> None:
     maxed = format_table([dataclasses.replace(m("allreduce", 4096, N0), redop="max")])
     assert maxed.splitlines()[3].split()[3] == "max"
     assert format_table([]) == "# no measurements"
+    # Where NCCL's log said what the group ran over, the block's title says it too.
+    via = format_table([dataclasses.replace(m("allreduce", 4096, N0), transport="net_ib,p2p_nvlink")])
+    assert via.splitlines()[0].endswith("node-000/1  via NET/IB, P2P over NVLink")
+    assert "via" not in first[0]
 
 
 # ---- naming the rank that stalled, from a real store ------------------------------------

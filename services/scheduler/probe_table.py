@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from agents.collectives import plan
 from agents.spec import REDUCING_OPS, Measurement
+from agents.transport import transport_name
 
 _HEADER = (
     f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'op':>13}  {'time':>10}  "
@@ -54,6 +55,9 @@ def format_table(measurements: Iterable[Measurement]) -> str:
     blocks = []
     for (op, scope, members), ms in _groups(measurements).items():
         title = f"# {op}  {scope}  {len(members)} ranks: {' '.join(members)}"
+        taken = sorted({t for m in ms if m.transport for t in m.transport.split(",")})
+        if taken:  # what NCCL's own log says the group ran over (docs/transport.md)
+            title += f"  via {', '.join(transport_name(t) for t in taken)}"
         rows = [_row(m) for m in sorted(ms, key=lambda m: m.size_bytes)]
         blocks.append("\n".join([title, _HEADER, _UNITS, *rows]))
     if not blocks:
