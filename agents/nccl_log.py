@@ -741,6 +741,11 @@ def find_debug_files(pattern: str, host: str | None = None) -> list[Path]:
     return sorted(path.parent.glob(path.name))
 
 
+# The most of NCCL's debug file an agent keeps once read (NcclLogReader.trim): every
+# communicator's init writes its topology and channels, tens of kilobytes a group.
+TRIM_BYTES = 16 << 20
+
+
 class NcclLogReader:
     """One process's NCCL debug file, read a window at a time: each ``read`` parses only what
     NCCL appended since the last one, so the probe that reads after each group gets that
@@ -753,6 +758,9 @@ class NcclLogReader:
                                            os.getpid() if pid is None else pid))
         self._offset = 0
         self._parser = NcclLogParser()
+        # Set by ``trim``: the file was emptied under NCCL, which goes on writing at its own
+        # position (it opened the file "w"), so a size below the offset is no new process.
+        self._trimmed = False
 
     @classmethod
     def for_this_process(cls, environ: Mapping[str, str] | None = None) -> NcclLogReader | None:
@@ -775,6 +783,8 @@ class NcclLogReader:
         except OSError:
             return NcclLog()  # NCCL has not logged yet in this process
         if size < self._offset:
+            if self._trimmed:
+                return NcclLog()  # trimmed, and NCCL has written nothing since
             self._offset, self._parser = 0, NcclLogParser()
         with self.path.open("rb") as f:
             f.seek(self._offset)
@@ -784,3 +794,19 @@ class NcclLogReader:
         log = self._parser.feed(data[:end].decode("utf-8", errors="replace"))
         log.partial = 1 if end < len(data) else 0
         return log
+
+    def trim(self, max_bytes: int = TRIM_BYTES) -> bool:
+        """Keep a long-lived agent's file from growing without end: once everything in it
+        was read and it holds more than ``max_bytes``, empty it. NCCL opened it with
+        fopen(..., "w") (debug.cc) and goes on writing at its own position, so the file
+        becomes sparse (the emptied part takes no disk) and reading goes on at the same
+        offset. Whether it was emptied."""
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return False
+        if size <= max_bytes or size != self._offset:
+            return False
+        os.truncate(self.path, 0)
+        self._trimmed = True
+        return True

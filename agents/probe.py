@@ -621,6 +621,7 @@ class ProbeAgent:
             return
         try:
             summary = nccl_log.summarize(self._nccl_log.read(), rdma_devices=self._rdma)
+            self._nccl_log.trim()
         except OSError:
             return
         if not summary.pairs and not summary.counts:

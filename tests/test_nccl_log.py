@@ -317,3 +317,24 @@ def test_reader_for_this_process(tmp_path: Path) -> None:
     assert NcclLogReader.for_this_process({}) is None
     reader = NcclLogReader.for_this_process({"NCCL_DEBUG_FILE": str(tmp_path / "n.%p")})
     assert reader is not None and reader.path.name.startswith("n.") and reader.path.name[2:].isdigit()
+
+
+def test_a_long_lived_agents_file_is_trimmed_and_read_on_after(tmp_path) -> None:
+    """NCCL writes with its own file position (fopen "w"): after ``trim`` empties the file,
+    its next lines land past a hole of no disk, and the reader goes on from there."""
+    path = tmp_path / "nccl.log"
+    first = "h:1:1 [0] NCCL INFO NCCL version 2.28.9+cuda13.0\n"
+    nccl = path.open("w")  # as NCCL holds it
+    nccl.write(first * 4000)
+    nccl.flush()
+    reader = NcclLogReader(str(path))
+    assert reader.read().nccl_versions == ["2.28.9+cuda13.0"]
+    assert not reader.trim(max_bytes=1 << 20)  # small: kept
+    assert reader.trim(max_bytes=100) and path.stat().st_size == 0
+    assert reader.read().lines == 0  # nothing new yet, no restart from the top
+    nccl.write("h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n")
+    nccl.flush()
+    again = reader.read()
+    assert again.lines == 1 and len(again.connections) == 1 and again.foreign == 0
+    assert path.stat().st_blocks * 512 < len(first) * 4000 // 10  # the emptied part takes no disk
+    nccl.close()
