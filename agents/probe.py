@@ -412,10 +412,27 @@ def _nccl_log_reader() -> nccl_log.NcclLogReader | None:
     """NCCL's INIT, NET and GRAPH lines into a file of this process's own, set before its
     first communicator forms (NCCL reads them once); None where the user set NCCL_DEBUG in a
     way that leaves the transports unwritten (docs/transport.md)."""
-    setup = nccl_log.nccl_debug_setup(Path(tempfile.gettempdir()) / "ringwatch-nccl", os.environ)
+    base = Path(tempfile.gettempdir()) / "ringwatch-nccl"
+    setup = nccl_log.nccl_debug_setup(base, os.environ)
     for key, value in setup.env.items():
         os.environ.setdefault(key, value)
+    _remove_dead_logs(base)
     return nccl_log.NcclLogReader.for_this_process() if setup.transports_visible else None
+
+
+def _remove_dead_logs(base: Path) -> None:
+    """The debug files of agents of this host that are gone (``nccl.HOST.PID.log``)."""
+    host = nccl_log.nccl_hostname()
+    for path in base.glob(f"nccl.{host}.*.log"):
+        pid = path.name[len(f"nccl.{host}."):-len(".log")]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _ports() -> list[nic_counters.PortSnapshot]:

@@ -296,3 +296,18 @@ def test_each_measurement_records_the_transports_its_group_took() -> None:
                1: {"transports": {"counts": {"net_ib": 4}}}, 2: {}}
     assert transport_of(replies) == "net_ib,p2p_nvlink"
     assert transport_of({0: {}, 1: {"status": "ok"}}) is None
+
+
+def test_an_agent_removes_the_nccl_logs_of_agents_that_are_gone(tmp_path) -> None:
+    from agents.nccl_log import nccl_hostname
+    from agents.probe import _remove_dead_logs
+
+    host = nccl_hostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dead, alive = tmp_path / f"nccl.{host}.{gone}.log", tmp_path / f"nccl.{host}.1.log"
+    other = tmp_path / "nccl.another-host.12345.log"
+    for p in (dead, alive, other):
+        p.write_text("x\n")
+    _remove_dead_logs(tmp_path)
+    assert not dead.exists() and alive.exists() and other.exists()
