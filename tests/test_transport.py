@@ -311,3 +311,13 @@ def test_an_agent_removes_the_nccl_logs_of_agents_that_are_gone(tmp_path) -> Non
         p.write_text("x\n")
     _remove_dead_logs(tmp_path)
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_an_excluded_nodes_own_groups_are_not_left_undecided() -> None:
+    """node-005 is excluded for its SHM pair; its own groups (fine on bandwidth) need no
+    decision, so they do not make the verdict incomplete."""
+    with SimBackend(_scenario(16, SHM)) as backend:
+        result = run_check(backend)
+    assert result.verdict()["exclude"] == ["node-005"]
+    assert any(set(v.nodes) == {"node-005"} for v in result.judgement.verdicts.values())
+    assert all(set(g["nodes"]) != {"node-005"} for g in result.undecided_groups)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from agents.spec import GroupSpec, ProbeBackend, RankInfo
+from agents.spec import EXCLUDING_KINDS, GroupSpec, ProbeBackend, RankInfo
 from agents.workloads import JobLayout, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
 from services.analyzer.judge import JudgeCache, Judgement, judge
@@ -80,9 +80,14 @@ class CheckResult(Rounds):
 
     @property
     def undecided_groups(self) -> list[dict[str, Any]]:
-        """Groups the check measured but could not decide either way (never exclusions)."""
+        """Groups the check measured but could not decide either way (never exclusions).
+        A group wholly on nodes the verdict already excludes (a hang, wrong data, a
+        transport fallback named them) needs no decision: it is not counted."""
+        excluded = {f.node for f in self.judgement.findings
+                    if f.kind in EXCLUDING_KINDS and f.node is not None}
         return [{"scope": v.scope, "nodes": list(v.nodes)}
-                for v in self.judgement.verdicts.values() if not v.bad and not v.cleared]
+                for v in self.judgement.verdicts.values()
+                if not v.bad and not v.cleared and not set(v.nodes) <= excluded]
 
     def verdict(self) -> dict[str, Any]:
         """The verdict (docs/formats.md): fabric and wall time, whether the budget cut the
