@@ -412,19 +412,22 @@ def _nccl_log_reader() -> nccl_log.NcclLogReader | None:
     """NCCL's INIT, NET and GRAPH lines into a file of this process's own, set before its
     first communicator forms (NCCL reads them once); None where the user set NCCL_DEBUG in a
     way that leaves the transports unwritten (docs/transport.md)."""
-    base = Path(tempfile.gettempdir()) / "ringwatch-nccl"
-    setup = nccl_log.nccl_debug_setup(base, os.environ)
+    setup = nccl_log.nccl_debug_setup(Path(tempfile.gettempdir()) / "ringwatch-nccl", os.environ)
     for key, value in setup.env.items():
         os.environ.setdefault(key, value)
-    _remove_dead_logs(base)
+    if "NCCL_DEBUG_FILE" in setup.env:  # ringwatch's own files, never a user's
+        _remove_dead_logs(setup.env["NCCL_DEBUG_FILE"])
     return nccl_log.NcclLogReader.for_this_process() if setup.transports_visible else None
 
 
-def _remove_dead_logs(base: Path) -> None:
-    """The debug files of agents of this host that are gone (``nccl.HOST.PID.log``)."""
+def _remove_dead_logs(pattern: str) -> None:
+    """The debug files ``pattern`` names for this host's agents that are gone (its ``%p`` a
+    pid no process has any more)."""
     host = nccl_log.nccl_hostname()
-    for path in base.glob(f"nccl.{host}.*.log"):
-        pid = path.name[len(f"nccl.{host}."):-len(".log")]
+    named = Path(nccl_log.expand_debug_file(pattern.replace("%p", "\0"), host, 0)).name
+    prefix, _, suffix = named.partition("\0")
+    for path in nccl_log.find_debug_files(pattern, host):
+        pid = path.name[len(prefix):len(path.name) - len(suffix)]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:

@@ -221,11 +221,7 @@ def _check_fault(i: int, f: Any, n_nodes: int, gpus: int) -> None:
     if kind == "nic_errors":
         _check_nic_errors(where, f)
     if kind in ("nvlink", "pcie_only"):
-        pair = f.get("gpus")
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError(f"{where}: {kind} needs \"gpus\": [a, b]")
-        if _gpu_index(where, pair[0], gpus) == _gpu_index(where, pair[1], gpus):
-            raise ValueError(f"{where}: {kind} needs two different gpus")
+        _check_pair(where, kind, f.get("gpus"), gpus)
     if kind in ("hang", "corrupt", "error"):
         _gpu_index(where, f.get("gpu", 0), gpus)
     if kind == "fallback":
@@ -259,11 +255,16 @@ def _check_transport(where: str, f: dict[str, Any], gpus: int) -> None:
         raise ValueError(f"{where}: transport for {what} traffic must be one of "
                          f"{', '.join(allowed)}, got {f.get('transport')!r}")
     if pair is not None:
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ValueError(f"{where}: transport needs \"gpus\": [a, b] (or none: the node's "
-                             "inter-node traffic)")
-        if _gpu_index(where, pair[0], gpus) == _gpu_index(where, pair[1], gpus):
-            raise ValueError(f"{where}: transport needs two different gpus")
+        _check_pair(where, "transport", pair, gpus,
+                    " (or none: the node's inter-node traffic)")
+
+
+def _check_pair(where: str, kind: str, pair: Any, gpus: int, alternative: str = "") -> None:
+    """A fault's ``gpus``: two different GPUs of the node."""
+    if not isinstance(pair, list) or len(pair) != 2:
+        raise ValueError(f"{where}: {kind} needs \"gpus\": [a, b]{alternative}")
+    if _gpu_index(where, pair[0], gpus) == _gpu_index(where, pair[1], gpus):
+        raise ValueError(f"{where}: {kind} needs two different gpus")
 
 
 def _check_nic_errors(where: str, f: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agents.groups import split_member
-from agents.nccl_log import TransportSummary
+from agents.nccl_log import NET_TRANSPORTS, TransportSummary
 from agents.nic_counters import NicError, PortSnapshot, nic_errors
 from agents.spec import Finding
 
@@ -121,7 +121,7 @@ def judge_transports(summary: TransportSummary, node: str, members: Sequence[str
         if other >= len(members):
             continue
         other_node, other_gpu = split_member(members[other])
-        slower = [t for t in pair.transports if t in ("shm", "p2p_pcie") or t.startswith("net_")]
+        slower = [t for t in pair.transports if t in ("shm", "p2p_pcie") or t in NET_TRANSPORTS]
         if other_node == node and other_gpu in peers and slower:
             found.append(transport_finding(node, slower[0], "p2p_nvlink", scope,
                                            gpus=[gpu, other_gpu]))

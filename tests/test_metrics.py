@@ -497,3 +497,28 @@ def test_links_that_label_alike_report_the_worse_whatever_their_order() -> None:
         [family] = [f for f in FleetCollector(snap).collect()
                     if f.name == "ringwatch_link_ratio"]
         assert [s.value for s in family.samples] == [0.4]
+
+
+def test_a_cause_with_a_malformed_detail_never_breaks_the_scrape(api, clean_db) -> None:
+    """An agent's finding detail is free-form JSON: counters that are not records, a rate
+    that is no number, GPUs that are no list are left out of the cause families, and the
+    well-formed ones beside them are still reported."""
+    from services.store import db
+    from services.store.health import open_finding
+
+    with db.transaction(clean_db) as s:
+        open_finding(s, kind="nic_errors", group_key=None, op=None, nodes=["node-001"],
+                     severity="warning", detail={"counters": ["x", {"device": "mlx5_0",
+                     "port": 1, "counter": "symbol_error", "rate_per_s": "fast"},
+                     {"device": "mlx5_1", "port": 1, "counter": "link_downed",
+                      "rate_per_s": 0.5}]})
+        open_finding(s, kind="nic_errors", group_key=None, op=None, nodes=["node-002"],
+                     severity="warning", detail={"counters": "many"})
+        open_finding(s, kind="transport_fallback", group_key=None, op=None, nodes=["node-003"],
+                     severity="critical", detail={"transport": "shm", "gpus": 7,
+                                                  "expected_transport": "p2p_nvlink"})
+    samples = scrape(api)
+    assert samples["ringwatch_nic_error_rate_per_second"] == [
+        ({"node": "node-001", "device": "mlx5_1", "port": "1", "counter": "link_downed"}, 0.5)]
+    assert samples["ringwatch_transport_fallback"] == [
+        ({"node": "node-003", "transport": "shm", "expected": "p2p_nvlink", "gpus": ""}, 1.0)]

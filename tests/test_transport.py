@@ -299,7 +299,7 @@ def test_each_measurement_records_the_transports_its_group_took() -> None:
 
 
 def test_an_agent_removes_the_nccl_logs_of_agents_that_are_gone(tmp_path) -> None:
-    from agents.nccl_log import nccl_hostname
+    from agents.nccl_log import DEBUG_FILE_NAME, nccl_hostname
     from agents.probe import _remove_dead_logs
 
     host = nccl_hostname()
@@ -309,7 +309,7 @@ def test_an_agent_removes_the_nccl_logs_of_agents_that_are_gone(tmp_path) -> Non
     other = tmp_path / "nccl.another-host.12345.log"
     for p in (dead, alive, other):
         p.write_text("x\n")
-    _remove_dead_logs(tmp_path)
+    _remove_dead_logs(str(tmp_path / DEBUG_FILE_NAME))
     assert not dead.exists() and alive.exists() and other.exists()
 
 

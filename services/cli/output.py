@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -18,7 +19,13 @@ def headline(finding: dict[str, Any]) -> str:
         figure = f"{measured:g} of {expected:g} GB/s ({measured / expected:.2f})"
     else:
         figure = ""
-    # Why, where it is known (the transport NCCL took, a NIC counter, the fabric state).
+    return with_cause(figure, finding)
+
+
+def with_cause(figure: str, finding: Mapping[str, Any]) -> str:
+    """``figure`` and, where the finding knows why (the transport NCCL took, a NIC counter,
+    the fabric state: docs/transport.md), its ``cause`` beside it; the cause alone where
+    there is no figure."""
     cause = finding.get("cause")
     if isinstance(cause, str) and cause:
         return f"{figure}; {cause}" if figure else cause

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.cli.errors import CliError
+from services.cli.output import with_cause
 
 if TYPE_CHECKING:
     import httpx
@@ -336,10 +337,7 @@ def _figure(f: Mapping[str, Any]) -> str:
         figure = f"{measured:.3g} of {expected:.3g} GB/s"
     else:
         figure = ""
-    cause = f.get("cause")
-    if isinstance(cause, str) and cause:
-        return f"{figure}; {cause}" if figure else cause
-    return figure
+    return with_cause(figure, f)
 
 
 def clean_reason(text: str) -> str:

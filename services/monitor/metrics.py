@@ -82,6 +82,11 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
                     collect_s=time.perf_counter() - started, causes=causes)
 
 
+def _listed(value: Any) -> list[Any]:
+    """``value`` where it is a JSON list, else nothing."""
+    return value if isinstance(value, list) else []
+
+
 def link_labels(row: store.LinkRow) -> dict[str, str]:
     """A link's series labels beside ``scope`` and ``op``: ``node`` for a group on one node,
     ``node`` and ``peer_node`` for one on two (in name order), ``gpu`` and ``peer_gpu`` (with
@@ -186,13 +191,17 @@ class FleetCollector(Collector):
                           "NCCL took `transport` where `expected` was up (gpus: a GPU pair's, "
                           "empty: the node's inter-node traffic).",
                           labels=["node", "transport", "expected", "gpus"])
+        # A detail is the agent's free-form JSON: what is not in the expected shape is left
+        # out, never a failed scrape.
         for c in self.snap.causes:
             if c.kind == "nic_errors":
-                for e in c.detail.get("counters") or []:
-                    rates.add_metric([c.node, str(e.get("device")), str(e.get("port")),
-                                      str(e.get("counter"))], float(e.get("rate_per_s") or 0.0))
+                for e in _listed(c.detail.get("counters")):
+                    rate = e.get("rate_per_s") if isinstance(e, dict) else None
+                    if isinstance(rate, int | float) and not isinstance(rate, bool):
+                        rates.add_metric([c.node, str(e.get("device")), str(e.get("port")),
+                                          str(e.get("counter"))], float(rate))
             else:
-                gpus = ",".join(str(g) for g in c.detail.get("gpus") or ())
+                gpus = ",".join(str(g) for g in _listed(c.detail.get("gpus")))
                 fallback.add_metric([c.node, str(c.detail.get("transport")),
                                      str(c.detail.get("expected_transport")), gpus], 1.0)
         yield rates
