@@ -142,6 +142,53 @@ def read_ports(root: str | os.PathLike[str] = "/",
     return snapshots
 
 
+# The data a port carried, both directions. IBTA PortXmitData/PortRcvData (counters/, mlx5 IB
+# and RoCE alike) count 4-byte words; EFA's hw_counters count bytes.
+_DATA_COUNTERS = (("counters", ("port_xmit_data", "port_rcv_data"), 4),
+                  ("hw_counters", ("tx_bytes", "rx_bytes"), 1))
+# Without the extended PortCounters the words counters are the 32-bit PMA ones, which stop at
+# all ones (16 GiB) instead of wrapping: from there on they say nothing.
+_PMA_DATA_MAX = (1 << 32) - 1
+
+
+def read_data_bytes(root: str | os.PathLike[str] = "/",
+                    devices: Iterable[str] | None = None) -> dict[tuple[str, int], int]:
+    """Bytes each RDMA port under ``root`` has sent and received so far, summed, by (device,
+    port): cumulative, so two readings give the traffic between them. Only the data counters
+    are read (mlx5 queries its firmware for each hw_counters file read, and this is read
+    around every probe). A port without readable data counters, or with a saturated 32-bit
+    one, is left out."""
+    base = Path(root) / IB_CLASS
+    if not base.is_dir():
+        return {}
+    wanted = set(devices) if devices is not None else None
+    data: dict[tuple[str, int], int] = {}
+    for device in sorted(base.iterdir()):
+        ports = device / "ports"
+        if (wanted is not None and device.name not in wanted) or not ports.is_dir():
+            continue
+        for port in ports.iterdir():
+            if port.name.isascii() and port.name.isdigit():
+                total = _data_bytes(port)
+                if total is not None:
+                    data[(device.name, int(port.name))] = total
+    return data
+
+
+def _data_bytes(port: Path) -> int | None:
+    for sub, names, unit in _DATA_COUNTERS:
+        texts = [_text(port / sub / name) for name in names]
+        if any(text is None for text in texts):
+            continue
+        if not all(t is not None and t.isascii() and t.isdigit() for t in texts):
+            return None
+        values = [int(t) for t in texts if t is not None]
+        if unit == 4 and _PMA_DATA_MAX in values:
+            return None
+        return sum(values) * unit
+    return None
+
+
 @dataclass(frozen=True)
 class CounterRate:
     """One counter between two readings of a port. A counter that went backwards (cleared by

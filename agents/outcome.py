@@ -4,6 +4,8 @@ group measured and what went wrong: the same reduction for the Ray driver and fo
 
 - A measurement per op and size that every rank finished: the group's time is its slowest
   rank's (nccl-tests' ``-a`` max over ranks), the median over repeats; wrong counts summed.
+  Where a rank's links carried other traffic before the group formed (agents.contention),
+  every one of them is ``contended``.
 - ``data_corruption`` for each rank whose output held a wrong element.
 - ``probe_error`` for each rank whose own code failed (an exception in the rank, an agent
   process that died, a machine that cannot probe). Peers whose collective broke because of
@@ -18,6 +20,7 @@ from collections.abc import Collection
 from typing import Any
 
 from agents.collectives import algbw_gbs, busbw_gbs
+from agents.contention import Traffic, contention
 from agents.groups import split_member
 from agents.probe import arrived_key, done_key, entered_key
 from agents.spec import Finding, GroupSpec, Measurement, redop_for, weakest_timing
@@ -34,9 +37,10 @@ def measurements(spec: GroupSpec, replies: dict[int, Reply]) -> list[Measurement
     per_rank = [replies[r]["probes"] for r in range(spec.world_size)]
     finished = min(len(p) for p in per_rank)
     found = [measurement(spec, [p[i] for p in per_rank]) for i in range(finished)]
-    taken = transport_of(replies)
+    taken, contended = transport_of(replies), contended_of(replies)
     for m in found:
         m.transport = taken
+        m.contended = contended
     return found
 
 
@@ -46,6 +50,14 @@ def transport_of(replies: dict[int, Reply]) -> str | None:
     seen = {t for reply in replies.values()
             for t in ((reply.get("transports") or {}).get("counts") or {})}
     return ",".join(sorted(seen)) if seen else None
+
+
+def contended_of(replies: dict[int, Reply]) -> str | None:
+    """agents.contention's verdict on the traffic the group's ranks read on their links
+    before it formed: why every measurement of the group is contended, or None (the links
+    were quiet, or no rank could read them)."""
+    return contention(Traffic.from_dict(t) for t in (r.get("traffic") for r in replies.values())
+                      if isinstance(t, dict) and "member" in t)
 
 
 def measurement(spec: GroupSpec, probes: list[dict[str, Any]]) -> Measurement:

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from agents import contention, inventory, nccl_log, nic_counters, profiles, telemetry
 from agents import device as device_seam
-from agents import inventory, nccl_log, nic_counters, profiles, telemetry
 from agents import transport as transport_judge
 from agents.collectives import Buffers, check_redop, collective, plan
 from agents.device import (
@@ -36,7 +36,7 @@ from agents.device import (
     check_cuda,
     device_for,
 )
-from agents.groups import member
+from agents.groups import member, node_of
 from agents.patterns import check_tolerance, count_wrong, expected_output, make_input, torch_dtype
 from agents.spec import TIMING_CUDA_GRAPH, InjectedFault, ProbeSetupError, RankInfo, redop_for
 
@@ -438,6 +438,15 @@ def _remove_dead_logs(pattern: str) -> None:
             pass  # alive, another user's
 
 
+def _rss_bytes() -> int | None:
+    """This process's resident set in bytes (Linux's /proc/self/statm); None elsewhere."""
+    try:
+        resident = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident * os.sysconf("SC_PAGE_SIZE")
+
+
 def _ports() -> list[nic_counters.PortSnapshot]:
     """This node's RDMA ports (sysfs under RINGWATCH_SYSFS_ROOT, default /)."""
     return nic_counters.read_ports(os.environ.get("RINGWATCH_SYSFS_ROOT", "/"))
@@ -445,7 +454,11 @@ def _ports() -> list[nic_counters.PortSnapshot]:
 
 class ProbeAgent:
     """One probe rank. The backend wraps it with ``ray.remote``; it works without Ray too
-    (nothing here imports ray unless it is already loaded)."""
+    (nothing here imports ray unless it is already loaded).
+
+    Under nccl an agent lives for one cycle (the backend's ``acquire`` to ``release``): its
+    first group makes a CUDA context on its GPU, which only the process's end gives back.
+    Until then (constructed, identified, counters read) it holds nothing on the GPU."""
 
     def __init__(
         self,
@@ -470,6 +483,8 @@ class ProbeAgent:
         self._host = host
         self._xid: telemetry.XidWatcher | None = None
         self._probe_device: ProbeDevice | None = None
+        # Set once a group bound the GPU: from then on this process may hold a CUDA context.
+        self._cuda_context = False
         self._faults: dict[str, InjectedFault] = {}
         self.set_injected(injected or [])
         # NCCL's own log of the transports it takes, and what this node's GPU and NICs
@@ -477,10 +492,17 @@ class ProbeAgent:
         self._nccl_log: nccl_log.NcclLogReader | None = None
         self._nvlink_peers: set[int] = set()
         self._rdma: tuple[str, ...] = ()
+        # When this agent's last group left its GPU (time.monotonic()): NVML's utilization
+        # reads that work for a while after (agents.contention).
+        self._gpu_work_ended: float | None = None
         if backend == "nccl":
             # A peer that dies must surface as an error here, not as a silent hang.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             self._nccl_log = _nccl_log_reader()
+            # XIDs are NVML events, seen only by a set registered when they happen, and an
+            # agent lives one cycle: watching from its start covers the whole of it. NVML's
+            # session holds no GPU memory and no CUDA context.
+            self._xid = telemetry.XidWatcher(self.device_index)
 
     @property
     def member(self) -> str:
@@ -533,7 +555,7 @@ class ProbeAgent:
         if self.backend != "nccl":
             return {"available": False, "reason": f"a {self.backend} rank has no GPU"}
         reading = telemetry.read_counters(self.device_index)
-        if self._xid is None:
+        if self._xid is None:  # set up in __init__; here only if something dropped it
             self._xid = telemetry.XidWatcher(self.device_index)
         reading["xid"] = self._xid.drain()
         if self.local_index == 0:  # the node's NIC ports and their error counters, once per node
@@ -564,7 +586,33 @@ class ProbeAgent:
         if self._probe_device is None:
             self.check()
             self._probe_device = device_for(self.backend, self.device_index)
+        # The group about to form binds the GPU, which makes the primary context.
+        self._cuda_context = self._cuda_context or self.backend == "nccl"
         return self._probe_device
+
+    def prepare(self) -> str | None:
+        """Make this rank's CUDA context now (nccl; nothing under gloo), so that a cycle's
+        set-up is paid in the backend's ``acquire`` and counted there, not inside its first
+        group's deadline. None, or why it could not: never raises, for the group that
+        follows then fails with that error as a probe finding, as it always has."""
+        if self.backend != "nccl":
+            return None
+        try:
+            device = self._device()
+            device.bind()
+            device.synchronize()  # torch initialises CUDA lazily: this makes the context
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"[:300]
+        return None
+
+    def footprint(self) -> dict[str, Any]:
+        """What this agent's process holds now: its pid, resident host memory (bytes), the
+        CPU seconds it has used (all threads, user and system), and whether it may hold a
+        CUDA context (a group has run on its GPU: only the process's end gives that back,
+        which is why the backend ends nccl agents between cycles). Read from the process
+        itself, so it answers on any node of a cluster."""
+        return {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
+                "cpu_s": sum(os.times()[:2]), "cuda_context": self._cuda_context}
 
     def run_group(
         self, spec: dict[str, Any], rank: int, store_host: str, store_port: int, group_id: str
@@ -573,7 +621,9 @@ class ProbeAgent:
 
         Returns ``{"rank", "member", "status": ok|error, "stage", "error", "origin",
         "probes": [...], "timed_s"}``; each probe holds op, size_bytes (used), count,
-        times_s, wrong and timing. ``origin`` (on error) says whose failure it shows:
+        times_s, wrong and timing; ``traffic`` (agents.contention.Traffic, where this rank
+        could read its links) the other traffic on them just before the group formed.
+        ``origin`` (on error) says whose failure it shows:
         ``local`` (this rank's own code raised), ``collective`` (the group broke under it)
         or ``setup`` (this machine cannot probe).
         """
@@ -605,6 +655,7 @@ class ProbeAgent:
                 out["stage"] = "join"
                 time.sleep(_HANG_SLEEP_S)
             store.set(arrived_key(rank), self.member)
+            self._quiet_window(spec, rank, out)
             out["stage"] = "form"
             device = self._device()
             algo_env.enter_context(nccl_algo(spec.get("algo") if self.backend == "nccl" else None))
@@ -631,7 +682,36 @@ class ProbeAgent:
         finally:
             leave_group(pg, failed)
             algo_env.close()
+            if self.backend == "nccl":
+                self._gpu_work_ended = time.monotonic()
         return out
+
+    def _quiet_window(self, spec: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
+        """The other traffic on this rank's links (``out["traffic"]``, agents.contention)
+        over a short window before its group forms, its own probe not yet running: its GPU's
+        NVLinks, utilization and processes under nccl, and the node's RDMA ports where it is
+        its node's first rank in a group that spans nodes. With nothing to read (a gloo rank
+        on a node without RDMA ports) it costs nothing; a reading that fails says nothing,
+        and never fails the group."""
+        try:
+            window_s = float(spec.get("quiet_window_s", contention.QUIET_WINDOW_S))
+            if window_s <= 0:
+                return
+            nodes = [node_of(m) for m in spec["members"]]
+            meter = contention.TrafficMeter(
+                self.device_index if self.backend == "nccl" else None, (os.getpid(),),
+                nics=len(set(nodes)) > 1 and nodes.index(nodes[rank]) == rank,
+                sysfs_root=os.environ.get("RINGWATCH_SYSFS_ROOT", "/"),
+                own_gpu_work_at=self._gpu_work_ended)
+            before = meter.sample()
+            if before.empty:
+                return
+            time.sleep(window_s)
+            after = meter.sample()
+            out["traffic"] = meter.traffic(before, after, after.at - before.at,
+                                           self.member).to_dict()
+        except Exception:  # what cannot be read says nothing, and the group goes on
+            return
 
     def _transports(self, spec: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
         """What NCCL's log says this group's connections ran over (``transports``), and the

@@ -3,6 +3,9 @@
 Built from a scenario (docs/formats.md, "Fabric scenario file"). Each group's time follows the
 links its algorithm loads: a ring runs at its slowest edge, an all-to-all ends with its
 slowest flow. Faults scale what they name, and may drift: lose more each monitoring cycle.
+The scenario's jobs hold their nodes for a span of cycles: the sim reports them as its
+occupancy, their traffic takes its share of those nodes' links, and the ranks' modeled
+counters see it, so a probe through them is ``contended`` as on a real fleet.
 Per-link variation and measurement noise are seeded; each cycle draws its own noise. The
 analyzer sees only the measurements and the ranks' telemetry, never the fault list. Model
 and figures: docs/analysis.md.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from agents.collectives import busbw_factor
+from agents.contention import Traffic, contention
 from agents.fabric_presets import preset
 from agents.groups import member, split_member
+from agents.hostlist import expand_hostlist
 from agents.spec import (
     ALGOS,
     TIMING_MODEL,
@@ -30,6 +36,7 @@ from agents.spec import (
     Finding,
     GroupSpec,
     Measurement,
+    Occupant,
     RankInfo,
     RoundResult,
     redop_for,
@@ -69,6 +76,16 @@ SMALL_NODES = 8
 # cache starts again, so a long-lived monitor's memory stays bounded.
 CACHE_LIMIT = 1 << 16
 _U64 = (1 << 64) - 1
+# A scenario job's fields, and the links its traffic loads (docs/formats.md).
+JOB_FIELDS = ("id", "nodes", "cycles", "traffic")
+JOB_TRAFFIC = ("nvlink", "network")
+# A job's id: what the occupancy source names it by, shown to people; one plain token.
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A running job's share of its GPUs' time, as NVML would read it: training keeps them busy
+# between its collectives, whatever its links carry.
+JOB_GPU_UTIL = 0.9
+# The modeled counters' window: what a rank reads beside its group (agents.contention).
+TRAFFIC_WINDOW_S = 1.0
 
 
 def node_name(i: int) -> str:
@@ -110,6 +127,12 @@ class Scenario:
     variation: float = 0.02
     seed: int = 0
     faults: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[SimJob] = field(default_factory=list)
+
+    def running(self, cycle: int) -> tuple[SimJob, ...]:
+        """The jobs running in the monitoring cycle ``begin_cycle(cycle)`` begins (``cycle``
+        0-based, as begin_cycle counts; a job's ``cycles`` are 1-based), in file order."""
+        return tuple(job for job in self.jobs if job.runs_in(cycle))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Scenario:
@@ -136,7 +159,33 @@ class Scenario:
             raise ValueError("faults must be a list")
         for i, f in enumerate(s.faults):
             _check_fault(i, f, s.nodes, s.gpus_per_node)
+        s.jobs = _jobs(d.get("jobs"), s.nodes)
         return s
+
+
+@dataclass(frozen=True)
+class SimJob:
+    """A training job of a scenario: it holds every GPU of its ``nodes`` (indices) from
+    monitoring cycle ``first`` to ``last`` (the scheduler's cycle numbers: 1-based,
+    inclusive; ``last`` None: to the end), and while it runs its own traffic takes
+    ``nvlink`` of each NVLink pair's and ``network`` of each NIC's bandwidth there."""
+
+    id: str
+    nodes: tuple[int, ...]
+    first: int = 1
+    last: int | None = None
+    nvlink: float = 0.0
+    network: float = 0.0
+
+    def runs_in(self, cycle: int) -> bool:
+        """Whether it runs in the cycle ``begin_cycle(cycle)`` begins: cycle number
+        ``cycle + 1`` (a preflight outside a scheduler is cycle 0, number 1)."""
+        number = cycle + 1
+        return self.first <= number and (self.last is None or number <= self.last)
+
+    @property
+    def span(self) -> str:
+        return f"{self.first}-{self.last}" if self.last is not None else f"{self.first} on"
 
 
 def _int(d: dict[str, Any], key: str, default: int | None, low: int | None) -> int:
@@ -284,6 +333,106 @@ def _check_nic_errors(where: str, f: dict[str, Any]) -> None:
                          f"got {device!r}")
 
 
+def _jobs(entries: Any, n_nodes: int) -> list[SimJob]:
+    """A scenario's ``jobs``, each checked; two jobs never hold one node in the same cycle
+    (a job holds all of a node's GPUs)."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise ValueError("jobs must be a list")
+    jobs: list[SimJob] = []
+    ids: dict[str, int] = {}
+    held: dict[int, list[SimJob]] = {}
+    for i, entry in enumerate(entries):
+        where = f"jobs[{i}]"
+        job = _job(where, i, entry, n_nodes)
+        if job.id in ids:
+            raise ValueError(f"{where}: id {job.id!r} is already jobs[{ids[job.id]}]'s")
+        ids[job.id] = i
+        for node in job.nodes:
+            for other in held.get(node, ()):
+                if _overlap(job, other):
+                    raise ValueError(f"{where}: {node_name(node)} is held by {other.id} in "
+                                     f"cycle(s) {other.span} too; a job holds all of a "
+                                     f"node's GPUs, so two never share one")
+            held.setdefault(node, []).append(job)
+        jobs.append(job)
+    return jobs
+
+
+def _overlap(a: SimJob, b: SimJob) -> bool:
+    return ((a.last is None or b.first <= a.last)
+            and (b.last is None or a.first <= b.last))
+
+
+def _job(where: str, i: int, d: Any, n_nodes: int) -> SimJob:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object")
+    unknown = sorted(set(d) - set(JOB_FIELDS), key=str)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(str, unknown))}; a job "
+                         f"takes {', '.join(JOB_FIELDS)}")
+    job_id = d.get("id", f"job-{i}")
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise ValueError(f"{where}: id must be a name of letters, digits and . _ - (at most "
+                         f"64, a letter or digit first), got {job_id!r}")
+    first, last = _job_cycles(where, d.get("cycles"))
+    nvlink, network = _job_traffic(where, d.get("traffic", {}))
+    return SimJob(id=job_id, nodes=_job_nodes(where, d.get("nodes"), n_nodes), first=first,
+                  last=last, nvlink=nvlink, network=network)
+
+
+def _job_nodes(where: str, nodes: Any, n_nodes: int) -> tuple[int, ...]:
+    """A host list (``node-[010-049]``) or a list of node names: the nodes' indices, each
+    once, in the order named."""
+    if isinstance(nodes, str):
+        try:
+            names: list[Any] = expand_hostlist(nodes)
+        except ValueError as exc:
+            raise ValueError(f"{where}: nodes: {exc}") from None
+    elif isinstance(nodes, list):
+        names = nodes
+    else:
+        raise ValueError(f"{where}: nodes must be a host list (\"node-[010-049]\") or a list "
+                         f"of node names, got {nodes!r}")
+    if not names:
+        raise ValueError(f"{where}: nodes names no node")
+    return tuple(dict.fromkeys(_node_index(where, name, n_nodes) for name in names))
+
+
+def _job_cycles(where: str, cycles: Any) -> tuple[int, int | None]:
+    """``[first, last]``, cycle numbers from 1, first <= last; absent: every cycle."""
+    if cycles is None:
+        return 1, None
+    ok = (isinstance(cycles, list) and len(cycles) == 2
+          and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in cycles)
+          and cycles[0] <= cycles[1])
+    if not ok:
+        raise ValueError(f"{where}: cycles must be [first, last]: two whole cycle numbers "
+                         f"from 1 (the first cycle), first <= last, got {cycles!r}")
+    return cycles[0], cycles[1]
+
+
+def _job_traffic(where: str, traffic: Any) -> tuple[float, float]:
+    """``{"nvlink": x, "network": y}``: the share of each link the job's own traffic takes,
+    each in [0, 1) and 0 where absent."""
+    if not isinstance(traffic, dict):
+        raise ValueError(f"{where}: traffic must be an object like {{\"nvlink\": 0.5, "
+                         f"\"network\": 0.6}}, got {traffic!r}")
+    unknown = sorted(set(traffic) - set(JOB_TRAFFIC), key=str)
+    if unknown:
+        raise ValueError(f"{where}: unknown traffic kind(s) {', '.join(map(str, unknown))}; "
+                         f"a job's traffic takes {', '.join(JOB_TRAFFIC)}")
+    shares = []
+    for kind in JOB_TRAFFIC:
+        value = traffic.get(kind, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ValueError(f"{where}: traffic {kind} must be a number in [0, 1) (the share "
+                             f"of the link the job takes), got {value!r}")
+        shares.append(float(value))
+    return shares[0], shares[1]
+
+
 def fault_factor(f: dict[str, Any], cycle: int = 0) -> float:
     """A rate fault's factor at monitoring cycle ``cycle`` (0-based): ``factor`` less
     ``drift`` per cycle, never below DRIFT_FLOOR; a fault without drift keeps its factor."""
@@ -297,8 +446,10 @@ def fault_factor(f: dict[str, Any], cycle: int = 0) -> float:
 class Fabric:
     """Link rates of the whole fleet as arrays: no per-rank objects on the hot path.
 
-    ``cycle`` is the monitoring cycle whose drifting faults it models; the per-link
-    variation depends on the seed alone, so it is the same at every cycle."""
+    ``cycle`` is the monitoring cycle (0-based) whose drifting faults and running jobs it
+    models: a job's traffic leaves a probe ``1 - traffic`` of each link it loads, on top of
+    any fault there. The per-link variation depends on the seed alone, so it is the same at
+    every cycle."""
 
     def __init__(self, s: Scenario, cycle: int = 0) -> None:
         hw = preset(s.gpu)
@@ -333,6 +484,13 @@ class Fabric:
         self.transports: dict[tuple[str, ...], str] = {}
         for f in s.faults:
             self._apply(f)
+        # The jobs running this cycle, and the one holding each node.
+        self.jobs = s.running(cycle)
+        self.job_of: dict[int, SimJob] = {}
+        for job in self.jobs:
+            self._occupy(job)
+        # Group key -> why its measurements are contended this cycle (SimBackend._contended).
+        self.contended: dict[tuple[str, ...], str | None] = {}
         idx = np.arange(self.g)
         self.pair[:, idx, idx] = np.inf
         # Slowest pair of each whole node: what its all-to-all waits for.
@@ -385,6 +543,16 @@ class Fabric:
         elif kind == "error":
             self.errored[(node, int(f.get("gpu", 0)))] = str(
                 f.get("message", "modeled error: the rank's collective raised"))
+
+    def _occupy(self, job: SimJob) -> None:
+        """A running job's traffic takes its share of every NVLink pair and NIC of its
+        nodes: a probe there gets the rest, times whatever a fault leaves."""
+        self.job_of.update(dict.fromkeys(job.nodes, job))
+        rows = np.array(job.nodes, dtype=np.int64)
+        if job.nvlink:
+            self.pair[rows] *= 1 - job.nvlink
+        if job.network:
+            self.nic[rows] *= 1 - job.network
 
     def path_mult(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Variation times fault factor of the paths a[i] <-> b[i] (symmetric)."""
@@ -673,6 +841,7 @@ class SimBackend(BackendDefaults):
         # Faults whose effect changes from cycle to cycle: drifting, or beginning later.
         self._cycle_dependent = any(f.get("drift", 0) or f.get("start", 0)
                                     for f in self.scenario.faults)
+        self._fabric_key = self._fabric_key_at(0)
         self._index = {node_name(i): i for i in range(self.scenario.nodes)}
         self._expected_cache: dict[tuple[Any, ...], float] = {}
         self._groups: dict[tuple[str, ...], _Group] = {}
@@ -707,13 +876,71 @@ class SimBackend(BackendDefaults):
         index always draws the same noise)."""
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"cycle index must be a non-negative integer, got {index!r}")
-        if self._cycle_dependent and index != self._cycle:
-            # Variation is seeded apart from the faults: only the faults' rates move.
+        key = self._fabric_key_at(index)
+        if key != self._fabric_key:
+            # Variation is seeded apart from the faults and jobs: only their rates move. A
+            # new fabric brings a new cost model, so no op time (nor contention) of another
+            # cycle's faults or jobs is served from a cache.
             self.fabric = Fabric(self.scenario, cycle=index)
             self.model = CostModel(self.fabric)
+            self._fabric_key = key
         self._cycle = index
         self._noise_rng = np.random.default_rng([self.scenario.seed, 1, index])
         self._errors_counted = False
+
+    def _fabric_key_at(self, index: int) -> tuple[int | None, tuple[str, ...]]:
+        """What a cycle's fabric depends on: the cycle where faults drift or begin late, and
+        the jobs running in it."""
+        return (index if self._cycle_dependent else None,
+                tuple(job.id for job in self.scenario.running(index)))
+
+    def running_jobs(self) -> tuple[SimJob, ...]:
+        """The scenario's jobs running in the current cycle (the first until begin_cycle)."""
+        return self.fabric.jobs
+
+    def busy_nodes(self) -> dict[str, Occupant]:
+        """The sim's occupancy source: every node a running job holds, with all its GPUs."""
+        gpus = tuple(range(self.fabric.g))
+        return {node_name(n): Occupant(source="sim", job=job.id, gpus=gpus, state="running")
+                for n, job in sorted(self.fabric.job_of.items())}
+
+    def traffic(self, name: str) -> Traffic:
+        """What rank ``name``'s counters read beside a group this cycle: the traffic of the
+        job on its node (NVLink: the job's share of the GPU's NVLink rate; network: of its
+        node's NICs), zeros on an idle node."""
+        node, _ = split_member(name)
+        return self._traffic(self._index[node], name)
+
+    def _traffic(self, node: int, name: str) -> Traffic:
+        f = self.fabric
+        job = f.job_of.get(node)
+        if job is None:
+            return Traffic(name, TRAFFIC_WINDOW_S, nvlink_gbs=0.0, net_gbs=0.0, gpu_util=0.0,
+                           processes=0)
+        return Traffic(name, TRAFFIC_WINDOW_S, nvlink_gbs=job.nvlink * f.nvlink_gbs,
+                       net_gbs=job.network * f.g * f.net_gbs, gpu_util=JOB_GPU_UTIL,
+                       processes=1)
+
+    def _contended(self, grp: _Group) -> str | None:
+        """agents.contention's verdict on the group's ranks' traffic, kept per group for the
+        fabric (so per cycle's running jobs). A node's ranks read alike, so its first rank in
+        the group stands for all of them: the verdict, busiest rank named, is the one every
+        rank's reading gives."""
+        f = self.fabric
+        if not f.job_of:
+            return None
+        if grp.key in f.contended:
+            return f.contended[grp.key]
+        found = None
+        if not f.job_of.keys().isdisjoint(grp.by_node):
+            first: dict[int, str] = {}
+            for name, node in zip(grp.key, grp.nodes, strict=True):
+                first.setdefault(node, name)
+            found = contention(self._traffic(node, name) for node, name in first.items())
+        if len(f.contended) >= CACHE_LIMIT:
+            f.contended.clear()
+        f.contended[grp.key] = found
+        return found
 
     def ranks(self) -> list[RankInfo]:
         if self._ranks is None:
@@ -820,12 +1047,15 @@ class SimBackend(BackendDefaults):
             out.findings += [x for x in self._transports(spec, grp) if x not in out.findings]
         seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2))
         repeats = spec.warmup + spec.iters
+        contended = self._contended(grp)
         for op in spec.ops:
             lat, per_byte = self.model.op_time(op, grp, spec.algo)
             for size in spec.sizes:
                 t = (lat + per_byte * size) * self._noise()
                 seconds += repeats * t
-                out.measurements.append(self._measurement(spec, op, size, t, grp, bool(corrupt)))
+                m = self._measurement(spec, op, size, t, grp, bool(corrupt))
+                m.contended = contended
+                out.measurements.append(m)
         return seconds
 
     def _transports(self, spec: GroupSpec, grp: _Group) -> list[Finding]:

@@ -7,7 +7,7 @@ scheduler ships these as JSON (``to_dict``) in the body of ``POST /v1/measuremen
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -176,6 +176,10 @@ class Measurement:
     # The transports NCCL's log showed the group took, comma-joined in name order
     # (agents.nccl_log's classes: "net_ib,p2p_nvlink"); None where the probe cannot say.
     transport: str | None = None
+    # Other traffic its links carried while it ran (agents.contention), in one line: the
+    # measurement is about the job beside it, not the link. Stored and shown, never judged.
+    # None: the links were quiet, or the probe cannot read them.
+    contended: str | None = None
 
     @cached_property
     def nodes(self) -> list[str]:
@@ -198,7 +202,8 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["time"] = self.time.isoformat()
-        for key in ("stats", "timing", "preset_gbs", "rated_gbs", "algo", "transport"):
+        for key in ("stats", "timing", "preset_gbs", "rated_gbs", "algo", "transport",
+                    "contended"):
             if d[key] is None:
                 del d[key]
         return d
@@ -346,6 +351,36 @@ class RoundResult:
     busy_s: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Occupant:
+    """What holds a node besides ringwatch, as an occupancy source saw it
+    (services.scheduler.occupancy): the workload manager (``source``), the job's id and the
+    GPUs it holds where the source knows them, and the source's own word for the node's
+    state. ``unknown``: the source could not vouch for the node (it failed or timed out),
+    so the node counts as busy."""
+
+    source: str
+    job: str | None = None
+    gpus: tuple[int, ...] | None = None
+    state: str | None = None
+    unknown: bool = False
+
+    @property
+    def reason(self) -> str:
+        """One line for a person: why a scheduled cycle left the node alone."""
+        if self.unknown:
+            return f"occupancy unknown ({self.source}: {self.state or 'no answer'})"
+        held = f" on GPUs {','.join(map(str, self.gpus))}" if self.gpus else ""
+        job = f"job {self.job}" if self.job else "other work"
+        state = f" ({self.state})" if self.state else ""
+        return f"{job}{held}{state}, per {self.source}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "job": self.job,
+                "gpus": list(self.gpus) if self.gpus is not None else None,
+                "state": self.state, "unknown": self.unknown, "reason": self.reason}
+
+
 class ProbeSetupError(Exception):
     """The probe cannot run on this machine at all (no CUDA, too few GPUs): a setup
     mistake to refuse up front with one line, never a fabric finding."""
@@ -411,9 +446,28 @@ class ProbeBackend(Protocol):
         cycle; {} where the ranks have none."""
         ...
 
-    def busy_nodes(self) -> dict[str, str]:
-        """Nodes where other work holds what probes need, with why: a scheduled cycle skips
-        them rather than slow a job; {} where nothing else runs."""
+    def busy_nodes(self) -> dict[str, Occupant]:
+        """Nodes where other work the backend itself can see holds what probes need (Ray's
+        other work; the sim's scenario jobs), with what holds them: the ``ray`` and ``sim``
+        occupancy sources. {} where nothing else runs."""
+        ...
+
+    def acquire(self, nodes: Sequence[str]) -> float:
+        """Set up what a cycle or a check needs on these nodes' GPUs (agents, CUDA
+        contexts); the seconds it took, which count in the duty cycle. Nothing on a GPU is
+        held outside an ``acquire`` ... ``release``."""
+        ...
+
+    def release(self) -> float:
+        """Tear down everything held on any GPU (CUDA contexts, communicators, memory) until
+        the next ``acquire``; the seconds it took. A second call does nothing."""
+        ...
+
+    @property
+    def not_acquired(self) -> Mapping[str, str]:
+        """The nodes the last ``acquire`` could not set up, with why (their agents did not
+        start in time, or cannot probe there): a cycle leaves them out. {} where every node
+        was."""
         ...
 
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
@@ -448,7 +502,19 @@ class BackendDefaults:
     def counters(self) -> dict[str, dict[str, Any]]:
         return {}
 
-    def busy_nodes(self) -> dict[str, str]:
+    def busy_nodes(self) -> dict[str, Occupant]:
+        return {}
+
+    def acquire(self, nodes: Sequence[str]) -> float:
+        """Nothing to set up: the backend holds nothing on a GPU."""
+        return 0.0
+
+    def release(self) -> float:
+        """Nothing to tear down."""
+        return 0.0
+
+    @property
+    def not_acquired(self) -> Mapping[str, str]:
         return {}
 
     def close(self) -> None:

@@ -118,6 +118,10 @@ class MeasurementIn(Strict):
     algo: Algo | None = None
     # The transports NCCL took for the group, comma-joined (docs/transport.md).
     transport: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9_]+(,[a-z0-9_]+)*$")
+    # The other traffic its links carried while it ran (agents.contention): stored and
+    # shown, never judged (docs/operations.md, "Occupancy and contention").
+    contended: str | None = Field(default=None, min_length=1, max_length=512,
+                                  pattern=r"^[^\x00-\x1f\x7f]+$")
 
     @field_validator("members")
     @classmethod
@@ -209,6 +213,35 @@ class CounterSnapshotIn(Strict):
                                                                   max_length=10)
 
 
+# A job's id as a workload manager writes it (Slurm's 1234 or 1234_7, a Kubernetes
+# namespace/owner): printable, no spaces, bounded; it may become a /metrics label.
+JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/+-]*$")]
+OccupancySourceName = Literal["slurm", "kubernetes", "ray", "sim", "none"]
+
+
+class OccupantIn(Strict):
+    """What held a node (agents.spec.Occupant)."""
+
+    source: OccupancySourceName
+    job: JobId | None = None
+    gpus: list[GpuIndex] | None = Field(default=None, max_length=4096)
+    state: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
+    unknown: bool = False
+    # Derived again from the fields above when stored; accepted for symmetry.
+    reason: str | None = Field(default=None, max_length=1024)
+
+
+class OccupancyIn(Strict):
+    """How the scheduler's occupancy source answered for this batch's cycle
+    (docs/operations.md, "Occupancy and contention"): the busy nodes with what holds them;
+    ``error`` where the source failed, its nodes then counted busy (``unknown``)."""
+
+    source: OccupancySourceName
+    error: str | None = Field(default=None, max_length=1024)
+    read_s: float = Field(default=0.0, ge=0, le=1e6)
+    busy: dict[NodeName, OccupantIn] = Field(default_factory=dict, max_length=262_144)
+
+
 class MeasurementBatch(Strict):
     batch_id: str = Field(min_length=1, max_length=128)
     backend: Backend
@@ -223,6 +256,8 @@ class MeasurementBatch(Strict):
     duty_cycle: dict[NodeName, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
     shipper: ShipperState | None = None
     counters: list[CounterSnapshotIn] = Field(default_factory=list, max_length=100_000)
+    # What held the fleet's nodes this cycle: scheduled batches carry it.
+    occupancy: OccupancyIn | None = None
 
     def content_digest(self) -> str:
         """SHA-256 of what the batch says (its id and the sender's spool state aside): a
@@ -253,6 +288,20 @@ class GpuOut(BaseModel):
     name: str | None
 
 
+class OccupiedOut(BaseModel):
+    """What holds a busy node, as the scheduler's occupancy source last said: the job where
+    the source names it, its GPUs where known, since when (docs/operations.md)."""
+
+    source: str
+    job: str | None = None
+    gpus: list[int] | None = None
+    state: str | None = None
+    # The source could not vouch for the node (it failed or timed out): counted busy.
+    unknown: bool = False
+    reason: str
+    since: datetime | None = None
+
+
 class NodeOut(BaseModel):
     name: str
     hostname: str | None
@@ -261,6 +310,8 @@ class NodeOut(BaseModel):
     profile: str | None = None
     duty_cycle: float | None
     skipped_reason: str | None
+    # Busy: a job holds it (scheduled probes leave it alone); None while idle.
+    occupied: OccupiedOut | None = None
     last_seen_at: datetime
     gpus: list[GpuOut]
 
@@ -279,6 +330,8 @@ class NodeDetailOut(BaseModel):
     profile: str | None
     duty_cycle: float | None
     skipped_reason: str | None
+    # Busy: a job holds it (scheduled probes leave it alone); None while idle.
+    occupied: OccupiedOut | None = None
     last_seen_at: datetime
     last_probed_at: datetime | None
     gpus: list[NodeDetailGpuOut]
@@ -292,6 +345,7 @@ class NodeStateOut(BaseModel):
     profile: str | None
     last_probed_at: datetime | None
     skipped_reason: str | None
+    occupied: OccupiedOut | None = None
     links: int
     degraded_links: int
     open_findings: int
@@ -299,7 +353,9 @@ class NodeStateOut(BaseModel):
     nvlink_ratio: float | None
     net_ratio: float | None
     ratio: float | None
-    state: Literal["degraded", "suspect", "ok", "unknown"]
+    # busy: a job holds it and no open finding names it (its last results kept, with
+    # their age in last_probed_at).
+    state: Literal["degraded", "suspect", "ok", "unknown", "busy"]
 
 
 class NodeStatesOut(BaseModel):
@@ -386,6 +442,9 @@ class SeriesPoint(BaseModel):
     timing: str | None = None
     # The transports NCCL took for the group (raw probes; docs/transport.md).
     transport: str | None = None
+    # The other traffic its links carried (raw probes; docs/operations.md): shown, never
+    # judged, and left out of the 1h/1d buckets.
+    contended: str | None = None
     time_us: float
     algbw_gbs: float
     busbw_gbs: float

@@ -13,7 +13,8 @@ import sys
 import time
 
 BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
-              "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why")
+              "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why",
+              "occupancy", "agent_lifecycle", "busy_fleet")
 
 
 def main(argv: list[str]) -> int:

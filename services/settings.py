@@ -27,6 +27,8 @@ from services.config import (
     RATED_FLOOR,
     STATE_DIR,
 )
+from services.scheduler.occupancy import DEFAULT_TIMEOUT_S as OCCUPANCY_TIMEOUT_S
+from services.scheduler.occupancy import OccupancySetting
 
 if TYPE_CHECKING:
     from services.analyzer.assess import Thresholds
@@ -51,6 +53,14 @@ class Settings(BaseSettings):
     probe_interval_s: float = Field(default=300.0, gt=0)
     # The most of any GPU's time scheduled probing may take; stretches the interval.
     max_duty_cycle: float = Field(default=0.005, gt=0, le=1)
+    # Where each cycle learns which nodes other jobs hold (services.scheduler.occupancy):
+    # auto, slurm, kubernetes, ray, sim or none; how long that read may take (past it, every
+    # node counts as busy); whether scheduled probes touch busy nodes anyway; and the
+    # Kubernetes API's URL where it is not the pod's own (empty: in-cluster).
+    occupancy: OccupancySetting = "auto"
+    occupancy_timeout_s: float = Field(default=OCCUPANCY_TIMEOUT_S, gt=0)
+    probe_busy_nodes: bool = False
+    kubernetes_api_url: str = ""
     # NVLink domains (an NVL72 rack) split into NVLink partitions on purpose: GPUs of one
     # cluster in several cliques is then the layout, not a fault (docs/transport.md).
     nvlink_partitioned: bool = False

@@ -33,7 +33,7 @@ def test_the_protocol_declares_what_the_check_and_scheduler_use() -> None:
     assert declared(ProbeBackend) == {
         "name", "injected", "repeats", "preflight_sizes", "preflight_deadline_s",
         "expected_busbw", "ranks", "refresh_ranks", "begin_cycle", "counters",
-        "busy_nodes", "run_round", "close"}
+        "busy_nodes", "acquire", "release", "not_acquired", "run_round", "close"}
 
 
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
@@ -54,6 +54,9 @@ def test_the_defaults_are_neutral() -> None:
     assert b.preflight_sizes is None and b.preflight_deadline_s is None
     assert b.counters() == {} and b.busy_nodes() == {}
     assert b.refresh_ranks() is None and b.begin_cycle(3) is None and b.close() is None
+    # Nothing held on a GPU, so nothing to set up or tear down: no seconds for the duty cycle.
+    assert b.acquire(["node-000", "node-001"]) == 0.0 and b.acquire([]) == 0.0
+    assert b.release() == 0.0 and b.release() == 0.0
 
 
 def test_a_backend_with_only_the_defaults_runs_a_scheduled_cycle() -> None:

@@ -38,6 +38,8 @@ SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash")
 SHELL_WORDS = {"exec", "if", "then", "else", "elif", "until", "while", "do", "!"}
 SECRET_SETTINGS = {"RINGWATCH_DATABASE_URL", "RINGWATCH_TOKEN", "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN",
                    "RINGWATCH_SECRET_KEY"}
+# Kinds that live outside any namespace: kustomize's `namespace:` leaves them as they are.
+CLUSTER_SCOPED = frozenset({"Namespace", "ClusterRole", "ClusterRoleBinding"})
 
 
 # -- rendering ---------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def render(directory: Path) -> list[dict]:
         docs += render(path) if path.is_dir() else _documents(path)
     docs = copy.deepcopy(docs)
     for doc in docs:
-        if k.get("namespace") and doc["kind"] != "Namespace":
+        if k.get("namespace") and doc["kind"] not in CLUSTER_SCOPED:
             doc["metadata"]["namespace"] = k["namespace"]
         for label in k.get("labels", []):
             doc["metadata"].setdefault("labels", {}).update(label["pairs"])
@@ -761,6 +763,50 @@ def test_the_scheduler_and_the_preflight_example_reach_the_api_service() -> None
     args = _parse(_ringwatch_argvs(init)[0])
     assert args.command == "preflight" and args.nodes == "NODE_NAME"
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_the_scheduler_alone_may_list_pods_and_nodes_and_nothing_else() -> None:
+    from services.scheduler import occupancy
+    from services.settings import Settings
+
+    namespace = yaml.safe_load((BASE / "kustomization.yaml").read_text())["namespace"]
+    for directory in KUSTOMIZATIONS:
+        docs = render(directory)
+        role = find(docs, "ClusterRole", "ringwatch-occupancy")
+        # Read only, the two resources the occupancy source lists, in the core group.
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods", "nodes"],
+                                  "verbs": ["list", "watch"]}], directory
+        assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")
+                    or (d["kind"] == "ClusterRole" and d is not role)]
+        (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                      "kind": "ClusterRole", "name": "ringwatch-occupancy"}
+        account = find(docs, "ServiceAccount", "ringwatch-scheduler")
+        assert account["metadata"]["namespace"] == namespace
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ringwatch-scheduler",
+                                        "namespace": namespace}]
+        # The head's pod runs as that account; its token is in the ray-head container alone,
+        # read-only where the occupancy source reads it, and no other pod has one.
+        head = find(docs, "RayCluster", "ringwatch")["spec"]["headGroupSpec"]["template"]["spec"]
+        assert head["serviceAccountName"] == "ringwatch-scheduler"
+        tokens = {v["name"] for v in head["volumes"] if any(
+            "serviceAccountToken" in src for src in v.get("projected", {}).get("sources", []))}
+        assert len(tokens) == 1
+        (mount,) = [m for c in head["containers"] + head.get("initContainers", [])
+                    for m in c.get("volumeMounts", []) if m["name"] in tokens]
+        assert mount["readOnly"] is True
+        assert Path(mount["mountPath"]) == occupancy.SERVICE_ACCOUNT_TOKEN.parent
+        assert {m["name"] for m in head["containers"][0]["volumeMounts"]} >= tokens
+        env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
+        assert Settings(occupancy=env["RINGWATCH_OCCUPANCY"]).occupancy == "kubernetes"
+        for doc in docs:
+            for pod in _pod_specs(doc):
+                if pod is head:
+                    continue
+                where = f"{directory.name} {doc['kind']}/{doc['metadata']['name']}"
+                assert pod.get("serviceAccountName", "default") == "default", where
+                assert not any("serviceAccountToken" in src for v in pod.get("volumes", [])
+                               for src in v.get("projected", {}).get("sources", [])), where
 
 
 def _dockerfile_env() -> dict[str, str]:

@@ -91,11 +91,14 @@ def test_busy_node_is_skipped_and_said_to_be(backend, api, tmp_path) -> None:
     ray.get(other.ready.remote())
     try:
         busy = backend.busy_nodes()
-        assert list(busy) == ["node-001"] and "other Ray work" in busy["node-001"]
+        assert list(busy) == ["node-001"] and "other Ray work" in busy["node-001"].reason
+        assert busy["node-001"].source == "ray" and busy["node-001"].job is None
         said: list[str] = []
         cycle = run_cycle(backend, ProbeOptions(sizes=(1 << 16,), warmup=1, iters=2),
                           progress=said.append, skip_busy=True)
-        assert cycle.skipped == busy
+        assert cycle.skipped == {n: o.reason for n, o in busy.items()}
+        assert cycle.occupancy is not None and cycle.occupancy["source"] == "ray"
+        assert set(cycle.occupancy["busy"]) == {"node-001"}
         assert any("skipping node-001" in s for s in said)
         assert all(m.startswith("node-000/") for x in cycle.measurements for m in x.members)
 
@@ -105,6 +108,8 @@ def test_busy_node_is_skipped_and_said_to_be(backend, api, tmp_path) -> None:
                                                   headers={"Authorization": f"Bearer {TOKEN}"}).json()}
         assert "other Ray work" in nodes["node-001"]["skipped_reason"]
         assert nodes["node-000"]["skipped_reason"] is None
+        assert nodes["node-001"]["occupied"]["source"] == "ray"
+        assert nodes["node-000"]["occupied"] is None
     finally:
         ray.kill(other)
     deadline = time.monotonic() + 30

@@ -15,15 +15,18 @@ import ctypes
 import email.utils
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -593,3 +596,224 @@ def test_a_config_error_is_exit_2_with_one_line(tmp_path: Path) -> None:
     r = cli("slurm", "prolog", "--env-file", str(env_file), env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"ringwatch slurm: {env_file} has mode 0604")
+
+
+# ---- the epilog: a fresh probe once a job has left the node ------------------------------------
+
+
+def test_the_epilog_asks_for_a_probe_made_now_and_the_prolog_for_stored_results() -> None:
+    clock = Clock()
+    transport, seen = answers(httpx.Response(200, json=DONE), httpx.Response(200, json=DONE))
+    slurm.ask(CONFIG, "node-001", clock() + 30, max_age_s=slurm.EPILOG_MAX_AGE_S,
+              transport=transport, sleep=clock.sleep, clock=clock)
+    slurm.ask(CONFIG, "node-001", clock() + 30, transport=transport, sleep=clock.sleep,
+              clock=clock)
+    bodies = [json.loads(r.content) for r in seen]
+    assert bodies == [{"nodes": ["node-001"], "max_age_s": slurm.EPILOG_MAX_AGE_S},
+                      {"nodes": ["node-001"], "max_age_s": slurm.MAX_AGE_S}]
+    # The API's smallest: more than 0, less than any stored result's age.
+    assert 0 < slurm.EPILOG_MAX_AGE_S < 0.01
+
+
+def _client_env(**more: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("RINGWATCH_", "SLURM"))},
+            **more}
+
+
+def test_the_epilog_exits_0_and_says_why_whatever_keeps_it_from_asking(tmp_path: Path) -> None:
+    bad = write_env_file(tmp_path / "bad.env", {"RINGWATCH_API_URL": "http://rw.test",
+                                                "RINGWATCH_TOKEN": "t"}, 0o644)
+    r = cli("slurm", "epilog", "--env-file", str(bad), env=_client_env(SLURMD_NODENAME="node-000"))
+    assert r.returncode == 0, r.stderr
+    assert f"ringwatch slurm epilog: not asked: {bad} has mode 0644" in r.stderr
+    assert "the node is left as it is" in r.stderr
+
+    down = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "epilog.log"
+    env_file = write_env_file(tmp_path / "prolog.env", {
+        "RINGWATCH_API_URL": down, "RINGWATCH_TOKEN": "t", "RINGWATCH_SLURM_LOG": str(log),
+        "RINGWATCH_SLURM_ON_ERROR": "closed"})  # the epilog is fail-open whatever it says
+    r = cli("slurm", "epilog", "--env-file", str(env_file), env=_client_env())
+    assert r.returncode == 0 and "SLURMD_NODENAME is not set" in r.stderr
+    r = cli("slurm", "epilog", "--env-file", str(env_file), "--bound", "2",
+            env=_client_env(SLURMD_NODENAME="node-000", SLURM_JOB_ID="41"))
+    assert r.returncode == 0, r.stderr
+    said = log.read_text()
+    assert f"after job 41 on node-000: no answer (API at {down} unreachable (ConnectError)" in said
+    assert said.rstrip().endswith("the node is left as it is (fail-open)")
+
+
+@contextmanager
+def answering_scheduler(api: Api, slow_node: str) -> Iterator[list[dict]]:
+    """A stand-in for `ringwatch scheduler` (which probes real fabrics): it claims each
+    waiting preflight through the real API, ships a cycle in which ``slow_node`` is slow,
+    and completes the request, so the API judges what it shipped. Yields the claims."""
+    from services.scheduler.api_client import SchedulerApi
+
+    claimed: list[dict] = []
+    stop = threading.Event()
+    client = SchedulerApi(api.url, ADMIN, "test-scheduler")
+
+    def run() -> None:
+        while not stop.is_set():
+            request = client.claim_preflight(lease_s=60)
+            if request is None:
+                stop.wait(0.2)
+                continue
+            api.post_cycle(slow_node=slow_node)
+            client.complete_preflight(request["id"])
+            claimed.append(request)
+
+    thread = threading.Thread(target=run, name="test-scheduler", daemon=True)
+    thread.start()
+    try:
+        yield claimed
+    finally:
+        stop.set()
+        thread.join(30)
+        client.close()
+
+
+def _scontrol_recorder(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder whose scontrol only records its arguments, one per line (RINGWATCH_SLURM_BIN)."""
+    bin_dir, calls = tmp_path / "slurm-bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    return bin_dir, calls
+
+
+def test_the_epilog_drains_the_node_a_fresh_probe_excludes_and_leaves_a_healthy_one(
+        api: Api, tmp_path: Path) -> None:
+    api.post_cycle()  # every node healthy and known, results fresh for a prolog
+    bin_dir, calls = _scontrol_recorder(tmp_path)
+    env_file = write_env_file(tmp_path / "prolog.env", {
+        "RINGWATCH_API_URL": api.url, "RINGWATCH_TOKEN": api.reader,
+        "RINGWATCH_SLURM_BIN": str(bin_dir), "RINGWATCH_SLURM_LOG": str(tmp_path / "log")})
+    with answering_scheduler(api, slow_node="node-001") as claimed:
+        bad = cli("slurm", "epilog", "--env-file", str(env_file),
+                  env=_client_env(SLURMD_NODENAME="node-001", SLURM_JOB_ID="77"))
+        good = cli("slurm", "epilog", "--env-file", str(env_file),
+                   env=_client_env(SLURMD_NODENAME="node-000", SLURM_JOB_ID="78"))
+    assert (bad.returncode, good.returncode) == (0, 0), bad.stderr + good.stderr
+    # Each asked about its own node alone, and only a probe made for it answered.
+    assert [(c["nodes"], c["max_age_s"]) for c in claimed] == [
+        (["node-001"], slurm.EPILOG_MAX_AGE_S), (["node-000"], slurm.EPILOG_MAX_AGE_S)]
+    update, node, state, reason = calls.read_text().splitlines()
+    assert (update, node, state) == ("update", "NodeName=node-001", "State=DRAIN")
+    assert reason.startswith("Reason=ringwatch: nvlink_degraded node-001")
+    assert f"after job 77 on node-001: drained: {reason.removeprefix('Reason=')}" in \
+        (tmp_path / "log").read_text()
+    assert "node-000" not in (tmp_path / "log").read_text()  # healthy: nothing to say
+
+
+# ---- against the real Slurm: occupancy, and the epilog slurmd runs ------------------------------
+
+
+def _sbatch(cluster: Slurm, node: str, seconds: int) -> str:
+    r = cluster.run("sbatch", "--parsable", "-w", node, "-o", "/dev/null", "-J", "rw-busy",
+                    "--wrap", f"sleep {seconds}")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def _wait_until(ready, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout:g} s")
+        time.sleep(0.3)
+
+
+def _lets_jobs_start(cluster: Slurm) -> None:
+    """The prolog's env file pointed at no API: fail-open, within 2 s."""
+    _settings(cluster, f"http://127.0.0.1:{free_port()}", "rw_reader_token",
+              RINGWATCH_SLURM_BOUND_S="2")
+
+
+def test_slurm_occupancy_names_the_job_on_a_node_and_frees_it_when_the_job_ends(
+        slurm_cluster: Slurm) -> None:
+    from services.scheduler.occupancy import SlurmOccupancy, read_occupancy
+
+    _lets_jobs_start(slurm_cluster)
+    source = SlurmOccupancy(env=slurm_cluster.env)
+    ours = ["node-000.cluster.example", "node-001", "node-002"]
+    job = _sbatch(slurm_cluster, "node-000", 120)
+    _wait_until(lambda: slurm_cluster.states().get("node-000") == "allocated", 60,
+                "running job " + job)
+    # ringwatch drained node-001 earlier: nothing runs there, so it is idle to the prober.
+    assert slurm_cluster.run("scontrol", "update", "NodeName=node-001", "State=DRAIN",
+                             "Reason=ringwatch: nvlink_degraded node-001").returncode == 0
+    busy = read_occupancy(source, ours, timeout_s=30)
+    assert busy.error is None, busy.error
+    assert set(busy.busy) == {"node-000.cluster.example", "node-002"}
+    held = busy.busy["node-000.cluster.example"]
+    assert (held.source, held.job, held.state, held.unknown) == ("slurm", job, "ALLOCATED", False)
+    assert busy.busy["node-002"].unknown  # not a Slurm node: it cannot vouch for it
+
+    assert slurm_cluster.run("scancel", job).returncode == 0
+    _wait_until(lambda: slurm_cluster.states().get("node-000") == "idle", 60, "idle")
+    after = read_occupancy(source, ours, timeout_s=30)
+    assert after.error is None and set(after.busy) == {"node-002"}
+
+
+@pytest.fixture
+def epilog_cluster(slurm_cluster: Slurm) -> Iterator[Slurm]:
+    """The cluster with `Epilog=` the script docs/slurm.md installs (its two paths this
+    test's), for this test only."""
+    text = (ROOT / "docs" / "slurm.md").read_text()
+    block = next(b for b in text.split("```sh\n") if "slurm epilog --env-file" in b
+                 and "<<'EOF'" in b)
+    script = block.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0] + "\n"
+    d = slurm_cluster.conf.parent
+    for old, new in (("/opt/ringwatch/bin/ringwatch", str(_ringwatch_command(d))),
+                     ("/etc/ringwatch/prolog.env", str(slurm_cluster.prolog_env))):
+        assert old in script, f"docs/slurm.md's epilog no longer names {old}"
+        script = script.replace(old, new)
+    epilog = d / "epilog.sh"
+    epilog.write_text(script)
+    epilog.chmod(0o755)
+    conf = slurm_cluster.conf.read_text()
+
+    def reconfigure(text: str) -> None:
+        slurm_cluster.conf.write_text(text)
+        r = slurm_cluster.run("scontrol", "reconfigure")
+        assert r.returncode == 0, r.stderr
+
+    reconfigure(conf + f"Epilog={epilog}\n")
+    try:
+        shown = slurm_cluster.run("scontrol", "show", "config").stdout
+        assert f"{epilog}" in shown, "slurmctld did not take the Epilog= line"
+        yield slurm_cluster
+    finally:
+        reconfigure(conf)
+
+
+def test_the_epilog_slurmd_runs_drains_the_node_a_fresh_probe_excludes(
+        epilog_cluster: Slurm, api: Api, tmp_path: Path) -> None:
+    cluster = epilog_cluster
+    api.post_cycle()  # both nodes healthy and known: the prolog lets the jobs start
+    _settings(cluster, api.url, api.reader)
+    with answering_scheduler(api, slow_node="node-001") as claimed:
+        ran = cluster.job("node-001", tmp_path / "ran-on-node-001")
+        assert ran.returncode == 0 and (tmp_path / "ran-on-node-001").exists(), ran.stderr
+        # After the job, the epilog asked, a probe answered, and node-001 is drained.
+        _wait_until(lambda: "node-001" in cluster.drained(), 60, "drained by the epilog")
+        reason = cluster.drained()["node-001"]
+        assert reason.startswith("ringwatch: nvlink_degraded node-001"), reason
+        assert re.search(rf"ringwatch slurm epilog: after job \d+ on node-001: drained: "
+                         rf"{re.escape(reason)}$", cluster.log.read_text(), re.MULTILINE)
+
+        # node-000 runs a job that ringwatch drains meanwhile (as a prolog elsewhere or an
+        # operator would): its end is probed healthy, and the node stays drained (resume's).
+        job = _sbatch(cluster, "node-000", 3)
+        _wait_until(lambda: cluster.states().get("node-000") == "allocated", 60, "running")
+        earlier = "ringwatch: nic_degraded node-000 (an earlier finding)"
+        assert cluster.run("scontrol", "update", "NodeName=node-000", "State=DRAIN",
+                           f"Reason={earlier}").returncode == 0
+        _wait_until(lambda: any(c["nodes"] == ["node-000"] for c in claimed), 60,
+                    f"probed after job {job}")
+        _wait_until(lambda: cluster.states().get("node-000") == "drained", 60, "done")
+    assert [c["nodes"] for c in claimed] == [["node-001"], ["node-000"]]
+    assert cluster.drained() == {"node-001": reason, "node-000": earlier}
+    assert "node-000" not in cluster.log.read_text()

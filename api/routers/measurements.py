@@ -85,6 +85,7 @@ def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
         skipped=batch.skipped,
         shipper=batch.shipper.model_dump() if batch.shipper else None,
         counters=[c.model_dump() for c in batch.counters],
+        occupancy=batch.occupancy.model_dump() if batch.occupancy else None,
         digest=batch.content_digest(),
         sender=Sender(nodes=who.nodes, token_id=who.token_id),
         policy=IngestPolicy(

@@ -15,9 +15,13 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const CIVIDIS = [[0, 32, 77], [65, 77, 107], [124, 123, 120], [188, 175, 111], [255, 234, 70]];
 const RATIO_LO = 0.4, RATIO_HI = 1.0;
 const NONE_COLOUR = "#e4e6ea";
-const GLYPH = {degraded: "\u2715", suspect: "!", ok: "", unknown: "?"};
+const GLYPH = {degraded: "\u2715", suspect: "!", ok: "", unknown: "?", busy: "\u25cf"};
 const STATE_TEXT = {degraded: "degraded (open finding)", suspect: "suspect (shares a degraded link)",
-                    ok: "ok", unknown: "not probed yet"};
+                    ok: "ok", unknown: "not probed yet", busy: "busy (a job holds it; last results kept)"};
+// What holds a busy node, in one line: the job and its source, since when.
+function occupiedText(o) {
+  return o ? `${o.reason}${o.since ? `, since ${fmtTime(o.since)}` : ""}` : "";
+}
 
 function ratioRgb(ratio) {
   const t = Math.min(1, Math.max(0, (ratio - RATIO_LO) / (RATIO_HI - RATIO_LO))) * (CIVIDIS.length - 1);
@@ -233,6 +237,7 @@ function legend() {
     el("span", {}, sample("degraded", 0.5), " degraded (open finding)"),
     el("span", {}, sample("suspect", 0.8), " suspect (shares a degraded link)"),
     el("span", {}, sample("ok", 1.0), " ok"),
+    el("span", {}, sample("busy", 1.0), " busy (a job holds it)"),
     el("span", {}, sample("unknown", null), " not probed yet"));
 }
 
@@ -243,7 +248,7 @@ async function fleetView(params) {
   const filterText = el("input", {type: "search", id: "filter", placeholder: "filter nodes (text or /regex/)",
                                   value: params.get("q") || ""});
   const filterState = el("select", {id: "filter-state"},
-    ["all", "degraded", "suspect", "ok", "unknown"].map((s) => el("option", {value: s}, s)));
+    ["all", "degraded", "suspect", "ok", "busy", "unknown"].map((s) => el("option", {value: s}, s)));
   filterState.value = params.get("state") || "all";
   const count = el("span", {class: "muted", id: "shown"});
   const grid = el("div", {class: "grid", id: "fleet-grid"});
@@ -265,7 +270,8 @@ async function fleetView(params) {
     const n = byName.get(cell.dataset.node);
     showTip(e, `${n.name} \u2014 ${STATE_TEXT[n.state]}\nratio ${fmt(n.ratio)} (NVLink ${fmt(n.nvlink_ratio)}, ` +
                `network ${fmt(n.net_ratio)})\n${n.links} links, ${n.degraded_links} degraded, ` +
-               `${n.open_findings} open findings\nprofile ${n.profile || "\u2013"}, last probed ${fmtTime(n.last_probed_at)}`);
+               `${n.open_findings} open findings\nprofile ${n.profile || "\u2013"}, last probed ${fmtTime(n.last_probed_at)}` +
+               (n.occupied ? `\n${occupiedText(n.occupied)}` : ""));
   });
   grid.addEventListener("mouseleave", hideTip);
 
@@ -329,7 +335,8 @@ async function nodeView(name) {
       el("p", {class: "muted"}, `profile ${node.profile || "\u2013"} \u00b7 backend ${node.backend || "\u2013"} \u00b7 ` +
          `${node.gpus.length} GPUs \u00b7 last probed ${fmtTime(node.last_probed_at)} \u00b7 duty cycle ` +
          `${node.duty_cycle === null ? "\u2013" : (node.duty_cycle * 100).toFixed(3) + " %"}` +
-         (node.skipped_reason ? ` \u00b7 skipped: ${node.skipped_reason}` : ""))),
+         (node.occupied ? ` \u00b7 busy: ${occupiedText(node.occupied)}`
+          : node.skipped_reason ? ` \u00b7 skipped: ${node.skipped_reason}` : ""))),
     el("div", {class: "two"},
       el("section", {class: "card"}, el("h3", {}, "NVLink: GPU \u00d7 GPU busbw over expected, %"),
          gpuHeatmap(name, gpus, pairs, intra), legend()),

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from agents.spec import EXCLUDING_KINDS, GroupSpec, ProbeBackend, RankInfo
+from agents.spec import EXCLUDING_KINDS, GroupSpec, Measurement, ProbeBackend, RankInfo
 from agents.workloads import JobLayout, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
 from services.analyzer.judge import JudgeCache, Judgement, judge
@@ -120,6 +120,7 @@ def run_check(
     expected: Expected | None = None,
     history: Mapping[LinkKey, Sequence[float]] | None = None,
     rotation: int = 0,
+    fleet: Sequence[str] | None = None,
     budget: CheckBudget = CheckBudget(),
     profile: str | None = None,
     job: JobLayout | None = None,
@@ -134,7 +135,10 @@ def run_check(
     analyzer's for the backend; a process passes its settings'); ``expected``, the busbw
     model (None: the backend's); ``history``, each link's past busbw as the API holds it
     (``GET /v1/baselines``), gives a link its own normal in the check as on ingest, so the
-    plan follows up what the API will find; ``rotation`` picks the node-pair matching;
+    plan follows up what the API will find; ``rotation`` picks the node-pair matching of
+    the tournament over ``fleet`` (a monitoring cycle's whole fleet, busy nodes too; None:
+    ``nodes``); a ``contended`` measurement (other traffic on its links) is kept and
+    shipped but never judged;
     ``budget`` bounds the plan. ``fabric_s`` is fabric time (the slowest group of each
     round, summed); ``wall_s`` the wall time of the fabric phase. A hang is a finding,
     never an exception.
@@ -154,7 +158,7 @@ def run_check(
     result = _fabric_phase(backend, layout, ranks, shape, budget, progress, label,
                            thresholds=thresholds or thresholds_for(backend.name),
                            expected=expected or backend.expected_busbw,
-                           history=history, rotation=rotation)
+                           history=history, rotation=rotation, fleet=fleet)
     if work is None or job is None or not layout:
         return result
     job_run, result.workload = run_job_phase(
@@ -173,20 +177,21 @@ def _fabric_phase(backend: ProbeBackend, layout: dict[str, list[int]],
                   progress: Progress | None, label: str, *, thresholds: Thresholds,
                   expected: Expected | None,
                   history: Mapping[LinkKey, Sequence[float]] | None,
-                  rotation: int) -> CheckResult:
+                  rotation: int, fleet: Sequence[str] | None = None) -> CheckResult:
     """Plan a round from the judgement so far, run it, judge everything again; until the
     planner has nothing left to ask or ``budget`` is spent."""
     started = time.perf_counter()
     with _fewer_young_collections():
         return _rounds(backend, layout, ranks, shape, budget, progress, label, started,
                        thresholds=thresholds, expected=expected, history=history,
-                       rotation=rotation)
+                       rotation=rotation, fleet=fleet)
 
 
 def _rounds(backend: ProbeBackend, layout: dict[str, list[int]], ranks: Sequence[RankInfo],
             shape: ProbeShape, budget: CheckBudget, progress: Progress | None, label: str,
             started: float, *, thresholds: Thresholds, expected: Expected | None,
-            history: Mapping[LinkKey, Sequence[float]] | None, rotation: int) -> CheckResult:
+            history: Mapping[LinkKey, Sequence[float]] | None, rotation: int,
+            fleet: Sequence[str] | None = None) -> CheckResult:
     """The rounds themselves (``_fabric_phase``'s loop)."""
     nodes = list(layout)
     mine = [r for r in ranks if r.node in layout]
@@ -195,12 +200,14 @@ def _rounds(backend: ProbeBackend, layout: dict[str, list[int]], ranks: Sequence
     cache = JudgeCache()
     run = CheckResult(backend=backend.name, nodes=nodes,
                       judgement=judge([], [], nodes, mine, thresholds=thresholds))
-    planner = AdaptivePlanner(layout, shape, max_rounds=budget.max_rounds, rotation=rotation)
+    planner = AdaptivePlanner(layout, shape, max_rounds=budget.max_rounds, rotation=rotation,
+                              fleet=fleet)
     while not (spent := budget.spent(run, time.perf_counter() - started)) and (
-            groups := planner.next_round(run.judgement.verdicts, run.judgement.blamed)):
+            groups := planner.next_round(run.judgement.verdicts,
+                                         run.judgement.blamed | set_aside(run.measurements))):
         _say(progress, label, run.rounds + 1, groups)
         run.take(groups, backend.run_round(groups), node_profiles)
-        run.judgement = judge(run.measurements, run.probe_findings, nodes, mine,
+        run.judgement = judge(judged(run.measurements), run.probe_findings, nodes, mine,
                               thresholds=thresholds, expected=expected, history=history,
                               cache=cache)
     if planner.phase != "done":
@@ -234,6 +241,22 @@ def _fewer_young_collections() -> Iterator[None]:
             _gc_users -= 1
             if _gc_users == 0:
                 gc.set_threshold(*_gc_before)
+
+
+def judged(measurements: list[Measurement]) -> list[Measurement]:
+    """What a judgement weighs: every measurement but the contended ones, which met a job's
+    traffic and say nothing of the link (docs/operations.md, "Occupancy and contention")."""
+    if not any(m.contended for m in measurements):
+        return measurements
+    return [m for m in measurements if not m.contended]
+
+
+def set_aside(measurements: list[Measurement]) -> set[str]:
+    """Nodes whose own NVLink groups met other traffic (a job the occupancy source did not
+    name, or busy nodes probed on purpose): the plan leaves them out of further rounds as it
+    does blamed nodes, rather than re-pair and re-test what cannot be judged."""
+    return {m.nodes[0] for m in measurements
+            if m.contended and m.scope in ("intra_node", "gpu_pair")}
 
 
 def _say(progress: Progress | None, label: str, i: int, groups: list[GroupSpec]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from agents.groups import Group, group_nodes, member
+from agents.groups import Group, group_nodes, member, node_order
 from agents.matchings import circle_matching, circle_matchings
 from agents.spec import GroupSpec, RankInfo
 from services.analyzer.evidence import Decision
@@ -218,11 +218,14 @@ class AdaptivePlanner:
     """
 
     def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = MAX_ROUNDS,
-                 rotation: int = 0) -> None:
+                 rotation: int = 0, fleet: Sequence[str] | None = None) -> None:
         self.nodes = nodes
         # Which node-pair matching of the round-robin tournament a large fleet gets: a
         # monitor advances it every cycle, so every pair of nodes meets in turn.
         self.rotation = rotation
+        # The nodes the tournament is drawn over: the whole fleet, busy nodes too, so a
+        # pair's turn does not move as jobs come and go (None: the nodes probed).
+        self.fleet = sorted(fleet, key=node_order) if fleet is not None else None
         self.shape = shape
         largest = (max(shape.sizes),)
         self.pair_shape = ProbeShape(("allreduce",), largest, shape.dtype, shape.warmup,
@@ -375,7 +378,7 @@ class AdaptivePlanner:
         if len(others) <= ALL_PAIRS_MAX:
             matchings = circle_matchings(others)
         else:
-            matchings = [circle_matching(others, self.rotation)]
+            matchings = [rotation_matching(others, self.rotation, self.fleet)]
         self.matching_rounds = [[pair_group(self.nodes, a, b, self.shape) for a, b in pairs]
                                 for pairs in matchings]
         self.issued_pairs |= {frozenset(p) for pairs in matchings for p in pairs}
@@ -573,3 +576,20 @@ def layout_of(ranks: Sequence[RankInfo], only: Sequence[str] | None) -> dict[str
         if wanted is None or r.node in wanted:
             out.setdefault(r.node, []).append(r.local_index)
     return {n: sorted(ix) for n, ix in sorted(out.items())}
+
+
+def rotation_matching(nodes: Sequence[str], rotation: int,
+                      fleet: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """The ``rotation``-th node-pair matching among ``nodes``, drawn from the tournament of
+    ``fleet`` (the whole fleet, busy nodes too) so that a pair's turn stays where it is as
+    jobs come and go: its pairs of two ``nodes``, then the ``nodes`` whose partner is
+    busy (or left out) paired among themselves by the same rotation. Each cycle then still
+    probes every node it may; every pair of nodes idle at its turn meets once a tournament."""
+    if fleet is None:
+        return circle_matching(list(nodes), rotation)
+    here = set(nodes)
+    kept = [(a, b) for a, b in circle_matching(list(fleet), rotation) if a in here and b in here]
+    paired = {n for p in kept for n in p}
+    left = [n for n in fleet if n in here and n not in paired]
+    left += sorted(here - set(fleet) - paired, key=node_order)
+    return kept + circle_matching(left, rotation)

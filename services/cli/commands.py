@@ -468,7 +468,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     from services.check import CheckBudget
     from services.scheduler.api_client import SchedulerApi
-    from services.scheduler.cycle import Rotation, run_scheduler
+    from services.scheduler.cycle import Rotation, Sharing, run_scheduler
+    from services.scheduler.occupancy import source_for
     from services.scheduler.shipper import Shipper
 
     settings = get_settings()
@@ -486,11 +487,23 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         # it connects. A stop request ends the loop at its next wait and shuts down cleanly.
         _stop_on_signals(stop)
         rotation = Rotation(settings.state_dir / "scheduler" / f"rotation-{_fleet_id(backend)}.json")
+        try:
+            source = source_for(settings.occupancy, backend,
+                                kubernetes_api_url=settings.kubernetes_api_url,
+                                timeout_s=settings.occupancy_timeout_s)
+        except ValueError as exc:
+            raise CliError(f"RINGWATCH_OCCUPANCY: {exc}") from None
+        progress(f"occupancy from {source.name}"
+                 + ("; busy nodes are probed anyway (RINGWATCH_PROBE_BUSY_NODES), their "
+                    "measurements contended" if settings.probe_busy_nodes else
+                    "; scheduled probes touch idle nodes only"))
         run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
                       once=args.once, api=api, progress=progress, stop=stop,
                       max_duty=settings.max_duty_cycle, rotation=rotation,
                       thresholds=settings.thresholds(backend.name),
-                      budget=CheckBudget.from_settings(settings))
+                      budget=CheckBudget.from_settings(settings),
+                      sharing=Sharing(source, settings.occupancy_timeout_s,
+                                      settings.probe_busy_nodes))
     if stop.is_set():
         print("ringwatch scheduler: stopped", file=sys.stderr)
     return 0

@@ -1,9 +1,20 @@
-"""``ringwatch slurm``: a Slurm node asks ringwatch about itself before a job starts on it.
+"""``ringwatch slurm``: a Slurm node asks ringwatch about itself before a job starts on it,
+and asks for a probe of itself once a job has left it.
 
 ``prolog`` asks the API about this node alone (``SLURMD_NODENAME``) and, when ringwatch
 excludes it, drains it with the finding as Slurm's reason; ``check`` asks the same and only
 says (LBNL NHC drains by itself); ``resume`` returns the nodes ringwatch drained once a
 verdict no longer excludes them, never a node drained for another reason (docs/slurm.md).
+
+``epilog`` runs when a job ends on the node, the moment it is surely idle: it asks for a
+preflight of this node alone that only a probe made for it can answer (a max age of
+EPILOG_MAX_AGE_S), so a scheduler probes the node ahead of its rotation. The prolog's rules
+hold: its own node only, the same env file, done within the bound. When the verdict
+excludes the node, it is drained with the prolog's reason (so ``resume`` returns it later);
+a healthy node is left as it is, even one ringwatch drained before (returning it is
+``resume``'s). It always exits 0, and says in its log why it did nothing where it could not
+ask: a failed epilog makes slurmd drain the node with a reason of its own ("Epilog error"),
+which names no fault and which ``resume`` would never return.
 
 A client command: the standard library, and httpx once a command asks the API.
 """
@@ -11,10 +22,12 @@ A client command: the standard library, and httpx once a command asks the API.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import email.utils
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -37,6 +50,9 @@ REASON_PREFIX = "ringwatch:"
 ENV_FILE = "/etc/ringwatch/prolog.env"
 BOUND_S = 30.0
 MAX_AGE_S = 900.0
+# The epilog's max age: the API takes none of 0, and a thousandth of a second leaves no stored
+# result fresh, so only a probe made for the request answers it.
+EPILOG_MAX_AGE_S = 0.001
 # Slurm stores any length, but sinfo and scontrol show reasons on one line.
 MAX_REASON = 200
 # Where distributions and source installs put Slurm's commands; slurmd gives a prolog no PATH.
@@ -154,14 +170,23 @@ def _seconds(values: Mapping[str, str], key: str, default: float) -> float:
 
 def slurm_command(config: GateConfig, name: str) -> str:
     """The absolute path of Slurm's ``name`` (scontrol, sinfo)."""
-    dirs = (config.slurm_bin,) if config.slurm_bin else SLURM_BIN_DIRS
+    try:
+        return find_slurm_command(name, config.slurm_bin)
+    except CliError as exc:
+        raise CliError(f"{exc} (set RINGWATCH_SLURM_BIN)") from None
+
+
+def find_slurm_command(name: str, slurm_bin: str | None = None) -> str:
+    """The absolute path of Slurm's ``name``: in ``slurm_bin`` alone where given, else in
+    SLURM_BIN_DIRS, then on PATH (the scheduler's occupancy source looks there too)."""
+    dirs = (slurm_bin,) if slurm_bin else SLURM_BIN_DIRS
     for d in dirs:
         path = Path(d) / name
         if os.access(path, os.X_OK):
             return str(path)
-    found = None if config.slurm_bin else shutil.which(name)
+    found = None if slurm_bin else shutil.which(name)
     if found is None:
-        raise CliError(f"no {name} in {', '.join(dirs)} (set RINGWATCH_SLURM_BIN)")
+        raise CliError(f"no {name} in {', '.join(dirs)}" + ("" if slurm_bin else " or on PATH"))
     return found
 
 
@@ -219,16 +244,18 @@ def retry_after_s(value: str | None, now: float | None = None) -> float:
 
 
 def ask(config: GateConfig, node: str, deadline: float, *,
+        max_age_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic) -> Answer:
-    """The verdict about ``node`` alone, or why none came before ``deadline`` (a ``clock``
-    time). A 429, 502, 503 or 504 is asked again after its Retry-After, and an unreachable
-    API after each of CONNECT_PAUSES, only where the wait ends before the deadline."""
+    """The verdict about ``node`` alone, from results younger than ``max_age_s`` (default:
+    the config's), or why none came before ``deadline`` (a ``clock`` time). A 429, 502, 503
+    or 504 is asked again after its Retry-After, and an unreachable API after each of
+    CONNECT_PAUSES, only where the wait ends before the deadline."""
     import httpx
 
     pauses, request_id = iter(CONNECT_PAUSES), None
-    body = {"nodes": [node], "max_age_s": config.max_age_s}
+    body = {"nodes": [node], "max_age_s": config.max_age_s if max_age_s is None else max_age_s}
     headers = {"Authorization": f"Bearer {config.token}"}
     with httpx.Client(base_url=config.api_url, headers=headers, transport=transport) as client:
         while True:
@@ -277,14 +304,15 @@ def _message(resp: httpx.Response) -> str:
         return resp.text[:200]
 
 
-def ask_within(config: GateConfig, node: str, deadline: float) -> Answer:
+def ask_within(config: GateConfig, node: str, deadline: float, *,
+               max_age_s: float | None = None) -> Answer:
     """``ask``, cut off at ``deadline`` however the API behaves (one that accepts and never
     answers, one that trickles bytes): the caller decides on time, the thread is left behind."""
     box: list[Answer] = []
 
     def run() -> None:
         try:
-            box.append(ask(config, node, deadline))
+            box.append(ask(config, node, deadline, max_age_s=max_age_s))
         except Exception as exc:  # an answer that is not a verdict is no answer
             box.append(Answer(None, f"{type(exc).__name__}: {exc}"[:200]))
 
@@ -353,12 +381,30 @@ def no_answer_reason(why: str) -> str:
 # ---- Slurm ---------------------------------------------------------------------------------
 
 
-def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def run_bounded(argv: list[str], timeout: float,
+                env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``argv``'s exit and output, or exit 124 once ``timeout`` seconds have passed. It runs
+    in a session of its own, killed whole at the bound: a wrapper script's children cannot
+    hold its pipes open past it (``subprocess.run`` kills the child alone, then waits for
+    the pipes)."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=max(timeout, 1.0),
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                                env=dict(env) if env is not None else None)
+    except OSError as exc:
+        return subprocess.CompletedProcess(argv, 127, "", f"cannot run {argv[0]}: {exc.strerror}")
+    try:
+        out, err = proc.communicate(timeout=max(timeout, 0.01))
     except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(argv, 124, "", f"no answer in {timeout:.0f} s")
+        with contextlib.suppress(ProcessLookupError):  # the whole group ended meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return subprocess.CompletedProcess(argv, 124, "", f"no answer in {timeout:.3g} s")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return run_bounded(argv, max(timeout, 1.0))
 
 
 def set_node_state(config: GateConfig, node: str, state: str, reason: str | None,
@@ -390,19 +436,31 @@ def drained_nodes(config: GateConfig, nodes: list[str] | None = None,
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("slurm", help="a Slurm prolog that drains this node when ringwatch "
-                                     "excludes it, an NHC check, and resume (docs/slurm.md)")
+                                     "excludes it, an epilog that has it probed once a job "
+                                     "leaves it, an NHC check, and resume (docs/slurm.md)")
     ssub = p.add_subparsers(dest="slurm_command", required=True, parser_class=type(p))
     prolog = ssub.add_parser("prolog", help="ask about this node (SLURMD_NODENAME); drain it "
                                             "and exit 1 when ringwatch excludes it")
+    epilog = ssub.add_parser("epilog", help="a job has left this node (SLURMD_NODENAME): have "
+                                            "it probed now, ahead of the rotation, and drain "
+                                            "it when ringwatch excludes it; always exit 0")
     check = ssub.add_parser("check", help="ask about this node and print the reason when "
                                           "ringwatch excludes it (exit 1); drains nothing")
     resume = ssub.add_parser("resume", help="return nodes that ringwatch drained once it no "
                                             "longer excludes them; others stay as they are")
-    for q in (prolog, check):
+    for q in (prolog, epilog, check):
         q.add_argument("--node", help="the Slurm node name (default: SLURMD_NODENAME"
                                       + (", else the short host name)" if q is check else ")"))
     resume.add_argument("--nodes", help="only these of ringwatch's drained nodes (a Slurm "
                                         "host list); default: all of them")
+    epilog.add_argument("--env-file", default=ENV_FILE,
+                        help=f"KEY=value settings, mode 0600 (default {ENV_FILE}); the "
+                             "environment's RINGWATCH_* variables override it")
+    epilog.add_argument("--bound", type=float, metavar="S",
+                        help=f"seconds the command may take (default {BOUND_S:g})")
+    epilog.epilog = ("Fail-open whatever RINGWATCH_SLURM_ON_ERROR says, and asks for a fresh "
+                     "probe whatever RINGWATCH_SLURM_MAX_AGE_S says. Settings: "
+                     + "; ".join(f"{k}: {v}" for k, v in SETTINGS.items()))
     for q in (prolog, check, resume):
         q.add_argument("--env-file", default=ENV_FILE,
                        help=f"KEY=value settings, mode 0600 (default {ENV_FILE}); the "
@@ -421,6 +479,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_slurm(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    if args.slurm_command == "epilog":
+        return epilog_command(args, started)
     config = load_config(args.env_file, os.environ, args)
     if args.slurm_command == "resume":
         return resume(config, args.nodes)
@@ -456,6 +516,51 @@ def prolog(config: GateConfig, node: str, started: float) -> int:
     log(f"job {job} on {node}: " + (f"drained: {reason}" if failed is None else
                                      f"{reason}; {scontrol} update failed: {failed}"))
     return 1
+
+
+def epilog_command(args: argparse.Namespace, started: float) -> int:
+    """``epilog``: exit 0 whatever happens, with a line in the log where it could not ask."""
+    try:
+        config = load_config(args.env_file, os.environ, args)
+    except CliError as exc:
+        DecisionLog(None, "epilog")(f"not asked: {exc}; the node is left as it is")
+        return 0
+    log = DecisionLog(config, "epilog")
+    node = args.node or os.environ.get("SLURMD_NODENAME")
+    if not node:
+        log("not asked: SLURMD_NODENAME is not set (slurmd sets it for an epilog); or give "
+            "--node; the node is left as it is")
+        return 0
+    try:
+        return epilog(config, node, started)
+    except Exception as exc:  # fail-open: an epilog that fails drains the node as Slurm's
+        log(f"{node}: {type(exc).__name__}: {exc}; the node is left as it is (fail-open)")
+        return 0
+
+
+def epilog(config: GateConfig, node: str, started: float) -> int:
+    """Ask for a probe of ``node`` made now; drain it with ringwatch's reason when the
+    verdict excludes it. Exit 0 always (module docstring)."""
+    log = DecisionLog(config, "epilog")
+    end = started + config.bound_s
+    # As the prolog: the API gets the bound less the time scontrol may need to drain.
+    answer = ask_within(config, node, end - min(5.0, config.bound_s / 4),
+                        max_age_s=EPILOG_MAX_AGE_S)
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    if answer.verdict is None:
+        log(f"after job {job} on {node}: no answer ({answer.why}); the node is left as it is "
+            "(fail-open)")
+        return 0
+    reason = reason_for(answer.verdict, node)
+    if reason is None:
+        return 0
+    try:
+        failed = set_node_state(config, node, "DRAIN", reason, end - time.monotonic())
+    except CliError as exc:  # no scontrol where it was looked for
+        failed = str(exc)
+    log(f"after job {job} on {node}: " + (f"drained: {reason}" if failed is None else
+                                           f"{reason}; scontrol update failed: {failed}"))
+    return 0
 
 
 def check(config: GateConfig, node: str, started: float) -> int:

@@ -7,7 +7,7 @@ aligned text where it is not (a pipe, a log, a cron mail), and JSON with ``--jso
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +30,8 @@ class FleetStatus:
     last_seen: dict[str, datetime]
     duty: dict[str, float]
     now: datetime
+    # Per busy node: what holds it (the API's ``occupied``), so it reads as busy, not stale.
+    busy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         newest = max(self.last_seen.values(), default=None)
@@ -43,6 +45,11 @@ class FleetStatus:
             "duty_cycle": {"max": duty[-1], "median": statistics.median(duty),
                            "busiest_node": max(self.duty, key=lambda n: self.duty[n])}
             if duty else None,
+            "busy": {"nodes": len(self.busy),
+                     "jobs": len({o.get("job") for o in self.busy.values() if o.get("job")}),
+                     "unknown": sorted(n for n, o in self.busy.items() if o.get("unknown")),
+                     "sources": sorted({str(o.get("source")) for o in self.busy.values()}),
+                     "by_node": self.busy},
         }
 
 
@@ -52,6 +59,7 @@ def fetch(client: httpx.Client) -> FleetStatus:
     incidents = _get(client, "/v1/findings", params={"status": "open", "limit": 500})
     last_seen: dict[str, datetime] = {}
     duty: dict[str, float] = {}
+    busy: dict[str, dict[str, Any]] = {}
     after = None
     while True:
         resp = _response(client, "/v1/nodes", params={"limit": 5000,
@@ -60,11 +68,13 @@ def fetch(client: httpx.Client) -> FleetStatus:
             last_seen[node["name"]] = datetime.fromisoformat(node["last_seen_at"])
             if node.get("duty_cycle") is not None:
                 duty[node["name"]] = float(node["duty_cycle"])
+            if node.get("occupied"):
+                busy[node["name"]] = node["occupied"]
         after = resp.headers.get("X-Next-Cursor")
         if not after:
             break
     return FleetStatus(str(client.base_url), health, incidents, last_seen, duty,
-                       datetime.now(UTC))
+                       datetime.now(UTC), busy)
 
 
 def _response(client: httpx.Client, path: str, **kw: Any) -> httpx.Response:
@@ -122,6 +132,7 @@ def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:
         ("last cycle", ago(d["last_cycle_age_s"])),
         ("duty cycle", f"max {duty['max']:.3%} ({duty['busiest_node']}), median "
                        f"{duty['median']:.3%}" if duty else "not reported yet"),
+        ("busy", busy_text(d["busy"])),
     ]
     table = []
     for inc in status.incidents[:MAX_LISTED]:
@@ -130,6 +141,18 @@ def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:
                       ago((status.now - opened).total_seconds() if opened else None),
                       headline(inc.get("detail") or {})])
     return summary, table
+
+
+def busy_text(busy: dict[str, Any]) -> str:
+    """The nodes jobs hold, in one line: scheduled probes leave them alone and their health
+    is their last results'."""
+    if not busy["nodes"]:
+        return "none (every node idle to the prober)"
+    text = (f"{busy['nodes']} node(s) in {busy['jobs']} job(s) per {', '.join(busy['sources'])};"
+            " not probed while busy, last results kept")
+    if busy["unknown"]:
+        text += f"; {len(busy['unknown'])} counted busy because occupancy could not be read"
+    return text
 
 
 HEADERS = ["id", "kind", "severity", "where", "opened", "busbw"]

@@ -26,7 +26,7 @@ def nodes(session: Session, *, after: str | None = None,
     return [
         {"name": n.name, "hostname": n.hostname, "backend": n.backend, "profile": n.profile,
          "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
-         "last_seen_at": n.last_seen_at,
+         "occupied": n.occupied, "last_seen_at": n.last_seen_at,
          "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
                    "numa_node": g.numa_node, "name": g.name} for g in gpus]}
         for n, gpus in store.list_nodes(session, after=after, limit=limit)
@@ -43,7 +43,7 @@ def node(session: Session, name: str) -> dict[str, Any]:
     nics: list[dict[str, Any]] = next((g.telemetry["nics"] for g in gpus if g.telemetry.get("nics")), [])
     return {"name": n.name, "hostname": n.hostname, "backend": n.backend, "profile": n.profile,
             "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
-            "last_seen_at": n.last_seen_at, "last_probed_at": n.last_probed_at,
+            "occupied": n.occupied, "last_seen_at": n.last_seen_at, "last_probed_at": n.last_probed_at,
             "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
                       "numa_node": g.numa_node, "name": g.name, "telemetry": g.telemetry}
                      for g in gpus],
@@ -62,11 +62,11 @@ def node_states(session: Session,
     out = []
     for r in health_store.node_health(session):
         ratios = [x for x in (r.nvlink_ratio, r.net_ratio) if x is not None]
-        state = ("degraded" if r.open_findings else "suspect" if r.degraded
-                 else "ok" if r.links else "unknown")
+        state = ("degraded" if r.open_findings else "busy" if r.occupied
+                 else "suspect" if r.degraded else "ok" if r.links else "unknown")
         out.append({"name": r.name, "backend": r.backend, "profile": r.profile,
                     "last_probed_at": r.last_probed_at, "skipped_reason": r.skipped_reason,
-                    "links": r.links, "degraded_links": r.degraded,
+                    "occupied": r.occupied, "links": r.links, "degraded_links": r.degraded,
                     "open_findings": r.open_findings, "nvlink_ratio": r.nvlink_ratio,
                     "net_ratio": r.net_ratio, "ratio": min(ratios) if ratios else None,
                     "state": state})
@@ -283,7 +283,7 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
         out["points"] = [
             {"time": m.time, "op": m.op, "size_bytes": m.size_bytes, "dtype": m.dtype,
              "redop": m.redop, "timing": m.timing, "transport": m.transport,
-             "time_us": m.time_us,
+             "contended": m.contended, "time_us": m.time_us,
              "algbw_gbs": m.algbw_gbs, "busbw_gbs": m.busbw_gbs, "wrong": m.wrong}
             for m in rows]
     else:

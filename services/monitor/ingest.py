@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from agents.groups import node_order, nodes_of, series_key
-from agents.spec import RankInfo, utcnow
+from agents.spec import Occupant, RankInfo, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS
@@ -21,6 +21,8 @@ from services.errors import BadInput, Conflict, Forbidden, TooLarge
 from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
 from services.store import timeseries
+
+OCCUPANT_FIELDS = ("source", "job", "gpus", "state", "unknown")
 
 
 @dataclass
@@ -89,6 +91,9 @@ class IngestRequest:
     skipped: dict[str, str] | None = None
     shipper: dict[str, Any] | None = None
     counters: list[dict[str, Any]] = field(default_factory=list)
+    # How the scheduler's occupancy source answered (docs/formats.md): its busy nodes are
+    # marked occupied, the batch's other nodes idle. None (a preflight's batch): untouched.
+    occupancy: dict[str, Any] | None = None
     digest: str | None = None
     sender: Sender = Sender()
     policy: IngestPolicy = IngestPolicy()
@@ -106,6 +111,8 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     node_names = {n for r in rows for n in r["nodes"]} | {r["node"] for r in req.ranks}
     node_names |= {n for f in req.findings for n in _finding_nodes(f)}
     node_names |= set(req.skipped or {})
+    busy = (req.occupancy or {}).get("busy") or {}
+    node_names |= set(busy)
     named = node_names | set(req.duty_cycle or {}) | {c["node"] for c in req.counters}
     if req.sender.nodes is not None:
         outside = sorted(named - req.sender.nodes, key=node_order)
@@ -120,9 +127,13 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     _check_times(rows, now, req.policy.limits)
     _check_growth(session, node_names, req.policy.limits)
     seen_at = max((r["time"] for r in rows), default=now)
+    # A contended measurement is about the job beside it: stored and shown, never judged, and
+    # no sign of the node's health, so it does not make the node's results fresh either.
+    judged = [r for r in rows if not r.get("contended")]
     store.upsert_nodes(session, sorted(node_names), req.backend, seen_at,
-                       _probed_at(rows, req.findings, seen_at),
-                       duty_cycle=req.duty_cycle, skipped=req.skipped)
+                       _probed_at(judged, req.findings, seen_at),
+                       duty_cycle=req.duty_cycle, skipped=req.skipped,
+                       occupied=_occupied(req.occupancy, node_names))
     store.upsert_ranks(session, req.ranks)
     if rows:
         bind = session.get_bind()
@@ -134,10 +145,11 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     copied = time.perf_counter()
     run.findings = list(req.findings)
     run.shipper = req.shipper
+    run.occupancy = _occupancy_summary(req.occupancy)
     store.add_counters(session, req.counters, seen_at)
     judging = time.perf_counter()
     policy = req.policy
-    changes = apply_round(session, rows, list(req.findings), at=seen_at,
+    changes = apply_round(session, judged, list(req.findings), at=seen_at,
                           thresholds=policy.thresholds or thresholds_for(req.backend),
                           hysteresis=policy.hysteresis, drift=policy.drift,
                           api_url=policy.api_url, ranks=[RankInfo(**r) for r in req.ranks])
@@ -146,6 +158,28 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
                         {"store": judging - started, "measurements": copied - copying,
                          "judge": done - judging})
 
+
+
+def _occupied(occupancy: dict[str, Any] | None,
+              names: set[str]) -> dict[str, dict[str, Any] | None] | None:
+    """Each node's occupant to store (None: idle) where the batch says what held the fleet:
+    its busy nodes with their occupant, every other node it names idle."""
+    if occupancy is None:
+        return None
+    busy = occupancy.get("busy") or {}
+    return {n: ({**busy[n], "reason": Occupant(**{k: v for k, v in busy[n].items()
+                                                  if k in OCCUPANT_FIELDS}).reason}
+                if n in busy else None) for n in names}
+
+
+def _occupancy_summary(occupancy: dict[str, Any] | None) -> dict[str, Any] | None:
+    """How the source answered, without the per-node map (kept on the nodes)."""
+    if occupancy is None:
+        return None
+    busy = occupancy.get("busy") or {}
+    return {"source": occupancy.get("source"), "error": occupancy.get("error"),
+            "read_s": occupancy.get("read_s", 0.0), "busy": len(busy),
+            "unknown": sum(1 for o in busy.values() if o.get("unknown"))}
 
 
 def _finding_nodes(finding: dict[str, Any]) -> list[str]:

@@ -59,6 +59,8 @@ class Snapshot:
     collect_s: float
     # Open nic_errors and transport_fallback incidents: why, per node (docs/transport.md).
     causes: list[store.CauseRow] = field(default_factory=list)
+    # How the occupancy source answered for the newest scheduled cycle (None: none said).
+    occupancy: dict[str, Any] | None = None
 
 
 def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
@@ -77,9 +79,11 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
     ingested = store.ingest_totals(session)
     last_ingest_at, now = store.last_ingest(session), store.database_now(session)
     causes = store.open_causes(session)
+    occupancy = store.latest_occupancy(session)
     return Snapshot(link_counts, links, nodes, excluded, findings, per_node, shippers, backlog,
                     preflight, latency, ingested, last_ingest_at, now,
-                    collect_s=time.perf_counter() - started, causes=causes)
+                    collect_s=time.perf_counter() - started, causes=causes,
+                    occupancy=occupancy)
 
 
 def _listed(value: Any) -> list[Any]:
@@ -217,13 +221,41 @@ class FleetCollector(Collector):
         probed = _gauge("ringwatch_node_last_probe_timestamp_seconds",
                         "Unix time of the node's newest measurement.", labels=["node"],
                         unit="seconds")
+        busy = _gauge("ringwatch_node_busy", "1 for a node a job holds, as the scheduler's "
+                      "occupancy source last said (scheduled probes leave it alone; its "
+                      "health is its last results'); job empty where the source names none, "
+                      "source the workload manager.", labels=["node", "source", "job"])
         for n in self.snap.nodes:
             healthy.add_metric([n.name], int(n.name not in self.snap.excluded))
             if n.duty_cycle is not None:
                 duty.add_metric([n.name], n.duty_cycle)
             if n.last_probed_at is not None:
                 probed.add_metric([n.name], n.last_probed_at.timestamp())
-        yield from (healthy, duty, probed)
+            if isinstance(n.occupied, dict):
+                # Ingest took both from closed forms (a source's name, a job id's pattern).
+                busy.add_metric([n.name, str(n.occupied.get("source") or ""),
+                                 str(n.occupied.get("job") or "")], 1.0)
+        yield from (healthy, duty, probed, busy)
+        yield from self._occupancy()
+
+    def _occupancy(self) -> Iterator[Metric]:
+        o = self.snap.occupancy or {}
+        source = [str(o.get("source"))] if o else None
+        up = _gauge("ringwatch_occupancy_source_up", "1 when the occupancy source answered for "
+                    "the newest scheduled cycle, 0 when it failed or timed out (every node it "
+                    "could not vouch for then counted busy).", labels=["source"])
+        counted = _gauge("ringwatch_occupancy_busy_nodes", "Nodes the newest scheduled cycle "
+                         "left alone as busy (unknown: counted busy because the source did "
+                         "not answer for them).", labels=["source", "kind"])
+        took = _gauge("ringwatch_occupancy_read_seconds", "Seconds the newest scheduled cycle "
+                      "took to read occupancy.", labels=["source"], unit="seconds")
+        if source:
+            up.add_metric(source, 0.0 if o.get("error") else 1.0)
+            unknown = int(o.get("unknown") or 0)
+            counted.add_metric([source[0], "job"], int(o.get("busy") or 0) - unknown)
+            counted.add_metric([source[0], "unknown"], unknown)
+            took.add_metric(source, float(o.get("read_s") or 0.0))
+        yield from (up, counted, took)
 
     def _ingest(self) -> Iterator[Metric]:
         yield CounterMetricFamily(

@@ -29,6 +29,11 @@ from agents.workloads import JobLayout, LayoutError
 from services.analyzer.assess import LinkKey, Thresholds
 from services.check import CheckBudget, ProbeSpec, run_check
 from services.check.planner import layout_of
+from services.scheduler.occupancy import (
+    BackendOccupancy,
+    OccupancySource,
+    read_occupancy,
+)
 
 if TYPE_CHECKING:  # httpx under both: `ringwatch probe --fabric` sends nothing
     from services.scheduler.api_client import SchedulerApi
@@ -82,6 +87,11 @@ class CycleResult:
     # With a profile: how the job's communicators ran (the verdict's ``workload``
     # section); shown, not shipped (their measurements are).
     workload: dict[str, Any] | None = None
+    # How the occupancy source answered (Occupancy.to_dict); a scheduled cycle's only.
+    occupancy: dict[str, Any] | None = None
+    # Seconds the backend took to set up for the cycle and to tear down after it (agents,
+    # CUDA contexts): counted in every probed rank's busy time.
+    setup_s: float = 0.0
 
     def to_batch(self, batch_id: str | None = None) -> dict[str, Any]:
         """The body of ``POST /v1/measurements``."""
@@ -95,7 +105,21 @@ class CycleResult:
             "skipped": self.skipped,
             "duty_cycle": self.duty_cycle,
             "counters": self.counters,
+            **({"occupancy": self.occupancy} if self.occupancy is not None else {}),
         }
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How a scheduled cycle shares the fleet with its jobs (docs/operations.md, "Occupancy
+    and contention"): where occupancy comes from (None: the backend's own view, Ray's other
+    work or the sim's jobs), how long reading it may take, and whether busy nodes are
+    probed anyway (RINGWATCH_PROBE_BUSY_NODES; their measurements then meet the job's
+    traffic and are contended, never judged)."""
+
+    source: OccupancySource | None = None
+    timeout_s: float = 10.0
+    probe_busy: bool = False
 
 
 def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] | None = None,
@@ -103,27 +127,53 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
               rotation: int = 0,
               history: Mapping[LinkKey, Sequence[float]] | None = None,
               thresholds: Thresholds | None = None,
-              budget: CheckBudget = CheckBudget()) -> CycleResult:
+              budget: CheckBudget = CheckBudget(),
+              sharing: Sharing = Sharing()) -> CycleResult:
     """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
     node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
     it is slow, the search for the slow path: the check of a preflight (services.check),
-    on the nodes no other work holds, judged against each link's own normal where
-    ``history`` holds one; around it, the NVML counters read before and after."""
+    judged against each link's own normal where ``history`` holds one; around it, the NVML
+    counters read before and after. With ``skip_busy`` (a scheduled cycle) it reads
+    occupancy first and probes idle nodes only; the backend holds its GPUs only from
+    ``acquire`` to ``release`` around the probing."""
     backend.begin_cycle(rotation)
-    backend.refresh_ranks()
     ranks = backend.ranks()
     layout = layout_of(ranks, only)
-    skipped = _busy(backend, layout) if skip_busy else {}
-    for node, reason in skipped.items():
-        if progress:
-            progress(f"skipping {node}: {reason}")
-        del layout[node]
-    before = backend.counters()
-    run = run_check(backend, list(layout), ranks=ranks, spec=options, thresholds=thresholds,
-                    history=history, rotation=rotation, budget=budget,
-                    profile=options.profile, job=options.job, progress=progress,
-                    label="round")
-    after = backend.counters()
+    fleet = list(layout)
+    occupancy = None
+    skipped: dict[str, str] = {}
+    if skip_busy:
+        occupancy = read_occupancy(sharing.source or BackendOccupancy(backend, own_source(backend)), fleet,
+                                   timeout_s=sharing.timeout_s)
+        skipped = {n: o.reason for n, o in occupancy.busy.items() if n in layout}
+        if occupancy.error and progress:
+            progress(f"occupancy: {occupancy.error}; {len(skipped)} node(s) counted busy")
+        if not sharing.probe_busy:
+            for node, reason in skipped.items():
+                if progress:
+                    progress(f"skipping {node}: {reason}")
+                del layout[node]
+    setup_s = 0.0
+    try:
+        if layout:
+            setup_s = backend.acquire(list(layout))
+        for node, why in backend.not_acquired.items():
+            if node in layout:
+                if progress:
+                    progress(f"skipping {node}: {why}")
+                skipped[node] = why
+                del layout[node]
+        backend.refresh_ranks()
+        ranks = backend.ranks()
+        before = backend.counters()
+        run = run_check(backend, list(layout), ranks=ranks, spec=options,
+                        thresholds=thresholds, history=history, rotation=rotation,
+                        fleet=fleet if skip_busy else None, budget=budget,
+                        profile=options.profile, job=options.job, progress=progress,
+                        label="round")
+        after = backend.counters()
+    finally:
+        setup_s += backend.release()
     nvml, snapshots = _counter_findings(before, after, partitioned=options.nvlink_partitioned)
     return CycleResult(
         backend=backend.name, ranks=ranks, measurements=run.measurements,
@@ -131,7 +181,27 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         rounds=run.rounds, counters=snapshots,
         fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
         injected=[f.to_dict() for f in backend.injected], skipped=skipped,
-        busy_s=run.busy_s, workload=run.workload)
+        busy_s=with_setup(run.busy_s, ranks, layout, setup_s), workload=run.workload,
+        occupancy=occupancy.to_dict() if occupancy is not None else None, setup_s=setup_s)
+
+
+def own_source(backend: ProbeBackend) -> str:
+    """The occupancy source a backend's own view is: the sim's scenario jobs, else Ray's
+    other work."""
+    return "sim" if backend.name == "sim" else "ray"
+
+
+def with_setup(busy_s: dict[str, float], ranks: Sequence[RankInfo],
+               layout: Mapping[str, Sequence[int]], setup_s: float) -> dict[str, float]:
+    """Each probed rank's seconds in groups plus the set-up and tear-down of the cycle: its
+    GPU was taken for those too, so the duty cycle counts them."""
+    if setup_s <= 0:
+        return busy_s
+    out = dict(busy_s)
+    for r in ranks:
+        if r.node in layout:
+            out[r.member] = out.get(r.member, 0.0) + setup_s
+    return out
 
 
 class Rotation:
@@ -191,10 +261,6 @@ def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[s
                           "xid": [], "fabric": (reading or {}).get("fabric"),
                           "findings": [f.kind]})
     return findings, snapshots
-
-
-def _busy(backend: ProbeBackend, layout: dict[str, list[int]]) -> dict[str, str]:
-    return {n: r for n, r in backend.busy_nodes().items() if n in layout}
 
 
 def _kinds(findings: list[Finding]) -> str:
@@ -291,7 +357,15 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
         if progress:
             progress(line)
 
+    # A preflight probes the nodes it names whatever holds them: its asker (a job's prolog,
+    # a launcher) speaks for them at the job's edge, before the job's traffic starts.
+    setup_s = 0.0
     try:
+        setup_s = backend.acquire(list(req["nodes"]))
+        if backend.not_acquired:
+            lost = ", ".join(f"{n} ({why})" for n, why in sorted(backend.not_acquired.items()))
+            api.complete_preflight(req["id"], error=f"cannot probe {lost}")
+            return True
         checked = run_check(backend, list(req["nodes"]), ranks=ranks, spec=options,
                             thresholds=thresholds, history=api.baselines(options.dtype),
                             budget=budget, profile=profile, job=job, progress=each_round,
@@ -299,8 +373,11 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     except LayoutError as exc:
         api.complete_preflight(req["id"], error=str(exc))
         return True
+    finally:
+        setup_s += backend.release()
     if duty is not None:
-        duty.charge_preflight(checked.busy_s)
+        duty.charge_preflight(with_setup(checked.busy_s, ranks,
+                                         layout_of(ranks, req["nodes"]), setup_s))
     verdict = checked.verdict()
     asked = set(req["nodes"])
     batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in asked],
@@ -335,6 +412,20 @@ def _api_note(answer: dict[str, Any] | None) -> str:
             f"{len(answer.get('recovered') or [])} resolved")
 
 
+def _occupancy_note(cycle: CycleResult, sharing: Sharing) -> str:
+    """The cycle line's word on the nodes jobs held: how many, by which source, and when
+    the source failed, that its nodes were counted busy."""
+    o = cycle.occupancy or {}
+    busy = o.get("busy") or {}
+    unknown = sum(1 for x in busy.values() if x.get("unknown"))
+    verb = "probed anyway (contended)" if sharing.probe_busy else "skipped"
+    note = f"{len(cycle.skipped)} busy node(s) {verb} (occupancy: {o.get('source', 'none')}"
+    if o.get("error"):
+        note += f", FAILED: {o['error']}; {unknown} counted busy"
+    contended = sum(1 for m in cycle.measurements if m.contended)
+    return note + ")" + (f", {contended} contended measurement(s) not judged" if contended else "")
+
+
 def _workload_note(summary: dict[str, Any] | None) -> str:
     """The cycle line's word on the job's communicators, with a profile."""
     if summary is None:
@@ -350,14 +441,15 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                   stop: threading.Event | None = None, progress: Progress | None = None,
                   jitter: float = 0.1, poll_s: float = 1.0, max_duty: float = 0.005,
                   rotation: Rotation | None = None, thresholds: Thresholds | None = None,
-                  budget: CheckBudget = CheckBudget()) -> int:
+                  budget: CheckBudget = CheckBudget(), sharing: Sharing = Sharing()) -> int:
     """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)
     and, between cycles, answer waiting preflight requests.
 
     ``max_duty`` caps the fraction of any GPU's time spent probing: a cycle that held a
     rank for B seconds is followed by a wait of at least B / max_duty - B, whatever the
     interval says, so a slow fabric or a large fleet cannot turn monitoring into load.
-    ``thresholds`` and ``budget`` (the process's settings) go to every check it runs."""
+    ``thresholds`` and ``budget`` (the process's settings) go to every check it runs;
+    ``sharing`` says how cycles learn which nodes jobs hold and leave them alone."""
     stop = stop or threading.Event()
     rotation = rotation or Rotation(None)
     cycles = 0
@@ -374,7 +466,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                 index = rotation.advance()
                 cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
                                   rotation=index, history=history,
-                                  thresholds=thresholds, budget=budget)
+                                  thresholds=thresholds, budget=budget, sharing=sharing)
                 duty.add(cycle)
                 wait = interval_s * (1 + random.uniform(-jitter, jitter))
                 held = max(cycle.busy_s.values(), default=0.0)
@@ -395,7 +487,7 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                              f"measurements, {len(cycle.judged)} finding(s) in this cycle"
                              f"{' ' + _kinds(cycle.judged) if cycle.judged else ''}, "
                              f"{_api_note(shipper.answers.pop(batch['batch_id'], None))}, "
-                             f"{len(cycle.skipped)} node(s) skipped, busiest GPU held "
+                             f"{_occupancy_note(cycle, sharing)}, busiest GPU held "
                              f"{held:.1f} s: duty cycle {share:.3%} (max {max_duty:.2%}), "
                              f"{left} batch(es) still spooled"
                              + _workload_note(cycle.workload)

@@ -6,6 +6,9 @@ their agents so the next round starts clean.
 Each group gets a fresh TCPStore hosted here, on the driver. Agents write their progress
 into it (``arrived/R``, ``entered/R/OP/SIZE``, ``done/R/OP/SIZE``), so after a deadline the
 store itself says who never came and who stopped.
+
+Under nccl the agents live from a cycle's ``acquire`` to its ``release``: between cycles no
+agent process holds a CUDA context, communicator or memory on any GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from agents.spec import (
     Finding,
     GroupSpec,
     InjectedFault,
+    Occupant,
     ProbeSetupError,
     RankInfo,
     RoundResult,
@@ -51,6 +55,8 @@ _OBJECT_STORE_BYTES = 128 * 1024 * 1024
 # How long agents may take to start: a cold worker imports torch; on a busy cluster Ray
 # may also wait for the CPU or GPU slot to free up.
 _START_TIMEOUT_S = 300.0
+# How long release() waits for Ray to register the agents it killed as dead.
+_END_TIMEOUT_S = 10.0
 # After a rank reports an error, how long its peers get to report theirs (a peer blocked
 # in a collective with the failed rank sees it break at once under gloo; NCCL may not).
 _ERROR_GRACE_S = 5.0
@@ -130,6 +136,7 @@ class RayBackend(BackendDefaults):
         progress: Progress | None = None,
         repeats: int = 1,
         cuda_graph: bool = True,
+        hold_between_cycles: bool | None = None,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
@@ -141,6 +148,20 @@ class RayBackend(BackendDefaults):
         self.repeats = repeats
         # On GPUs, capture each timed loop in one CUDA graph (nccl-tests' -G) where it works.
         self.cuda_graph = cuda_graph
+        # Whether agents live on between cycles (release() then does nothing). A CUDA primary
+        # context cannot be given back in-process: torch has no call that destroys it
+        # (empty_cache returns only its allocator's cached blocks; the context, NCCL's
+        # buffers and its proxy threads stay until the process ends). So under nccl an agent
+        # is a process that ends: release() kills the agents, acquire() starts them again on
+        # the cycle's nodes, paying a worker's start and CUDA's initialisation each cycle
+        # (bench/agent_lifecycle.py) for a GPU that is the jobs' whole between cycles. gloo
+        # holds nothing on a GPU and keeps its agents by default, sparing each cycle the
+        # start; False there runs the nccl path on CPU, which is how the tests exercise it.
+        self.hold_between_cycles = (backend == "gloo" if hold_between_cycles is None
+                                    else hold_between_cycles)
+        # The nodes the last acquire() was asked for whose agents did not start, with why:
+        # probe none of their ranks this time.
+        self.not_acquired: dict[str, str] = {}
         self._progress = progress or (lambda _msg: None)
         self._injected: list[InjectedFault] = list(injected)
         # Members whose hung agent was replaced: a restart clears an injected hang.
@@ -163,7 +184,11 @@ class RayBackend(BackendDefaults):
             else:
                 assert address is not None
                 self._join(address, ranks_per_node)
+            # Every agent starts once, to read the ranks' identities, and stays up until the
+            # first release(): a one-shot check needs no acquire(). None has touched its GPU
+            # yet (identity() reads NVML and counts devices; no context), so nothing is held.
             self._start_agents(list(self._slots.values()))
+            self._node_ids()  # read where the agents run while they are all up
         except BaseException:
             self.close()
             raise
@@ -326,16 +351,22 @@ class RayBackend(BackendDefaults):
             if f.member == member and not (f.kind == "hang" and member in self._hang_cleared)
         ]
 
-    def _start_agents(self, slots: list[_Slot]) -> None:
+    def _spawn(self, slots: list[_Slot]) -> list[Any]:
+        """Start each slot's agent; the refs of their identity(), which doubles as "the agent
+        is up" and "this rank can probe here"."""
         remote_agent = ray.remote(ProbeAgent)
         for slot in slots:
             slot.handle = remote_agent.options(**slot.options).remote(
                 slot.node, slot.local_index, self.name, self._faults_for(slot.member),
                 device_index=slot.device_index,
             )
-        # identity() doubles as "the agent is up" and "this rank can probe here".
+        return [s.handle.identity.remote() for s in slots]
+
+    def _start_agents(self, slots: list[_Slot]) -> None:
+        """Start these agents, all or none: raises if any does not start."""
+        refs = self._spawn(slots)
         try:
-            infos = ray.get([s.handle.identity.remote() for s in slots], timeout=_START_TIMEOUT_S)
+            infos = ray.get(refs, timeout=_START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"probe agents did not start within {_START_TIMEOUT_S:.0f} s: "
                                "are the CPU/GPU slots they need free?") from None
@@ -347,6 +378,109 @@ class RayBackend(BackendDefaults):
         for slot, info in zip(slots, infos, strict=True):
             self._identities[slot.member] = RankInfo(**info)
         self._identified_at = time.monotonic()
+
+    def _start_nodes(self, slots: list[_Slot]) -> dict[str, str]:
+        """Start these agents node by node: the nodes whose agents did not all start within
+        _START_TIMEOUT_S, or cannot probe, with why. Their agents are stopped (one still
+        waiting for its slot would otherwise take it later) and their ranks keep the
+        identities read before; the other nodes' identities are read afresh."""
+        refs = self._spawn(slots)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=_START_TIMEOUT_S)[0])
+        failed: dict[str, str] = {}
+        infos: dict[str, dict[str, Any]] = {}
+        for slot, ref in zip(slots, refs, strict=True):
+            if ref not in ready:
+                failed.setdefault(slot.node, f"its agents did not start within "
+                                  f"{_START_TIMEOUT_S:.0f} s: is the CPU/GPU slot they need free?")
+                continue
+            try:
+                infos[slot.member] = ray.get(ref)
+            except ray.exceptions.RayError as exc:  # cannot probe there, or the agent died
+                cause = getattr(exc, "cause", None) or exc
+                failed.setdefault(slot.node, f"{type(cause).__name__}: "
+                                  f"{str(cause).splitlines()[0] if str(cause) else ''}"[:300])
+        for slot in slots:
+            if slot.node in failed:
+                with contextlib.suppress(Exception):  # pending or gone: either way stopped
+                    ray.kill(slot.handle, no_restart=True)
+                slot.handle = None
+            else:
+                self._identities[slot.member] = RankInfo(**infos[slot.member])
+        self._identified_at = time.monotonic()
+        for node, why in sorted(failed.items()):
+            self._progress(f"ray: agents on {node} not acquired: {why}")
+        return failed
+
+    def _live(self) -> list[_Slot]:
+        """The slots whose agent is up now."""
+        return [s for s in self._slots.values() if s.handle is not None]
+
+    def acquire(self, nodes: Sequence[str]) -> float:
+        """Start the agents of these nodes that are not up (under nccl, all of them after a
+        release), on these nodes only: another node's GPUs may be a job's. Their identities
+        are read again as they start. A node whose agents do not start within
+        _START_TIMEOUT_S (Ray waits for the slot they need while other work holds it) or
+        cannot probe is left out, named with why in ``not_acquired``; the rest go on. Under
+        nccl each agent then makes its CUDA context. The seconds it took: the workers' start
+        (each imports torch) and CUDA's initialisation, paid here rather than inside the
+        cycle's first groups' deadlines."""
+        started = time.perf_counter()
+        wanted = set(nodes)
+        known = {s.node for s in self._slots.values()}
+        self.not_acquired = {n: "no ranks of this backend there" for n in sorted(wanted - known)}
+        slots = [s for s in self._slots.values() if s.node in wanted and s.handle is None]
+        if slots:
+            self.not_acquired.update(self._start_nodes(slots))
+        if self.name == "nccl":
+            self._prepare([s for s in self._live() if s.node in wanted])
+        return time.perf_counter() - started
+
+    def _prepare(self, slots: list[_Slot]) -> None:
+        """Each agent's CUDA context, made now. A rank that cannot make one stays acquired:
+        its group fails with the same error, which is a probe finding about its GPU."""
+        if not slots:
+            return
+        try:
+            errors = ray.get([s.handle.prepare.remote() for s in slots], timeout=_START_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:  # an agent died: its group will say so
+            self._progress(f"ray: preparing GPUs failed: {type(exc).__name__}")
+            return
+        for slot, error in zip(slots, errors, strict=True):
+            if error:
+                self._progress(f"ray: {slot.member} made no CUDA context: {error}")
+
+    def release(self) -> float:
+        """End every agent (unless ``hold_between_cycles``): the process's end is what gives
+        its CUDA context, communicators and GPU memory back. Returns once Ray has registered
+        every one dead (ray.kill ends a worker at once, without its exit handlers); the
+        seconds it took. Identities stay; a second call does nothing."""
+        live = self._live()
+        if self.hold_between_cycles or not live:
+            return 0.0
+        started = time.perf_counter()
+        self._end(live)
+        return time.perf_counter() - started
+
+    def footprints(self) -> dict[str, dict[str, Any]]:
+        """What each agent that is up holds now, by member (ProbeAgent.footprint: pid,
+        resident host memory, CPU seconds used, whether it may hold a CUDA context)."""
+        slots = self._live()
+        return dict(zip((s.member for s in slots),
+                        ray.get([s.handle.footprint.remote() for s in slots], timeout=60),
+                        strict=True))
+
+    def _end(self, slots: list[_Slot]) -> None:
+        handles = [s.handle for s in slots]
+        for slot in slots:
+            slot.handle = None
+        calls = []
+        for handle in handles:
+            with contextlib.suppress(Exception):  # already gone with its node
+                ray.kill(handle, no_restart=True)
+                # Fails as soon as Ray has registered the death: what the wait below waits for.
+                calls.append(handle.where.remote())
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=_END_TIMEOUT_S)
 
     @property
     def injected(self) -> list[InjectedFault]:
@@ -360,7 +494,8 @@ class RayBackend(BackendDefaults):
         unknown = {f.member for f in self._injected} - set(self._slots)
         if unknown:
             raise ValueError(f"injected faults name unknown ranks: {sorted(unknown)}")
-        ray.get([s.handle.set_injected.remote(self._faults_for(m)) for m, s in self._slots.items()])
+        # An agent that is down gets its faults when it starts (_faults_for).
+        ray.get([s.handle.set_injected.remote(self._faults_for(s.member)) for s in self._live()])
 
     def ranks(self) -> list[RankInfo]:
         return [self._identities[m] for m in self._slots]
@@ -375,7 +510,8 @@ class RayBackend(BackendDefaults):
             self._follow_cluster()
         if time.monotonic() - self._identified_at < max_age_s:
             return
-        members = list(self._slots)
+        # Agents that are down keep what they said last; acquire() reads them as they start.
+        members = [s.member for s in self._live()]
         infos = ray.get([self._slots[m].handle.identity.remote() for m in members], timeout=60)
         for m, info in zip(members, infos, strict=True):
             self._identities[m] = RankInfo(**info)
@@ -385,21 +521,22 @@ class RayBackend(BackendDefaults):
         """Every GPU rank's NVLink counters and new XID errors (nccl only; {} on gloo)."""
         if self.name != "nccl":
             return {}
-        members = list(self._slots)
+        members = [s.member for s in self._live()]  # an agent that is down reads nothing
         readings = ray.get([self._slots[m].handle.counters.remote() for m in members],
                            timeout=60)
         return dict(zip(members, readings, strict=True))
 
-    def busy_nodes(self) -> dict[str, str]:
+    def busy_nodes(self) -> dict[str, Occupant]:
         """Nodes where Ray shows other work holding what probes need (GPUs under nccl, cores
-        under gloo), with the reason; a scheduled cycle skips them rather than slow a job."""
+        under gloo): the ``ray`` occupancy source. Ray names no job, so the occupant says
+        how much other Ray work holds."""
         from ray._private.state import available_resources_per_node
 
         resource = "GPU" if self.name == "nccl" else "CPU"
         available = available_resources_per_node()
         totals = {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}
         ours: dict[str, float] = {}
-        for slot in self._slots.values():
+        for slot in self._live():  # a released agent holds nothing
             ours[slot.node] = ours.get(slot.node, 0.0) + float(slot.options.get(f"num_{resource.lower()}s", 0))
         busy = {}
         for node, node_id in self._node_ids().items():
@@ -407,17 +544,23 @@ class RayBackend(BackendDefaults):
             free = float(available.get(node_id, {}).get(resource, 0.0))
             held = total - ours.get(node, 0.0) - free
             if held > 1e-6:
-                busy[node] = f"{held:g} of {total:g} {resource}s held by other Ray work"
+                busy[node] = Occupant(source="ray", state=f"{held:g} of {total:g} {resource}s "
+                                      "held by other Ray work")
         return busy
 
     def _node_ids(self) -> dict[str, str]:
-        if not self._node_id_cache:  # replacements stay on their node: computed once
-            self._node_id_cache = {node_of(m): w["ray_node_id"] for m, w in self.placement().items()}
+        """Each node's Ray node id: its slots' own on a joined cluster; on a local one where
+        its agents run, read at start while all are up (a replacement stays on its node)."""
+        if not self._node_id_cache:
+            ids = {s.node: s.ray_node_id for s in self._slots.values() if s.ray_node_id}
+            if len(ids) < len({s.node for s in self._slots.values()}):
+                ids.update({node_of(m): w["ray_node_id"] for m, w in self.placement().items()})
+            self._node_id_cache = ids
         return self._node_id_cache
 
     def placement(self) -> dict[str, dict[str, Any]]:
-        """Where Ray runs each rank's agent: ray_node_id, ip and pid per member."""
-        slots = list(self._slots.values())
+        """Where Ray runs each rank's agent that is up: ray_node_id, ip and pid per member."""
+        slots = self._live()
         return dict(zip((s.member for s in slots),
                         ray.get([s.handle.where.remote() for s in slots]), strict=True))
 
@@ -578,10 +721,9 @@ class RayBackend(BackendDefaults):
         if self._closed:
             return
         self._closed = True
-        for slot in self._slots.values():
-            if slot.handle is not None:
-                with contextlib.suppress(Exception):  # already gone with its node
-                    ray.kill(slot.handle, no_restart=True)
+        for slot in self._live():
+            with contextlib.suppress(Exception):  # already gone with its node
+                ray.kill(slot.handle, no_restart=True)
         if self._owns_ray:  # also what a refused ray.init left connected
             ray.shutdown()
         if self._cluster is not None:

@@ -202,7 +202,7 @@ def node_health(session: Session) -> list[Any]:
             SELECT node, count(*) AS open_findings
             FROM findings, unnest(nodes) AS node WHERE status = 'open' GROUP BY node
         )
-        SELECT n.name, n.backend, n.profile, n.last_probed_at, n.skipped_reason,
+        SELECT n.name, n.backend, n.profile, n.last_probed_at, n.skipped_reason, n.occupied,
                coalesce(l.links, 0) AS links, coalesce(l.degraded, 0) AS degraded,
                l.nvlink_ratio, l.net_ratio, coalesce(o.open_findings, 0) AS open_findings
         FROM nodes n LEFT JOIN links l ON l.node = n.name LEFT JOIN open o ON o.node = n.name

@@ -52,18 +52,27 @@ def _copy_into_temp(session: Session, table: str, columns: str, types: Sequence[
 def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: datetime,
                  probed: dict[str, datetime] | None = None,
                  duty_cycle: dict[str, float] | None = None,
-                 skipped: dict[str, str] | None = None) -> None:
+                 skipped: dict[str, str] | None = None,
+                 occupied: dict[str, dict[str, Any] | None] | None = None) -> None:
     """Create or touch nodes in one statement: ``probed`` maps a measured node to its own
     newest measurement time; each node's duty cycle, and why it was skipped (cleared once
-    it is probed)."""
+    it is probed); ``occupied``: what holds each node named (None: idle), its ``since``
+    kept while the same job holds it."""
     if not names:
         return
+    from psycopg.types.json import Jsonb
+
     was_probed, duty, skip = probed or {}, duty_cycle or {}, skipped or {}
+    held = occupied or {}
     rows = [(n, backend, seen_at, was_probed.get(n), duty.get(n),
-             skip.get(n), n in skip or n in was_probed) for n in sorted(set(names))]
+             skip.get(n), n in skip or n in was_probed,
+             Jsonb(held[n]) if held.get(n) is not None else None, n in held)
+            for n in sorted(set(names))]
     _copy_into_temp(session, "nodes_in", "name text, backend text, seen_at timestamptz, "
-                    "probed_at timestamptz, duty_cycle float8, skipped text, set_skip bool",
-                    ("text", "text", "timestamptz", "timestamptz", "float8", "text", "bool"), rows)
+                    "probed_at timestamptz, duty_cycle float8, skipped text, set_skip bool, "
+                    "occupied jsonb, set_occupied bool",
+                    ("text", "text", "timestamptz", "timestamptz", "float8", "text", "bool",
+                     "jsonb", "bool"), rows)
     # greatest() skips NULLs: a node only mentioned keeps its last probe time.
     session.execute(text("""
         INSERT INTO nodes (name, backend, last_seen_at, last_probed_at, duty_cycle,
@@ -78,6 +87,18 @@ def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: 
         UPDATE nodes SET skipped_reason = i.skipped FROM nodes_in i
         WHERE i.set_skip AND nodes.name = i.name
           AND nodes.skipped_reason IS DISTINCT FROM i.skipped"""))
+    if held:
+        session.execute(text("""
+            UPDATE nodes SET occupied = CASE
+              WHEN i.occupied IS NULL THEN NULL
+              WHEN nodes.occupied->>'source' = i.occupied->>'source'
+               AND nodes.occupied->>'job' IS NOT DISTINCT FROM i.occupied->>'job'
+               AND nodes.occupied ? 'since'
+                THEN i.occupied || jsonb_build_object('since', nodes.occupied->'since')
+              ELSE i.occupied || jsonb_build_object('since', to_jsonb(i.seen_at)) END
+            FROM nodes_in i
+            WHERE i.set_occupied AND nodes.name = i.name
+              AND (nodes.occupied IS NOT NULL OR i.occupied IS NOT NULL)"""))
 
 
 def upsert_ranks(session: Session, ranks: Sequence[dict[str, Any]]) -> None:
@@ -129,9 +150,9 @@ def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dic
 
 COPY_COLUMNS = ("time", "size_bytes", "time_us", "algbw_gbs", "busbw_gbs", "preset_gbs",
                 "group_id", "run_id", "warmup", "iters", "wrong", "op", "backend", "dtype",
-                "redop", "timing", "transport")
+                "redop", "timing", "transport", "contended")
 COPY_TYPES = ("timestamptz", "int8", "float8", "float8", "float8", "float8", "int4", "int4",
-              "int4", "int4", "int4", "text", "text", "text", "text", "text", "text")
+              "int4", "int4", "int4", "text", "text", "text", "text", "text", "text", "text")
 
 
 def _as_time(t: datetime | str) -> datetime:
@@ -158,7 +179,7 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
                     r["busbw_gbs"], r.get("preset_gbs"), ids[k], run.id, r.get("warmup", 0),
                     r["iters"], r.get("wrong", 0), series_op(r["op"], r.get("algo")), run.backend,
                     r.get("dtype", "float32"), r.get("redop") or "sum", r.get("timing"),
-                    r.get("transport")))
+                    r.get("transport"), r.get("contended")))
     run.measurement_count = len(rows)
     return len(rows)
 

@@ -4,7 +4,7 @@ objects, so one scrape of a 1024-node fleet is a handful of statements."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy import case, func, or_, select, text
 from sqlalchemy.orm import Session
@@ -40,6 +40,8 @@ class NodeRow(NamedTuple):
     name: str
     duty_cycle: float | None
     last_probed_at: datetime | None
+    # What holds it as the occupancy source last said (None: idle).
+    occupied: dict[str, Any] | None = None
 
 
 class Backlog(NamedTuple):
@@ -65,7 +67,8 @@ def link_rows(session: Session, max_age_s: float = 0.0) -> list[LinkRow]:
 
 def node_rows(session: Session) -> list[NodeRow]:
     rows = session.execute(
-        select(Node.name, Node.duty_cycle, Node.last_probed_at).order_by(Node.name)).tuples()
+        select(Node.name, Node.duty_cycle, Node.last_probed_at, Node.occupied)
+        .order_by(Node.name)).tuples()
     return [NodeRow(*r) for r in rows]
 
 
@@ -183,3 +186,10 @@ def database_now(session: Session) -> datetime:
     now = session.scalar(select(func.now()))
     assert now is not None
     return now
+
+
+def latest_occupancy(session: Session) -> dict[str, Any] | None:
+    """How the occupancy source answered for the newest batch that said (a scheduled
+    cycle's): source, error, read_s, busy and unknown counts."""
+    return session.scalar(select(ProbeRun.occupancy).where(ProbeRun.occupancy.is_not(None))
+                          .order_by(ProbeRun.id.desc()).limit(1))

@@ -59,6 +59,9 @@ class Node(Base):
     duty_cycle: Mapped[float | None] = mapped_column(Float)
     # Why the last scheduled cycle left it out (other work held it); None when probed.
     skipped_reason: Mapped[str | None] = mapped_column(Text)
+    # The job holding it as the scheduler's occupancy source last said (agents.spec.Occupant
+    # as a dict, with ``since``); None while idle.
+    occupied: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     first_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
     # Time of its newest measurement: "was it probed since T" without scanning them.
@@ -105,6 +108,9 @@ class ProbeRun(Base):
     # content, or from another token, is a conflict rather than a retry.
     content_sha256: Mapped[str | None] = mapped_column(String(64))
     token_id: Mapped[int | None] = mapped_column(Integer)
+    # How the sender's occupancy source answered for this batch: source, error, read_s,
+    # busy and unknown (counts of nodes).
+    occupancy: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
 
 
 class IngestRetired(Base):
@@ -177,6 +183,9 @@ measurements = Table(
     # The transports NCCL took for the group (agents.nccl_log's classes, comma-joined);
     # None where the probe did not say (gloo, rows from before).
     Column("transport", String(64)),
+    # The other traffic its links carried while it ran (agents.contention), in one line;
+    # None where they were quiet. Stored and shown, never judged, never in a rollup.
+    Column("contended", Text),
     Index("ix_measurements_series", "group_id", "op", "size_bytes", "time"),
     postgresql_partition_by="RANGE (time)",
 )

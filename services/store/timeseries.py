@@ -159,7 +159,7 @@ SELECT date_trunc('hour', time, 'UTC'), group_id, op, size_bytes, count(*), min(
        percentile_cont(0.5) WITHIN GROUP (ORDER BY busbw_gbs), max(busbw_gbs), avg(busbw_gbs),
        percentile_cont(0.5) WITHIN GROUP (ORDER BY algbw_gbs),
        percentile_cont(0.5) WITHIN GROUP (ORDER BY time_us), sum(wrong)
-FROM measurements WHERE time >= :start AND time < :end
+FROM measurements WHERE time >= :start AND time < :end AND contended IS NULL
 GROUP BY 1, 2, 3, 4
 """ + _REPLACE
 
