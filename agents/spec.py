@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any, Literal, Protocol, get_args
 
 from agents.groups import Group, member, nodes_of
@@ -397,6 +398,9 @@ class ProbeBackend(Protocol):
 
     # The collective backend every measurement is labelled with: nccl, gloo or sim.
     name: str
+    # The nodes the last ``acquire`` could not set up, with why (their agents did not start
+    # in time, or cannot probe there): a cycle leaves them out. {} where every node was.
+    not_acquired: Mapping[str, str]
 
     @property
     def injected(self) -> Sequence[InjectedFault]:
@@ -463,13 +467,6 @@ class ProbeBackend(Protocol):
         the next ``acquire``; the seconds it took. A second call does nothing."""
         ...
 
-    @property
-    def not_acquired(self) -> Mapping[str, str]:
-        """The nodes the last ``acquire`` could not set up, with why (their agents did not
-        start in time, or cannot probe there): a cycle leaves them out. {} where every node
-        was."""
-        ...
-
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
         """Run disjoint groups concurrently; never raises for a sick rank (a hang is a finding)."""
         ...
@@ -488,6 +485,7 @@ class BackendDefaults:
     preflight_sizes: tuple[int, ...] | None = None
     preflight_deadline_s: float | None = None
     expected_busbw: ExpectedBusbw | None = None
+    not_acquired: Mapping[str, str] = MappingProxyType({})
 
     @property
     def injected(self) -> Sequence[InjectedFault]:
@@ -512,10 +510,6 @@ class BackendDefaults:
     def release(self) -> float:
         """Nothing to tear down."""
         return 0.0
-
-    @property
-    def not_acquired(self) -> Mapping[str, str]:
-        return {}
 
     def close(self) -> None:
         """Nothing held."""

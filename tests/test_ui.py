@@ -418,3 +418,57 @@ def test_the_page_says_why(served_why, page) -> None:
     shown = page.locator("#incidents .headline").all_text_contents()
     assert sorted(shown) == sorted(causes.values())
     shot(page, "fleet-incident-cause")
+
+
+# ---- a busy fleet: a job's nodes shown busy, with the job -------------------------------
+
+BUSY_FLEET = {"nodes": 8, "gpus_per_node": 4, "seed": 3, "noise": 0.02,
+              "jobs": [{"id": "train-42", "nodes": "node-[002-004]", "cycles": [1, 9],
+                        "traffic": {"nvlink": 0.5, "network": 0.5}}]}
+
+
+@pytest.fixture(scope="module")
+def served_busy(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A real API process fed one scheduled cycle of a sim fleet with a job on three nodes:
+    they are left alone and shown busy."""
+    from tests.procs import api_env
+
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with db.transaction(session_factory) as s:
+        s.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    state = tmp_path_factory.mktemp("ui-busy")
+    env = api_env(database_url, state, ADMIN)
+    url = env["RINGWATCH_API_URL"]
+    proc = start_server(env, notifier=False)
+    client = SchedulerApi(url, ADMIN, "ui-busy")
+    try:
+        shipper = Shipper(url, ADMIN, state / "spool")
+        assert run_scheduler(SimBackend(BUSY_FLEET), shipper, ProbeOptions(), interval_s=3600,
+                             once=True, api=client) == 1
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        reader = httpx.post(f"{url}/v1/tokens", json={"role": "reader", "name": "ui"},
+                            headers=admin).json()["token"]
+        yield {"url": url, "reader": reader, "h": {"Authorization": f"Bearer {reader}"}}
+    finally:
+        client.close()
+        stop_server(proc)
+
+
+def test_the_fleet_shows_a_jobs_nodes_busy_and_the_node_page_names_the_job(served_busy, page) -> None:
+    served = served_busy
+    login(page, served)
+    wait_drawn(page, "fleet")
+    cells = page.eval_on_selector_all(
+        ".cell[data-node]", "cs => cs.map(c => [c.dataset.node, c.dataset.state, c.getAttribute('aria-label')])")
+    busy = {name for name, state, _ in cells if state == "busy"}
+    assert busy == {"node-002", "node-003", "node-004"}
+    assert all("busy" in label for name, _, label in cells if name in busy)
+    page.select_option("#filter-state", "busy")
+    visible = page.eval_on_selector_all(".cell[data-node]:not([hidden])", "cs => cs.map(c => c.dataset.node)")
+    assert set(visible) == busy
+    shot(page, "fleet-busy-nodes")
+    page.click(".cell[data-node='node-003']")
+    wait_drawn(page, "node")  # never probed: busy since the first cycle
+    header = page.text_content("#view") or ""
+    assert "busy: job train-42" in header and "per sim" in header
+    shot(page, "node-busy-with-its-job")
