@@ -398,9 +398,6 @@ class ProbeBackend(Protocol):
 
     # The collective backend every measurement is labelled with: nccl, gloo or sim.
     name: str
-    # The nodes the last ``acquire`` could not set up, with why (their agents did not start
-    # in time, or cannot probe there): a cycle leaves them out. {} where every node was.
-    not_acquired: Mapping[str, str]
 
     @property
     def injected(self) -> Sequence[InjectedFault]:
@@ -465,6 +462,13 @@ class ProbeBackend(Protocol):
     def release(self) -> float:
         """Tear down everything held on any GPU (CUDA contexts, communicators, memory) until
         the next ``acquire``; the seconds it took. A second call does nothing."""
+        ...
+
+    @property
+    def not_acquired(self) -> Mapping[str, str]:
+        """The nodes the last ``acquire`` could not set up, with why (their agents did not
+        start in time, or cannot probe there): a cycle leaves them out. {} where every node
+        was. (``BackendDefaults`` holds it as a plain attribute a backend may set.)"""
         ...
 
     def run_round(self, groups: list[GroupSpec]) -> RoundResult:
