@@ -71,3 +71,46 @@ def expand_hostlist(text: str) -> list[str]:
     for part in split_top(text):
         names += _expand_one(part, text)
     return list(dict.fromkeys(names))
+
+
+_TAIL = re.compile(r"^(.*?)([0-9]+)\Z")
+
+
+def compress_hostlist(names: list[str]) -> str:
+    """The names as Slurm writes a host list, for a person to read: runs of one prefix and
+    zero-padded width with consecutive numbers become ``node-[000-153,160]``; the inverse of
+    ``expand_hostlist`` for the names given (order: by prefix, then number)."""
+    runs: dict[tuple[str, int], list[int]] = {}
+    plain: list[str] = []
+    for name in dict.fromkeys(names):
+        m = _TAIL.match(name)
+        if m is None or not m.group(2).isascii():
+            plain.append(name)
+            continue
+        runs.setdefault((m.group(1), len(m.group(2))), []).append(int(m.group(2)))
+    parts = []
+    for (prefix, width), numbers in sorted(runs.items()):
+        numbers.sort()
+        spans: list[str] = []
+        start = prev = numbers[0]
+        for n in [*numbers[1:], None]:
+            if n is not None and n == prev + 1 and len(str(n)) <= width:
+                prev = n
+                continue
+            spans.append(f"{start:0{width}d}" + (f"-{prev:0{width}d}" if prev != start else ""))
+            if n is not None:
+                start = prev = n
+        one = len(spans) == 1 and "-" not in spans[0]
+        parts.append(f"{prefix}{spans[0]}" if one else f"{prefix}[{','.join(spans)}]")
+    return ",".join(parts + sorted(plain))
+
+
+def index_ranges(indices: list[int] | tuple[int, ...]) -> str:
+    """GPU indices as a person reads them: ``0-7``, ``0,2,4-5``."""
+    out: list[str] = []
+    for i in sorted(set(indices)):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)

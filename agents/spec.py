@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol, get_args
 
 from agents.groups import Group, member, nodes_of
+from agents.hostlist import index_ranges
 
 # The wire's vocabulary, each word once: a Literal type (what the API's schemas and typed
 # code use) and its values as a tuple (what code iterates and validates against).
@@ -371,7 +372,7 @@ class Occupant:
         """One line for a person: why a scheduled cycle left the node alone."""
         if self.unknown:
             return f"occupancy unknown ({self.source}: {self.state or 'no answer'})"
-        held = f" on GPUs {','.join(map(str, self.gpus))}" if self.gpus else ""
+        held = f" on GPUs {index_ranges(self.gpus)}" if self.gpus else ""
         job = f"job {self.job}" if self.job else "other work"
         state = f" ({self.state})" if self.state else ""
         return f"{job}{held}{state}, per {self.source}"

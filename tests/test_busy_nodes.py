@@ -10,7 +10,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from agents.hostlist import compress_hostlist, expand_hostlist, index_ranges
 from agents.sim import SimBackend
 from agents.spec import Measurement, Occupant
 from services.check.loop import judged, set_aside
@@ -50,6 +53,19 @@ def test_a_pairs_turn_stays_where_it_is_as_jobs_come_and_go() -> None:
     assert {p for p in everyone if "node-003" not in p and "node-009" not in p} <= kept
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["node-", "gpu", "rack7-n"]),
+                          st.integers(0, 1200), st.sampled_from([1, 3, 4])), max_size=60))
+def test_a_compressed_host_list_expands_to_the_names_it_was_made_of(parts) -> None:
+    names = [f"{p}{n:0{w}d}" for p, n, w in parts]
+    assert sorted(expand_hostlist(compress_hostlist(names))) == sorted(set(names))
+
+
+def test_gpu_indices_read_as_ranges() -> None:
+    assert index_ranges((0, 1, 2, 3, 4, 5, 6, 7)) == "0-7"
+    assert index_ranges([5, 0, 2, 4]) == "0,2,4-5"
+
+
 # ---- a scheduled cycle on a busy sim fleet ------------------------------------------------
 
 
@@ -72,7 +88,9 @@ def test_a_scheduled_cycle_probes_idle_nodes_only_and_says_what_held_the_rest() 
     batch = cycle.to_batch()
     assert batch["occupancy"]["source"] == "sim" and set(batch["occupancy"]["busy"]) == busy
     assert batch["occupancy"]["busy"]["node-002"]["job"] == "train-7"
-    assert any("skipping node-000: job train-7" in s for s in said)
+    # One line for the job, not one per node.
+    assert [s for s in said if s.startswith("skipping")] == [
+        "skipping 6 node(s) node-[000-005]: job train-7 on GPUs 0-3 (running), per sim"]
 
 
 def test_busy_nodes_probed_on_purpose_are_contended_and_never_found_faulty() -> None:

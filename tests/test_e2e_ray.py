@@ -99,7 +99,7 @@ def test_busy_node_is_skipped_and_said_to_be(backend, api, tmp_path) -> None:
         assert cycle.skipped == {n: o.reason for n, o in busy.items()}
         assert cycle.occupancy is not None and cycle.occupancy["source"] == "ray"
         assert set(cycle.occupancy["busy"]) == {"node-001"}
-        assert any("skipping node-001" in s for s in said)
+        assert any(s.startswith("skipping 1 node(s) node-001: ") for s in said)
         assert all(m.startswith("node-000/") for x in cycle.measurements for m in x.members)
 
         shipper = Shipper(api, TOKEN, tmp_path / "spool")

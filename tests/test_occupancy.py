@@ -62,7 +62,7 @@ def test_slurm_counts_jobs_holding_nodes_and_leaves_drained_and_down_nodes_idle(
     assert busy["cpu-001"].gpus is None and busy["cpu-001"].job == "4111"
     # gpu-005 (drained by ringwatch), gpu-006 (down), gpu-007 (idle), gpu-008 (drained by
     # an admin, a reason that reads like fields) hold nothing.
-    assert busy["gpu-001"].reason == "job 4101 on GPUs 0,1,2,3,4,5,6,7 (ALLOCATED), per slurm"
+    assert busy["gpu-001"].reason == "job 4101 on GPUs 0-7 (ALLOCATED), per slurm"
 
 
 def test_the_node_line_fields_are_the_nodes_own_whatever_a_reason_says() -> None:

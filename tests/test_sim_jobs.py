@@ -130,7 +130,7 @@ def test_busy_nodes_follow_the_cycles_of_the_job():
         b.begin_cycle(index)  # cycle number index + 1
         assert b.busy_nodes() == ({"node-001": held, "node-002": held} if busy else {})
         assert [j.id for j in b.running_jobs()] == (["train-a"] if busy else [])
-    assert held.reason == "job train-a on GPUs 0,1,2,3,4,5,6,7 (running), per sim"
+    assert held.reason == "job train-a on GPUs 0-7 (running), per sim"
 
 
 def test_a_preflight_without_a_cycle_sees_the_jobs_of_cycle_one():

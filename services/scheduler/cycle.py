@@ -21,8 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from agents.groups import member as member_key
 from agents.groups import node_of, node_order, split_member
+from agents.hostlist import compress_hostlist
 from agents.nvlink_fabric import domain_findings, fabric_by_node
-from agents.spec import Finding, Measurement, ProbeBackend, ProbeSetupError, RankInfo
+from agents.spec import (
+    Finding,
+    Measurement,
+    Occupant,
+    ProbeBackend,
+    ProbeSetupError,
+    RankInfo,
+)
 from agents.telemetry import counter_findings
 from agents.transport import node_nic_findings
 from agents.workloads import JobLayout, LayoutError
@@ -148,10 +156,12 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         skipped = {n: o.reason for n, o in occupancy.busy.items() if n in layout}
         if occupancy.error and progress:
             progress(f"occupancy: {occupancy.error}; {len(skipped)} node(s) counted busy")
+        if progress:
+            verb = "probing anyway" if sharing.probe_busy else "skipping"
+            for line in busy_lines({n: occupancy.busy[n] for n in skipped}):
+                progress(f"{verb} {line}")
         if not sharing.probe_busy:
-            for node, reason in skipped.items():
-                if progress:
-                    progress(f"skipping {node}: {reason}")
+            for node in skipped:
                 del layout[node]
     setup_s = 0.0
     try:
@@ -183,6 +193,22 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
         injected=[f.to_dict() for f in backend.injected], skipped=skipped,
         busy_s=with_setup(run.busy_s, ranks, layout, setup_s), workload=run.workload,
         occupancy=occupancy.to_dict() if occupancy is not None else None, setup_s=setup_s)
+
+
+def busy_lines(busy: Mapping[str, Occupant]) -> list[str]:
+    """The busy nodes for a log, one line per job (a thousand nodes in a few jobs are a few
+    lines): its nodes as a Slurm host list and what holds them."""
+    by_job: dict[tuple[str, str | None, bool], list[str]] = {}
+    for node, o in busy.items():
+        by_job.setdefault((o.source, o.job, o.unknown), []).append(node)
+    lines = []
+    for (source, job, unknown), nodes in sorted(by_job.items(), key=lambda kv: kv[1][0]):
+        reasons = {busy[n].reason for n in nodes}
+        why = reasons.pop() if len(reasons) == 1 else (
+            f"occupancy unknown ({source})" if unknown
+            else f"{'job ' + job if job else 'other work'}, per {source}")
+        lines.append(f"{len(nodes)} node(s) {compress_hostlist(nodes)}: {why}")
+    return lines
 
 
 def own_source(backend: ProbeBackend) -> str:
