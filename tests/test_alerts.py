@@ -31,7 +31,8 @@ API_MANIFEST = ROOT / "deploy/kubernetes/base/api.yaml"
 BASE_KUSTOMIZATION = ROOT / "deploy/kubernetes/base/kustomization.yaml"
 OPERATIONS = ROOT / "docs/operations.md"
 ALERTS = {"RingwatchNodeUnhealthy", "RingwatchFleetBelowRated", "RingwatchIngestStalled",
-          "RingwatchWebhookBacklog", "RingwatchShipperFailures", "RingwatchAPIDown"}
+          "RingwatchWebhookBacklog", "RingwatchShipperFailures", "RingwatchAPIDown",
+          "RingwatchOccupancyUnknown"}
 ADMIN = "rw_alerts_admin_token_for_tests"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
