@@ -552,6 +552,9 @@ class PreflightOut(BaseModel):
                                   "scheduler probed for this request")
     unprobed: list[str] | None = None
     suspects: list[str] | None = None
+    contended: list[str] | None = Field(
+        default=None, description="nodes whose probes met other traffic (a job's): not "
+                                  "judged, so not vouched for, never excluded")
     workload: dict[str, Any] | None = Field(
         default=None, description="with a profile: how the job's communicators ran "
                                   "(docs/workloads.md)")

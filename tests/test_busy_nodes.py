@@ -106,6 +106,17 @@ def test_busy_nodes_probed_on_purpose_are_contended_and_never_found_faulty() -> 
     assert set_aside(cycle.measurements) == set(names(6))
 
 
+def test_a_preflight_through_busy_nodes_says_it_could_not_judge_them() -> None:
+    from services.check import run_check
+
+    backend = SimBackend.from_dict(busy_fleet())  # a preflight counts as cycle 1: in the job
+    verdict = run_check(backend, names(8)).verdict()
+    assert verdict["contended"] == names(6)
+    assert verdict["healthy"] is False and verdict["exclude"] == []
+    quiet = run_check(backend, names(12)[6:]).verdict()
+    assert "contended" not in quiet and quiet["healthy"] is True
+
+
 def test_after_its_job_a_node_is_probed_again() -> None:
     backend = SimBackend.from_dict(busy_fleet(1, 1))
     first = run_cycle(backend, ProbeOptions(), skip_busy=True, rotation=0)

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from agents.groups import node_order
 from agents.spec import EXCLUDING_KINDS, GroupSpec, Measurement, ProbeBackend, RankInfo
 from agents.workloads import JobLayout, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
@@ -107,6 +108,12 @@ class CheckResult(Rounds):
         if self.workload is not None:
             verdict["healthy"] = verdict["healthy"] and self.workload["ok"]
             verdict["workload"] = self.workload
+        # Nodes whose own groups met other traffic: nothing was judged of them, so the check
+        # cannot vouch for them (as for a node with no fresh results), nor blame them.
+        contended = sorted(set_aside(self.measurements) & set(self.nodes), key=node_order)
+        if contended:
+            verdict["contended"] = contended
+            verdict["healthy"] = False
         return verdict
 
 

@@ -63,6 +63,9 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
               "(never exclusions); the verdict rests on what was decided")
     if verdict.get("unprobed"):
         print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
+    if verdict.get("contended"):
+        print(f"not judged, their links carried other traffic (a job's): "
+              f"{', '.join(verdict['contended'])}")
 
 
 def print_tokens(rows: list[dict[str, Any]], as_json: bool) -> None:
