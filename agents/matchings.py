@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
+from agents.groups import node_order
+
 T = TypeVar("T")
 
 
@@ -52,3 +54,31 @@ def circle_matching(items: Sequence[T], k: int) -> list[tuple[T, T]]:
     pool = [pool[0], *tail]
     pairs = [(pool[i], pool[n - 1 - i]) for i in range(n // 2)]
     return [(a, b) for a, b in pairs if a is not None and b is not None]  # type: ignore[misc]
+
+
+def reconcile_slots(slots: Sequence[object], nodes: Sequence[str]) -> tuple[list[str | None], bool]:
+    """A fleet's tournament seats (``slots``: node names, None for a vacant seat) brought up
+    to the nodes now present, so that the rest keep their place: a node that left leaves
+    its seat vacant, a node that joined takes the lowest vacant seat (else a new one at the
+    end), trailing vacancies are trimmed. Stored seats that are not a list of distinct
+    names and vacancies (hand-edited, corrupted) are rebuilt from the nodes in order; the
+    second value says so."""
+    present: set[str] = set(nodes)
+    valid = isinstance(slots, list | tuple) and all(s is None or isinstance(s, str) for s in slots)
+    names = [s for s in slots if s is not None] if valid else []
+    if not valid or len(names) != len(set(names)):
+        ordered: list[str] = sorted(present, key=node_order)
+        return list[str | None](ordered), True
+    seats: list[str | None] = [s if s in present else None for s in slots]  # type: ignore[misc]
+    seated = {s for s in seats if s is not None}
+    vacant = (i for i, s in enumerate(seats) if s is None)
+    for node in sorted(present - seated, key=node_order):
+        i = next(vacant, None)
+        if i is None:
+            seats.append(node)
+        else:
+            seats[i] = node
+    while seats and seats[-1] is None:
+        seats.pop()
+    return seats, False
+

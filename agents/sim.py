@@ -50,7 +50,8 @@ FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "err
 # node's inter-node traffic; with them, that GPU pair's.
 NET_FALLBACKS = {"socket": "net_socket"}
 PAIR_FALLBACKS = {"shm": "shm", "pcie": "p2p_pcie"}
-# The modeled seconds between a cycle's two counter reads: the default probe interval.
+# The modeled seconds between two counter reads (a check's before and after): the default
+# probe interval, so a monitoring cycle's rates are a real fleet's at that interval.
 COUNTER_INTERVAL_S = 300.0
 # Faults that scale a rate: they take a "factor" and may drift.
 RATE_KINDS = ("nvlink", "nic", "net_path", "fallback")
@@ -478,7 +479,8 @@ class Fabric:
         # traffic, a GPU pair's (node, a, b) with a < b. Bandwidth is the rate faults' to model.
         self.net_transport: dict[int, str] = {}
         self.pair_transport: dict[tuple[int, int, int], str] = {}
-        # node -> [(counter, per_cycle, device)]: NIC error counters rising each cycle.
+        # node -> [(counter, per_cycle, device)]: NIC error counters rising by per_cycle
+        # between two reads whenever traffic runs (SimBackend.counters).
         self.nic_errors: dict[int, list[tuple[str, int, int]]] = {}
         # Group key -> the transports NCCL would log for it (SimBackend._transport).
         self.transports: dict[tuple[str, ...], str] = {}
@@ -847,7 +849,8 @@ class SimBackend(BackendDefaults):
         self._groups: dict[tuple[str, ...], _Group] = {}
         self._places: dict[str, tuple[int, int]] = {}
         self._ranks: list[RankInfo] | None = None
-        # Modeled NIC error counters, (node, device, counter) -> count; raised once a cycle.
+        # Modeled NIC error counters, (node, device, counter) -> count; raised once between
+        # two reads, by the first round after a read (the traffic is what raises them).
         self._nic_counts: dict[tuple[int, int, str], int] = {}
         self._errors_counted = False
         self._counter_reads = 0
@@ -983,7 +986,7 @@ class SimBackend(BackendDefaults):
         started = time.perf_counter()
         out = RoundResult()
         if self.fabric.nic_errors and not self._errors_counted:
-            # The cycle's traffic is what raises the modeled error counters.
+            # The traffic since the last read is what raises the modeled error counters.
             self._errors_counted = True
             for node, faults in self.fabric.nic_errors.items():
                 for counter, per_cycle, device in faults:
@@ -998,12 +1001,16 @@ class SimBackend(BackendDefaults):
     def counters(self) -> dict[str, dict[str, Any]]:
         """The modeled NIC ports of nodes whose error counters a scenario makes rise (under
         each node's first rank: a node's NICs are read once), as agents.nic_counters
-        snapshots with the modeled time between a cycle's two reads; elsewhere the counters
-        stand still, which says nothing either way."""
+        snapshots COUNTER_INTERVAL_S of modeled time after the last read; elsewhere the
+        counters stand still, which says nothing either way. Between two reads, the first
+        round raises each faulted counter by its ``per_cycle``: any check, a monitoring
+        cycle's or a preflight's (served between cycles or run alone), reads its rise at
+        the rate a cycle does."""
         f = self.fabric
         if not f.nic_errors:
             return {}
         self._counter_reads += 1
+        self._errors_counted = False  # a read opens the next interval
         at = COUNTER_INTERVAL_S * self._counter_reads
         out: dict[str, dict[str, Any]] = {}
         for node, faults in sorted(f.nic_errors.items()):

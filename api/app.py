@@ -25,7 +25,18 @@ from api.auth import PUBLIC_PATHS, Authenticate
 from api.headers import SecurityHeaders
 from api.limits import BodyLimit, IngestSlots
 from api.request_metrics import ApiMetrics, RequestMetrics, RouteTemplates
-from api.routers import docs, fleet, measurements, meta, preflight, rankmaps, tokens, ui, webhooks
+from api.routers import (
+    docs,
+    fleet,
+    measurements,
+    meta,
+    preflight,
+    rankmaps,
+    scheduler,
+    tokens,
+    ui,
+    webhooks,
+)
 from api.schemas import ErrorOut, MeasurementBatch
 from services.errors import RingwatchError
 from services.preflight.waiting import PreflightWaiters
@@ -56,7 +67,7 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     app.state.preflight_waiters = PreflightWaiters(session_factory, settings.max_waiting_preflights)
     _bootstrap_admin(settings, session_factory)
     for r in (meta.router, measurements.router, fleet.router, preflight.router,
-              rankmaps.router, webhooks.router, tokens.router):
+              rankmaps.router, webhooks.router, tokens.router, scheduler.router):
         app.include_router(r)
     ui.mount(app)
     docs.mount(app)

@@ -17,6 +17,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import to_json
 
 from agents.groups import NODE_NAME, check_node_name, split_member
 from agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
@@ -209,6 +210,8 @@ class CounterSnapshotIn(Strict):
     before: list[BoundedObject] = Field(default_factory=list, max_length=64)
     after: list[BoundedObject] = Field(default_factory=list, max_length=64)
     xid: list[BoundedObject] = Field(default_factory=list, max_length=100)
+    # An nvlink_fabric finding's GPU: its fabric reading after the check (a state, not a count).
+    fabric: BoundedObject | None = None
     findings: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list,
                                                                   max_length=10)
 
@@ -242,6 +245,19 @@ class OccupancyIn(Strict):
     busy: dict[NodeName, OccupantIn] = Field(default_factory=dict, max_length=262_144)
 
 
+# Fields of a batch (""), its measurements and its counters added after batches were
+# first digested: left out of the content digest while None, so the digest of a batch that
+# does not use them is what it was (a batch spooled before an upgrade is its own retry).
+LATER_BATCH_FIELDS: dict[str, tuple[str, ...]] = {
+    "": ("occupancy", "facts"), "measurements": ("contended",), "counters": ("fabric",)}
+
+
+def _drop_unset(d: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        if name in d and d[name] is None:
+            del d[name]
+
+
 class MeasurementBatch(Strict):
     batch_id: str = Field(min_length=1, max_length=128)
     backend: Backend
@@ -256,14 +272,23 @@ class MeasurementBatch(Strict):
     duty_cycle: dict[NodeName, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
     shipper: ShipperState | None = None
     counters: list[CounterSnapshotIn] = Field(default_factory=list, max_length=100_000)
+    # Nodes whose facts (NVML and NIC counters, NVLink fabric state) the check read before
+    # and after its probes: only these may clear a counter incident (docs/formats.md).
+    facts: list[NodeName] | None = Field(default=None, max_length=262_144)
     # What held the fleet's nodes this cycle: scheduled batches carry it.
     occupancy: OccupancyIn | None = None
 
     def content_digest(self) -> str:
         """SHA-256 of what the batch says (its id and the sender's spool state aside): a
-        retry of the same batch has the same digest, other content under the same id not."""
-        raw = self.model_dump_json(exclude={"batch_id", "shipper"})
-        return hashlib.sha256(raw.encode()).hexdigest()
+        retry of the same batch has the same digest, other content under the same id not.
+        Fields added since batches were first digested count only where a batch sets them,
+        so a batch spooled before an upgrade and sent after it is still its own retry."""
+        body = self.model_dump(mode="json", exclude={"batch_id", "shipper"})
+        _drop_unset(body, LATER_BATCH_FIELDS[""])
+        for part, names in LATER_BATCH_FIELDS.items():
+            for item in body.get(part) or () if part else ():
+                _drop_unset(item, names)
+        return hashlib.sha256(to_json(body)).hexdigest()
 
 
 class IngestOut(BaseModel):
@@ -464,11 +489,21 @@ class SeriesOut(BaseModel):
     counters: list[dict[str, Any]] = []
 
 
+class TokenExpiringOut(BaseModel):
+    """An active token that expires within TOKEN_EXPIRY_WARN_S (rotate it before then)."""
+
+    id: int
+    role: str
+    name: str
+    expires_at: datetime
+
+
 class HealthOut(BaseModel):
     status: Literal["healthy", "degraded", "unknown"]
     nodes: int
     links: dict[str, int]
     open_findings: int
+    tokens_expiring: list[TokenExpiringOut] = []
 
 
 class PreflightIn(Strict):
@@ -729,3 +764,77 @@ class RankMapCheckOut(BaseModel):
     hosts: int
     findings: list[dict[str, Any]]
     skipped: list[str]
+
+
+# -- one scheduler per fleet ------------------------------------------------------------
+
+# A fleet's name ("default"; one per fleet where one API serves several).
+FLEET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
+FleetName = Annotated[str, Field(min_length=1, max_length=128, pattern=FLEET_NAME_PATTERN)]
+
+
+def printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be printable (no control, separator or invisible characters)")
+    return value
+
+
+# The scheduler asking: a free-form worker id such as "host:pid".
+Holder = Annotated[str, Field(min_length=1, max_length=255), AfterValidator(printable)]
+
+
+class LeaseIn(Strict):
+    """No time from the scheduler: the lease runs on the database's clock."""
+
+    fleet: FleetName
+    holder: Holder
+    lease_s: float = Field(default=60.0, ge=5, le=3600,
+                           description="seconds the lease holds unless renewed")
+
+
+class LeaseOut(BaseModel):
+    fleet: str
+    # Who holds the lease now: the asker when ``leader``, else another scheduler (None
+    # where it was handed back in between).
+    holder: str | None
+    leader: bool
+    term: int
+    expires_at: datetime | None
+    lease_s: float
+    cycle: int
+
+
+class CycleIn(Strict):
+    fleet: FleetName
+    holder: Holder
+    # Every node in the fleet's rotation now (a name given twice counts once).
+    nodes: list[NodeName] = Field(max_length=262_144)
+
+
+class CycleOut(BaseModel):
+    fleet: str
+    cycle: int
+    # The node-pair tournament's slots: a node name, or null for a vacant slot.
+    slots: list[str | None]
+
+
+class FleetOut(BaseModel):
+    name: str
+    holder: str | None
+    term: int
+    lease_expires_at: datetime | None
+    cycle: int
+    # Nodes in its rotation (filled slots).
+    nodes: int
+
+
+class TokenSelfOut(BaseModel):
+    """The presenting token, never its secret: ``prefix`` is its first few characters,
+    enough to tell which token it is."""
+
+    id: int
+    role: str
+    name: str
+    prefix: str
+    expires_at: datetime | None
+    nodes: list[str] | None

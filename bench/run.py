@@ -14,7 +14,7 @@ import time
 
 BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
               "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why",
-              "occupancy", "agent_lifecycle", "busy_fleet")
+              "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage")
 
 
 def main(argv: list[str]) -> int:

@@ -158,7 +158,7 @@ def whole_path(nodes: int, cycles: int, state: Path) -> dict[str, Any]:
     try:
         run_scheduler(backend, shipper, ProbeOptions(), interval_s=0.0, once=False, stop=stop,
                       progress=progress, jitter=0.0, max_duty=1.0,
-                      rotation=Rotation(state / "path" / "rotation.json"))
+                      rotation=Rotation())
         wall = time.perf_counter() - t0
         sent = [s for s in shipper.sent if s["status"] == 200]
         copy = copy_rate(svc, last)

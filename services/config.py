@@ -26,6 +26,10 @@ MAX_CLOCK_SKEW_S = 600.0
 # and history say (agents.profiles; RINGWATCH_RATED_FLOOR).
 RATED_FLOOR = 0.5
 
+# Active tokens expiring within this are named by /v1/health, `ringwatch status` and
+# /metrics (ringwatch_tokens_expiring_soon): time to rotate them.
+TOKEN_EXPIRY_WARN_S = 14 * 24 * 3600.0
+
 ENV_PREFIX = "RINGWATCH_"
 
 

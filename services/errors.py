@@ -41,6 +41,12 @@ class Conflict(RingwatchError):
     code = "conflict"
 
 
+class NotLeader(Conflict):
+    """A scheduler acted for a fleet whose lease another holds, or that ran out."""
+
+    code = "not_leader"
+
+
 class TooLarge(RingwatchError):
     status_code = 413
     code = "too_large"

@@ -60,6 +60,17 @@ class Settings(BaseSettings):
     occupancy: OccupancySetting = "auto"
     occupancy_timeout_s: float = Field(default=OCCUPANCY_TIMEOUT_S, gt=0)
     probe_busy_nodes: bool = False
+    # One scheduler per fleet (docs/operations.md, "One scheduler per fleet"): the fleet's
+    # name, one per fleet where one API serves several, and the lease its active scheduler
+    # holds through the API (a standby takes over within two of them after its death).
+    fleet: str = Field(default="default", min_length=1, max_length=128,
+                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    scheduler_lease_s: float = Field(default=60.0, ge=5, le=3600)
+    # The scheduler's spool of unsent batches holds at most this many bytes; past it the
+    # oldest are dropped, each logged and counted. A 1024 x 8 cycle's batch is about 7 MB,
+    # 2.0 GB a day at the default interval: 4 GiB holds two days of a 1024-node fleet's,
+    # and fits the 5 GiB volume the Kubernetes base gives the scheduler's state.
+    spool_max_bytes: int = Field(default=4 << 30, ge=1 << 20)
     kubernetes_api_url: str = ""
     # NVLink domains (an NVL72 rack) split into NVLink partitions on purpose: GPUs of one
     # cluster in several cliques is then the layout, not a fault (docs/transport.md).

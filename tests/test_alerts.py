@@ -32,7 +32,8 @@ BASE_KUSTOMIZATION = ROOT / "deploy/kubernetes/base/kustomization.yaml"
 OPERATIONS = ROOT / "docs/operations.md"
 ALERTS = {"RingwatchNodeUnhealthy", "RingwatchFleetBelowRated", "RingwatchIngestStalled",
           "RingwatchWebhookBacklog", "RingwatchShipperFailures", "RingwatchAPIDown",
-          "RingwatchOccupancyUnknown"}
+          "RingwatchOccupancyUnknown", "RingwatchSchedulerNoCycle",
+          "RingwatchSchedulerSpoolGrowing", "RingwatchSchedulerIngestRefused"}
 ADMIN = "rw_alerts_admin_token_for_tests"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
@@ -87,7 +88,9 @@ def test_promtool_checks_the_rules_and_runs_their_unit_tests() -> None:
 def test_compose_prometheus_loads_the_rules() -> None:
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     assert [(SCRAPE_CONFIG.parent / f).resolve() for f in config["rule_files"]] == [RULES]
-    assert [job["job_name"] for job in config["scrape_configs"]] == ["ringwatch"]
+    # The API's /metrics and the scheduler's own (services/scheduler/watch.py).
+    assert [job["job_name"] for job in config["scrape_configs"]] == ["ringwatch",
+                                                                     "ringwatch-scheduler"]
     checked = promtool("check", "config", SCRAPE_CONFIG)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
@@ -108,6 +111,9 @@ def test_every_alert_waits_is_graded_says_what_and_links_its_runbook() -> None:
     # An alert about one node, or one scheduler, names it where a pager shows it first.
     assert "{{ $labels.node }}" in by_name["RingwatchNodeUnhealthy"]["annotations"]["summary"]
     assert "{{ $labels.host }}" in by_name["RingwatchShipperFailures"]["annotations"]["summary"]
+    assert "{{ $labels.fleet }}" in by_name["RingwatchSchedulerNoCycle"]["annotations"]["summary"]
+    for name in ("RingwatchSchedulerSpoolGrowing", "RingwatchSchedulerIngestRefused"):
+        assert "{{ $labels.host }}" in by_name[name]["annotations"]["summary"], name
     assert "runbook" in anchors(OPERATIONS.read_text())
 
 
@@ -118,6 +124,21 @@ def test_the_prometheus_rule_carries_the_rule_files_groups() -> None:
     [rule] = documents(MONITORING / "prometheus-rule.yaml")
     assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
     assert rule["spec"]["groups"] == rule_groups()
+
+
+def test_the_pod_monitor_scrapes_the_schedulers_health_port_as_job_ringwatch_scheduler() -> None:
+    [raycluster] = documents(ROOT / "deploy/kubernetes/base/raycluster.yaml")[:1]
+    template = raycluster["spec"]["headGroupSpec"]["template"]
+    [head] = [c for c in template["spec"]["containers"] if c["name"] == "ray-head"]
+    [monitor] = documents(MONITORING / "pod-monitor.yaml")
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    namespace = yaml.safe_load(BASE_KUSTOMIZATION.read_text())["namespace"]
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [namespace]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    port = {p["name"]: p["containerPort"] for p in head["ports"]}[endpoint["port"]]
+    assert f"--health-port {port}" in " ".join(head["args"])
+    assert {"targetLabel": "job", "replacement": "ringwatch-scheduler"} in endpoint["relabelings"]
 
 
 def test_the_service_monitor_scrapes_the_api_service_as_job_ringwatch() -> None:

@@ -135,12 +135,16 @@ def test_monitoring_is_an_optional_profile_of_prometheus_and_grafana() -> None:
     assert services["grafana"]["ports"] == ["${RINGWATCH_BIND:-127.0.0.1}:3000:3000"]
 
 
-def test_prometheus_scrapes_the_apis_metrics() -> None:
+def test_prometheus_scrapes_the_apis_metrics_and_the_schedulers() -> None:
     services = load()["services"]
     prometheus = services["prometheus"]
     flag = next(a for a in prometheus["command"] if a.startswith("--config.file="))
     config = yaml.safe_load(mounted(prometheus, flag.split("=", 1)[1]).read_text())
-    [job] = config["scrape_configs"]
+    job, scheduler = config["scrape_configs"]
+    # The scheduler serves its own on the port its command names.
+    port = re.search(r"--health-port (\d+)", " ".join(services["ray-head"]["command"]))[1]
+    assert scheduler["job_name"] == "ringwatch-scheduler"
+    assert scheduler["static_configs"] == [{"targets": [f"ray-head:{port}"]}]
     api_port = services["api"]["ports"][0].rsplit(":", 1)[1]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"] == [{"targets": [f"api:{api_port}"]}]

@@ -279,3 +279,36 @@ def test_a_request_made_while_the_waiting_places_filled_is_answered_as_it_stands
     body = {"id": "r1", "status": "pending"}
     # Answered at once with its id (202), not refused: the request exists already.
     assert asyncio.run(waiters.wait(body, 30.0)) is body
+
+
+def _golden_batch() -> dict:
+    from datetime import UTC, datetime
+
+    b = fleet_batch(slow_node="node-002", batch_id="golden")
+    t = datetime(2026, 11, 1, tzinfo=UTC).isoformat()
+    for m in b["measurements"]:
+        m["time"] = t
+    b["counters"] = [{"node": "node-001", "local_index": 0, "before": [{"link": 0, "crc": 1}],
+                      "after": [{"link": 0, "crc": 9}], "xid": [], "findings": ["nvlink_degraded"]}]
+    b["skipped"] = {"node-003": "other work"}
+    return b
+
+
+# The digest this batch had under the schema before `occupancy`, `facts`, a measurement's
+# `contended` and a counter snapshot's `fabric` existed (recorded from that release).
+DIGEST_BEFORE_LATER_FIELDS = "ea75259327348668ea4780cdfba5bf93765fb5b789e7dd221e23430123538092"
+
+
+def test_a_batch_spooled_before_the_later_fields_is_still_its_own_retry() -> None:
+    from api.schemas import MeasurementBatch
+
+    assert MeasurementBatch.model_validate(_golden_batch()).content_digest() == \
+        DIGEST_BEFORE_LATER_FIELDS
+    # Each later field, once set, is content: the same id with it is another batch.
+    for change in (lambda b: b.update(facts=["node-001"]),
+                   lambda b: b["measurements"][0].update(contended="other traffic: x"),
+                   lambda b: b["counters"][0].update(fabric={"state": 3}),
+                   lambda b: b.update(occupancy={"source": "none"})):
+        b = _golden_batch()
+        change(b)
+        assert MeasurementBatch.model_validate(b).content_digest() != DIGEST_BEFORE_LATER_FIELDS

@@ -16,7 +16,7 @@ from agents import inventory, telemetry
 from agents.probe import ProbeAgent
 from agents.spec import RankInfo
 from services.analyzer.inventory import inventory_findings
-from services.scheduler.cycle import _counter_findings
+from services.check.facts import judge_readings
 from services.store import db
 from tests.api_fixtures import api_client, measurement
 from tests.test_telemetry import FakeNvml
@@ -133,7 +133,7 @@ def test_rising_counters_and_xids_are_findings_on_the_gpu(nvml: EventNvml, fake_
     nvml.errors[(1, 7, nvml.NVML_NVLINK_ERROR_DL_CRC_FLIT)] = 12
     nvml.xids[2] = [79]
     after = {m: a.counters() for m, a in agents.items()}
-    findings, snapshots = _counter_findings(before, after)
+    findings, snapshots = judge_readings(before, after)
     got = {(f.kind, f.gpu): f for f in findings}
     assert set(got) == {("nvlink_degraded", 1), ("gpu_xid", 2)}
     assert got[("nvlink_degraded", 1)].detail["rising_errors"] == {"7": {"crc_flit": 12}}
@@ -141,7 +141,7 @@ def test_rising_counters_and_xids_are_findings_on_the_gpu(nvml: EventNvml, fake_
     assert {(s["node"], s["local_index"]) for s in snapshots} == {("node-000", 1), ("node-000", 2)}
     # The next cycle reads again before and after: nothing new, nothing found.
     again = {m: a.counters() for m, a in agents.items()}
-    quiet, _ = _counter_findings(again, {m: a.counters() for m, a in agents.items()})
+    quiet, _ = judge_readings(again, {m: a.counters() for m, a in agents.items()})
     assert quiet == []
 
 

@@ -86,12 +86,14 @@ def _scheduler_once(env: dict[str, str], fabric) -> str:
 
 def test_a_restarted_scheduler_goes_on_with_the_next_matching(server, tmp_path) -> None:
     """Above 8 nodes each cycle probes one node-pair matching of the round-robin
-    tournament; its position is kept on disk, so three runs of `scheduler --once` (each a
-    restart) probe three different matchings, not the first one three times."""
+    tournament; the fleet keeps its position in the database, so three runs of `scheduler
+    --once` (each a restart, each with a state folder of its own) probe three different
+    matchings, not the first one three times."""
     api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
     fabric = tmp_path / "fabric.json"
     fabric.write_text(json.dumps({"nodes": 12, "gpus_per_node": 2, "seed": 3}))
-    logs = [_scheduler_once(server, fabric) for _ in range(3)]
+    logs = [_scheduler_once({**server, "RINGWATCH_STATE_DIR": str(tmp_path / f"state-{n}")},
+                            fabric) for n in range(3)]
     # Each run numbers its cycle by the kept position, and its lines carry their UTC time.
     for n, log in enumerate(logs, 1):
         line = next(x for x in log.splitlines() if f"cycle {n}: " in x)
@@ -99,8 +101,9 @@ def test_a_restarted_scheduler_goes_on_with_the_next_matching(server, tmp_path) 
     links = httpx.get(f"{api}/v1/links", params={"scope": "inter_node"}, headers=h).json()
     pairs = {tuple(x["nodes"]) for x in links if len(x["nodes"]) == 2}
     assert len(pairs) == 3 * 6  # three matchings of six pairs each, none repeated
-    state = list((tmp_path / "scheduler").glob("rotation-*.json"))
-    assert len(state) == 1 and json.loads(state[0].read_text())["position"] == 3
+    fleets = httpx.get(f"{api}/v1/scheduler/fleets", headers=h).json()
+    assert [(f["name"], f["cycle"], f["nodes"]) for f in fleets] == [("default", 3, 12)]
+    assert fleets[0]["holder"] is None  # each run handed the lease back as it stopped
 
 
 def test_monitoring_finds_what_preflight_finds(server, tmp_path) -> None:

@@ -156,7 +156,8 @@ def get_series(
 
 @router.get("/health", response_model=HealthOut)
 def get_health(session: SessionDep, _: ReaderDep) -> dict:
-    """Fleet summary: links by status and open findings."""
+    """Fleet summary: links by status and open findings; and ``tokens_expiring``, the
+    active tokens that expire within 14 days (id, role, name, expiry), soonest first."""
     return fleet.summary(session)
 
 

@@ -1,10 +1,11 @@
-"""API tokens (admin): create, list, revoke."""
+"""API tokens (admin): create, list, revoke; and any token's own description."""
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from api.deps import AdminDep, SessionDep, SettingsDep
+from api.auth import bearer
+from api.deps import AdminDep, ReaderDep, SessionDep, SettingsDep
 from api.pages import link_next
-from api.schemas import TokenIn, TokenInfoOut, TokenOut
+from api.schemas import TokenIn, TokenInfoOut, TokenOut, TokenSelfOut
 from services.errors import NotFound
 from services.store import tokens
 
@@ -38,6 +39,20 @@ def list_tokens(request: Request, response: Response, session: SessionDep, _: Ad
                               include_revoked=include_revoked)
     link_next(request, response, rows, limit, rows[-1].id if rows else None)
     return [_info(r) for r in rows]
+
+
+@router.get("/self", response_model=TokenSelfOut)
+def token_self(request: Request, session: SessionDep, who: ReaderDep) -> dict:
+    """The token this request presents, for any role: its id, role, name, the first few
+    characters of its text (``prefix``; never the rest), its expiry and its node scope. A
+    scheduler or script can warn before its own token expires."""
+    row = tokens.get(session, who.token_id)
+    if row is None:  # gone since the middleware looked it up
+        raise NotFound(f"no token {who.token_id}")
+    presented = bearer(request.scope.get("headers") or []) or ""
+    return {"id": row.id, "role": row.role, "name": row.name,
+            "prefix": tokens.shown_prefix(presented), "expires_at": row.expires_at,
+            "nodes": row.nodes}
 
 
 @router.delete("/{token_id}", status_code=status.HTTP_204_NO_CONTENT)

@@ -53,6 +53,17 @@ def fault_nodes(f: Finding) -> list[str]:
 # Where a finding read a fact rather than timed a noisy measurement: NVML's counters, NCCL's
 # own log of the transport it took, the NIC's sysfs counters.
 FACTS = frozenset({"nvml", "nccl", "sysfs"})
+# Facts a check reads from a node's counters before and after its probes (services.check.
+# facts): NVML's (NVLink errors and links down, XIDs, fabric state) and the NICs' sysfs.
+COUNTER_SOURCES = frozenset({"nvml", "sysfs"})
+COUNTER_KINDS = frozenset({"nic_errors", "gpu_xid", "nvlink_fabric"})
+
+
+def read_from_counters(f: Finding) -> bool:
+    """A finding made from a node's counter readings (a ``nic_errors``, a ``gpu_xid``, an
+    ``nvlink_fabric``, an NVML ``nvlink_degraded``), not from timed measurements."""
+    return f.kind in COUNTER_KINDS or (
+        f.kind != INVENTORY_KIND and f.detail.get("source") in COUNTER_SOURCES)
 
 
 def policy_for(kind: str, policy: Policy, detail: dict | None = None) -> Policy:
@@ -66,10 +77,13 @@ def policy_for(kind: str, policy: Policy, detail: dict | None = None) -> Policy:
 
 class Coverage:
     """What one cycle's results looked at: which ranks ran clean, which nodes had their
-    NVLink, their NIC or a path to each other judged."""
+    NVLink, their NIC or a path to each other judged, and whose counters were read before
+    and after (``facts``)."""
 
-    def __init__(self, assessments: Iterable[Assessment], inventoried: Iterable[str] = ()) -> None:
+    def __init__(self, assessments: Iterable[Assessment], inventoried: Iterable[str] = (),
+                 facts: Iterable[str] = ()) -> None:
         self.inventoried = set(inventoried)
+        self.facts = set(facts)
         self.clean_ranks: set[str] = set()
         # Nodes with a rank in a clean group, for rank faults that name no GPU.
         self.clean_nodes: set[str] = set()
@@ -102,6 +116,8 @@ class Coverage:
             return member(f.node, f.gpu) in self.clean_ranks
         if f.kind == INVENTORY_KIND:
             return f.node in self.inventoried
+        if read_from_counters(f):  # only a check that read the node's counters twice looked
+            return f.node in self.facts
         if f.kind == FLEET_KIND:
             return bool(self.local) if f.detail.get("scope") == "nvlink" else bool(self.nic)
         if f.kind in NODE_KINDS:
@@ -110,8 +126,6 @@ class Coverage:
             return f.node in self.nic
         if f.kind == "transport_fallback":  # a GPU pair's in its node's groups, else between nodes
             return f.node in (self.local if f.gpus else self.nic)
-        if f.kind in ("nic_errors", "nvlink_fabric"):  # read around every cycle the node is in
-            return f.node in self.local | self.nic | self.clean_nodes
         if f.kind == "net_path_degraded" and f.nodes and len(f.nodes) == 2:
             a, b = f.nodes
             return bool(self._groups_of.get(a, set()) & self._groups_of.get(b, set()))

@@ -72,8 +72,10 @@ class Judgement:
     def blamed(self) -> set[str]:
         return {n for f in self.findings for n in f.blamed_nodes}
 
-    def coverage(self) -> Coverage:
-        return Coverage(self.assessments, self.inventoried)
+    def coverage(self, facts: Iterable[str] = ()) -> Coverage:
+        """What the judged results looked at; ``facts``: the nodes whose counters were read
+        before and after (a batch's ``facts``)."""
+        return Coverage(self.assessments, self.inventoried, facts)
 
 
 def judge(

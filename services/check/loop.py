@@ -1,6 +1,8 @@
 """The check, round by round: plan a round from the judgement so far, probe, judge all of it
 again; until the plan has nothing left to ask or the budget is spent. What a preflight runs
-on a job's nodes and what each monitoring cycle runs on the fleet.
+on a job's nodes and what each monitoring cycle runs on the fleet. Beside the probes it
+reads the facts of its nodes (NVML and NIC counters, NVLink fabric state) before the first
+round and after the last, and judges them with the rest (``services.check.facts``).
 
 Backend-agnostic: it sees only ``ProbeBackend`` (nccl, gloo, sim). Each round is planned
 from what the rounds before it showed (``services.analyzer.judge``), so suspects are
@@ -24,6 +26,7 @@ from agents.workloads import JobLayout, fabric_ops, workload
 from services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
 from services.analyzer.judge import JudgeCache, Judgement, judge
 from services.analyzer.verdict import build_verdict
+from services.check import facts
 from services.check.planner import AdaptivePlanner, layout_of
 from services.check.rounds import Progress, Rounds
 from services.check.shape import ProbeShape, ProbeSpec
@@ -78,6 +81,10 @@ class CheckResult(Rounds):
     stopped_by: str | None = None
     # With a profile: how the job's communicators ran (services.check.workload).
     workload: dict[str, Any] | None = None
+    # The counter readings before and after of the GPUs where something changed (a batch's
+    # ``counters``), and the nodes whose facts were read both times (its ``facts``).
+    counters: list[dict[str, Any]] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)
 
     @property
     def undecided_groups(self) -> list[dict[str, Any]]:
@@ -127,7 +134,7 @@ def run_check(
     expected: Expected | None = None,
     history: Mapping[LinkKey, Sequence[float]] | None = None,
     rotation: int = 0,
-    fleet: Sequence[str] | None = None,
+    fleet: Sequence[str | None] | None = None,
     budget: CheckBudget = CheckBudget(),
     profile: str | None = None,
     job: JobLayout | None = None,
@@ -150,6 +157,12 @@ def run_check(
     round, summed); ``wall_s`` the wall time of the fabric phase. A hang is a finding,
     never an exception.
 
+    The facts of the nodes (``backend.counters()``: NVML and NIC counters, NVLink fabric
+    state) are read before the first round and after the last, and judged
+    (services.check.facts; ``spec.nvlink_partitioned`` for the fabric's cliques): their
+    findings join ``probe_findings`` and the judgement, their readings ``counters``, and
+    ``facts`` names the nodes read both times.
+
     ``profile`` (agents.workloads: ddp, fsdp, moe, pipeline) adds its ops to the fabric
     check (monitoring's judgement), then runs the job's own communicators at its sizes
     under ``job`` (its tp/pp/dp layout; default: tensor parallel over each node's GPUs,
@@ -162,21 +175,33 @@ def run_check(
     if work is not None and layout:  # a layout that does not fit is refused before anything runs
         job = resolve_job(job, layout)
     shape = spec.shape(backend, fabric_ops(work, spec.ops) if work else spec.ops, spec.sizes)
+    before = facts.read(backend, layout)
     result = _fabric_phase(backend, layout, ranks, shape, budget, progress, label,
                            thresholds=thresholds or thresholds_for(backend.name),
                            expected=expected or backend.expected_busbw,
                            history=history, rotation=rotation, fleet=fleet)
-    if work is None or job is None or not layout:
-        return result
-    job_run, result.workload = run_job_phase(
-        backend, work, job, layout, ranks, spec.shape(backend, work.ops, work.sizes),
-        result.measurements, shape.sizes, progress)
-    result.absorb(job_run)
-    # What the job's groups showed of the ranks themselves (a hang, wrong data, an error)
-    # is a finding like any other; their speed is the workload section's.
-    result.judgement = replace(result.judgement,
-                               findings=result.judgement.findings + job_run.probe_findings)
+    if work is not None and job is not None and layout:
+        job_run, result.workload = run_job_phase(
+            backend, work, job, layout, ranks, spec.shape(backend, work.ops, work.sizes),
+            result.measurements, shape.sizes, progress)
+        result.absorb(job_run)
+        # What the job's groups showed of the ranks themselves (a hang, wrong data, an
+        # error) is a finding like any other; their speed is the workload section's.
+        result.judgement = replace(result.judgement,
+                                   findings=result.judgement.findings + job_run.probe_findings)
+    _take_facts(result, facts.judge_facts(before, facts.read(backend, layout),
+                                          partitioned=spec.nvlink_partitioned))
     return result
+
+
+def _take_facts(result: CheckResult, read: facts.Facts) -> None:
+    """The facts' findings are what the probes reported (shipped with the batch, judged by
+    the API as the check judged them) and part of the judgement (the verdict excludes
+    their nodes); their readings are kept."""
+    result.probe_findings += read.findings
+    result.judgement = replace(result.judgement,
+                               findings=result.judgement.findings + read.findings)
+    result.counters, result.facts = read.snapshots, read.nodes
 
 
 def _fabric_phase(backend: ProbeBackend, layout: dict[str, list[int]],
@@ -184,7 +209,7 @@ def _fabric_phase(backend: ProbeBackend, layout: dict[str, list[int]],
                   progress: Progress | None, label: str, *, thresholds: Thresholds,
                   expected: Expected | None,
                   history: Mapping[LinkKey, Sequence[float]] | None,
-                  rotation: int, fleet: Sequence[str] | None = None) -> CheckResult:
+                  rotation: int, fleet: Sequence[str | None] | None = None) -> CheckResult:
     """Plan a round from the judgement so far, run it, judge everything again; until the
     planner has nothing left to ask or ``budget`` is spent."""
     started = time.perf_counter()
@@ -198,7 +223,7 @@ def _rounds(backend: ProbeBackend, layout: dict[str, list[int]], ranks: Sequence
             shape: ProbeShape, budget: CheckBudget, progress: Progress | None, label: str,
             started: float, *, thresholds: Thresholds, expected: Expected | None,
             history: Mapping[LinkKey, Sequence[float]] | None, rotation: int,
-            fleet: Sequence[str] | None = None) -> CheckResult:
+            fleet: Sequence[str | None] | None = None) -> CheckResult:
     """The rounds themselves (``_fabric_phase``'s loop)."""
     nodes = list(layout)
     mine = [r for r in ranks if r.node in layout]

@@ -218,14 +218,15 @@ class AdaptivePlanner:
     """
 
     def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = MAX_ROUNDS,
-                 rotation: int = 0, fleet: Sequence[str] | None = None) -> None:
+                 rotation: int = 0, fleet: Sequence[str | None] | None = None) -> None:
         self.nodes = nodes
         # Which node-pair matching of the round-robin tournament a large fleet gets: a
         # monitor advances it every cycle, so every pair of nodes meets in turn.
         self.rotation = rotation
-        # The nodes the tournament is drawn over: the whole fleet, busy nodes too, so a
-        # pair's turn does not move as jobs come and go (None: the nodes probed).
-        self.fleet = sorted(fleet, key=node_order) if fleet is not None else None
+        # The seats the tournament is drawn over, in order: the whole fleet, busy nodes too
+        # (None: a vacant seat), so a pair's turn does not move as jobs come and go, nor as
+        # nodes join and leave (agents.matchings.reconcile_slots; None: the nodes probed).
+        self.fleet = list(fleet) if fleet is not None else None
         self.shape = shape
         largest = (max(shape.sizes),)
         self.pair_shape = ProbeShape(("allreduce",), largest, shape.dtype, shape.warmup,
@@ -579,7 +580,7 @@ def layout_of(ranks: Sequence[RankInfo], only: Sequence[str] | None) -> dict[str
 
 
 def rotation_matching(nodes: Sequence[str], rotation: int,
-                      fleet: Sequence[str] | None = None) -> list[tuple[str, str]]:
+                      fleet: Sequence[str | None] | None = None) -> list[tuple[str, str]]:
     """The ``rotation``-th node-pair matching among ``nodes``, drawn from the tournament of
     ``fleet`` (the whole fleet, busy nodes too) so that a pair's turn stays where it is as
     jobs come and go: its pairs of two ``nodes``, then the ``nodes`` whose partner is
@@ -588,8 +589,9 @@ def rotation_matching(nodes: Sequence[str], rotation: int,
     if fleet is None:
         return circle_matching(list(nodes), rotation)
     here = set(nodes)
-    kept = [(a, b) for a, b in circle_matching(list(fleet), rotation) if a in here and b in here]
+    kept = [(a, b) for a, b in circle_matching(list(fleet), rotation)
+            if a in here and b in here]
     paired = {n for p in kept for n in p}
     left = [n for n in fleet if n in here and n not in paired]
-    left += sorted(here - set(fleet) - paired, key=node_order)
+    left += sorted(here - {n for n in fleet if n is not None} - paired, key=node_order)
     return kept + circle_matching(left, rotation)

@@ -48,6 +48,9 @@ class ProbeSpec:
     # nccl-tests' -o for AllReduce and ReduceScatter: sum, max, min, or avg (nccl only).
     redop: str = "sum"
     deadline_s: float | None = None
+    # NVLink domains split into partitions on purpose (RINGWATCH_NVLINK_PARTITIONED): the
+    # check's fabric facts then compare no cliques, judging registration and health alone.
+    nvlink_partitioned: bool = False
 
     def shape(self, backend: ProbeBackend, ops: Sequence[str],
               sizes: Sequence[int] | None) -> ProbeShape:

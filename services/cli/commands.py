@@ -468,7 +468,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
     from services.check import CheckBudget
     from services.scheduler.api_client import SchedulerApi
-    from services.scheduler.cycle import Rotation, Sharing, run_scheduler
+    from services.scheduler.cycle import Sharing, run_scheduler
     from services.scheduler.occupancy import source_for
     from services.scheduler.shipper import Shipper
 
@@ -478,15 +478,18 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     if not settings.token:
         raise CliError("set RINGWATCH_TOKEN to an agent token (ringwatch token create --role agent)")
     progress.stamp = True
-    shipper = Shipper(settings.api_url, settings.token, settings.spool_dir)
-    api = SchedulerApi(settings.api_url, settings.token, worker=f"{socket.gethostname()}:{os.getpid()}")
+    shipper = Shipper(settings.api_url, settings.token, settings.spool_dir,
+                      max_bytes=settings.spool_max_bytes)
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    api = SchedulerApi(settings.api_url, settings.token, worker=holder)
     stop = threading.Event()
+    interval_s = args.interval or settings.probe_interval_s
+    watch, served = _scheduler_watch(args, settings.fleet, holder, interval_s)
     with closing(make_backend(args, progress)) as backend, closing(shipper), closing(api):
         _fits(options, backend)
         # Set after the backend: Ray installs its own SIGTERM handler (a crash report) when
         # it connects. A stop request ends the loop at its next wait and shuts down cleanly.
         _stop_on_signals(stop)
-        rotation = Rotation(settings.state_dir / "scheduler" / f"rotation-{_fleet_id(backend)}.json")
         try:
             source = source_for(settings.occupancy, backend,
                                 kubernetes_api_url=settings.kubernetes_api_url,
@@ -497,16 +500,43 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
                  + ("; busy nodes are probed anyway (RINGWATCH_PROBE_BUSY_NODES), their "
                     "measurements contended" if settings.probe_busy_nodes else
                     "; scheduled probes touch idle nodes only"))
-        run_scheduler(backend, shipper, options, interval_s=args.interval or settings.probe_interval_s,
-                      once=args.once, api=api, progress=progress, stop=stop,
-                      max_duty=settings.max_duty_cycle, rotation=rotation,
-                      thresholds=settings.thresholds(backend.name),
-                      budget=CheckBudget.from_settings(settings),
-                      sharing=Sharing(source, settings.occupancy_timeout_s,
-                                      settings.probe_busy_nodes))
+        try:
+            ran = run_scheduler(backend, shipper, options, interval_s=interval_s,
+                                once=args.once, api=api, progress=progress, stop=stop,
+                                max_duty=settings.max_duty_cycle,
+                                thresholds=settings.thresholds(backend.name),
+                                budget=CheckBudget.from_settings(settings),
+                                sharing=Sharing(source, settings.occupancy_timeout_s,
+                                                settings.probe_busy_nodes),
+                                fleet=settings.fleet, lease_s=settings.scheduler_lease_s,
+                                watch=watch)
+        finally:
+            if served is not None:
+                served.shutdown()
+    if args.once and ran == 0 and not stop.is_set():
+        raise CliError(f"fleet {settings.fleet} is led by another scheduler: --once ran no "
+                       "cycle (RINGWATCH_FLEET names the fleet)")
     if stop.is_set():
         print("ringwatch scheduler: stopped", file=sys.stderr)
     return 0
+
+
+def _scheduler_watch(args: argparse.Namespace, fleet: str, holder: str,
+                     interval_s: float) -> tuple[Any, Any]:
+    """The scheduler's /healthz and /metrics where --health-port asks for them."""
+    if args.health_port is None:
+        return None, None
+    from services.scheduler.watch import SchedulerWatch
+
+    watch = SchedulerWatch(fleet, holder, interval_s)
+    try:
+        served = watch.serve(args.health_host, args.health_port)
+    except OSError as exc:
+        raise CliError(f"cannot serve health and metrics on {args.health_host}:"
+                       f"{args.health_port}: {exc.strerror or exc}") from None
+    progress(f"health and metrics at http://{args.health_host}:{served.server_address[1]}"
+             " (/healthz, /metrics)")
+    return watch, served
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -525,23 +555,17 @@ def _stop_on_signals(stop: threading.Event) -> None:
         signal.signal(sig, handle)
 
 
-def _fleet_id(backend: Any) -> str:
-    """A short name for this fleet (its node set), so one state folder can serve several."""
-    import hashlib
-
-    names = sorted({r.node for r in backend.ranks()})
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
-
-
 # -- one-shot probes and checks ---------------------------------------------------------
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from services.scheduler.cycle import run_cycle
     from services.scheduler.probe_table import format_table
 
     settings = _check_settings()
-    options = _probe_options(args)
+    options = replace(_probe_options(args), nvlink_partitioned=_partitioned(settings))
     with closing(make_backend(args, progress)) as backend:
         _fits(options, backend)
         thresholds, budget = _check_config(settings, backend.name)
@@ -645,7 +669,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         raise CliError("--nodes is empty")
     if has_backend(args):
         from agents.workloads import LayoutError
-        from services.check import run_check
+        from services.check import ProbeSpec, run_check
 
         settings = _check_settings()
         job = _job_layout(args)
@@ -658,6 +682,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
             thresholds, budget = _check_config(settings, backend.name)
             try:
                 verdict = run_check(backend, nodes, thresholds=thresholds, budget=budget,
+                                    spec=ProbeSpec(nvlink_partitioned=_partitioned(settings)),
                                     profile=args.profile, job=job, progress=progress,
                                     label="preflight round").verdict()
             except LayoutError as exc:
@@ -694,6 +719,12 @@ def _check_settings() -> Settings | None:
     """Settings for a check run in this process; None where no RINGWATCH_* variable is set,
     so that a check on the defaults does not load pydantic."""
     return get_settings() if settings_in_environment() else None
+
+
+def _partitioned(settings: Settings | None) -> bool:
+    """RINGWATCH_NVLINK_PARTITIONED for a check run in this process: its fabric facts are
+    judged as the scheduler's are."""
+    return settings is not None and settings.nvlink_partitioned
 
 
 def _check_config(settings: Settings | None, backend: str) -> tuple[Thresholds, CheckBudget]:

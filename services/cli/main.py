@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_option(p)
     p.add_argument("--interval", type=float, help="seconds between cycles (RINGWATCH_PROBE_INTERVAL_S)")
     p.add_argument("--once", action="store_true", help="run one cycle and exit")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="serve GET /healthz and /metrics (leader or standby, the last cycle, "
+                        "nodes probed and busy, the spool, the API's last answer) on this "
+                        "port (default: off)")
+    p.add_argument("--health-host", default="0.0.0.0",
+                   help="the address --health-port listens on (default: every interface)")
 
     p = sub.add_parser("probe", help="run one probe cycle and print the results")
     add_backend_args(p)

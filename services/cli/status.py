@@ -15,9 +15,12 @@ import httpx
 
 from services.cli.errors import CliError
 from services.cli.output import headline
+from services.config import TOKEN_EXPIRY_WARN_S
 
 # Incidents listed at most; the count says how many more are open.
 MAX_LISTED = 20
+# Expiring tokens named on the tokens line at most; the count says how many expire.
+MAX_TOKENS_LISTED = 5
 STATUS_STYLE = {"healthy": "bold green", "degraded": "bold red", "unknown": "bold yellow"}
 
 
@@ -45,6 +48,8 @@ class FleetStatus:
             "duty_cycle": {"max": duty[-1], "median": statistics.median(duty),
                            "busiest_node": max(self.duty, key=lambda n: self.duty[n])}
             if duty else None,
+            # Active tokens expiring within TOKEN_EXPIRY_WARN_S (an API from before says none).
+            "tokens_expiring": self.health.get("tokens_expiring") or [],
             "busy": {"nodes": len(self.busy),
                      "jobs": len({o.get("job") for o in self.busy.values() if o.get("job")}),
                      "unknown": sorted(n for n, o in self.busy.items() if o.get("unknown")),
@@ -134,6 +139,8 @@ def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:
                        f"{duty['median']:.3%}" if duty else "not reported yet"),
         ("busy", busy_text(d["busy"])),
     ]
+    if d["tokens_expiring"]:
+        summary.append(("tokens", tokens_text(d["tokens_expiring"], status.now)))
     table = []
     for inc in status.incidents[:MAX_LISTED]:
         opened = datetime.fromisoformat(inc["opened_at"]) if inc.get("opened_at") else None
@@ -153,6 +160,33 @@ def busy_text(busy: dict[str, Any]) -> str:
     if busy["unknown"]:
         text += f"; {len(busy['unknown'])} counted busy because occupancy could not be read"
     return text
+
+
+def visible(text: str) -> str:
+    """A free string (a token's name) fit for one terminal line: control and invisible
+    characters shown as escapes, never acted on."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def until(seconds: float) -> str:
+    """A span ahead as a person says it: in 3 d, in 5 h, in 12 min, in 40 s."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"in {seconds / size:.0f} {unit}"
+    return f"in {max(seconds, 0):.0f} s"
+
+
+def tokens_text(expiring: list[dict[str, Any]], now: datetime) -> str:
+    """The tokens line: how many active tokens expire soon, the soonest named with their
+    role and how long they have."""
+    named = []
+    for t in expiring[:MAX_TOKENS_LISTED]:
+        name = visible(str(t.get("name") or "")) or f"token {t.get('id')}"
+        at = datetime.fromisoformat(str(t["expires_at"]))
+        named.append(f"{name} ({t.get('role')}) {until((at - now).total_seconds())}")
+    more = len(expiring) - len(named)
+    return (f"{len(expiring)} expire within {TOKEN_EXPIRY_WARN_S / 86400:g} days: "
+            f"{', '.join(named)}{f' and {more} more' if more > 0 else ''}")
 
 
 HEADERS = ["id", "kind", "severity", "where", "opened", "busbw"]
@@ -176,6 +210,7 @@ def plain(status: FleetStatus) -> str:
 
 def render_rich(status: FleetStatus) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     summary, table = rows(status)
@@ -185,7 +220,10 @@ def render_rich(status: FleetStatus) -> None:
     head.add_column()
     for label, value in summary:
         style = STATUS_STYLE.get(value.lower(), "") if label == "status" else ""
-        head.add_row(label, f"[{style}]{value}[/]" if style else value)
+        if label == "tokens":
+            style = "bold yellow"
+        # A value may hold free text (a token's name): shown as written, never as markup.
+        head.add_row(label, f"[{style}]{escape(value)}[/]" if style else escape(value))
     console.print(head)
     if table:
         t = Table(title=f"open incidents ({len(status.incidents)})", title_justify="left")

@@ -15,9 +15,11 @@ from sqlalchemy.orm import Session
 from agents.groups import node_order, series_key, split_member
 from services.analyzer.assess import Thresholds
 from services.analyzer.hysteresis import LinkState, Policy, standing
+from services.config import TOKEN_EXPIRY_WARN_S
 from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
 from services.store import measurements as store
+from services.store import metrics as metrics_store
 from services.store import timeseries
 
 
@@ -312,8 +314,10 @@ def summary(session: Session) -> dict[str, Any]:
         status = "degraded"
     else:
         status = "healthy"
+    expiring = [{"id": t.id, "role": t.role, "name": t.name, "expires_at": t.expires_at}
+                for t in metrics_store.token_expiries(session, TOKEN_EXPIRY_WARN_S)]
     return {"status": status, "nodes": store.node_count(session), "links": counts,
-            "open_findings": open_findings}
+            "open_findings": open_findings, "tokens_expiring": expiring}
 
 
 def _finding(f) -> dict[str, Any]:

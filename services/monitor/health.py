@@ -5,6 +5,8 @@ and each place's slow-drift detector (``services.analyzer.drift``) weighs it too
 in alarm that the judgement has not already named is found like any other fault.
 Each localized fault (``fault_key``: kind and place) goes through the hysteresis: seen in a
 cycle is a bad observation, looked at and not seen a good one, not looked at none. A fault
+read from a node's counters (NVML, the NICs' sysfs, NVLink fabric state) was looked at only
+where the batch's check read that node's facts before and after (its ``facts``). A fault
 opens one incident however many links, ops and sizes show it, and resolves when its
 evidence has cleared. Every incident change and its outbox event are written together, so
 an event exists exactly when the change it announces does.
@@ -15,6 +17,7 @@ no incident of its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -27,7 +30,7 @@ from agents.spec import Measurement as ProbeMeasurement
 from services.analyzer.assess import HISTORY_WINDOW, Assessment, Thresholds, link_key
 from services.analyzer.drift import drift_observations, step_drift, unexplained
 from services.analyzer.evidence import CusumPolicy
-from services.analyzer.faults import RANK_KINDS, fault_key, fault_nodes, policy_for
+from services.analyzer.faults import RANK_KINDS, Coverage, fault_key, fault_nodes, policy_for
 from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, step
 from services.analyzer.judge import Judgement, judge
 from services.store import drift as drift_store
@@ -81,6 +84,7 @@ def apply_round(
     drift: CusumPolicy | None = None,
     api_url: str = "",
     ranks: list[RankInfo] | None = None,
+    facts: Iterable[str] = (),
 ) -> HealthChanges:
     policy = hysteresis or Policy()
     changes = HealthChanges()
@@ -93,7 +97,7 @@ def apply_round(
     found = j.findings + _drift(session, j, at, drift or CusumPolicy())
     changes.findings = [f.to_dict() for f in found]
     _link_health(session, j, keys, links, at, policy)
-    _faults(session, j, found, at, policy, api_url, changes)
+    _faults(session, j.coverage(facts), found, at, policy, api_url, changes)
     return changes
 
 
@@ -118,13 +122,12 @@ def _drift(session: Session, j: Judgement, at: datetime, policy: CusumPolicy) ->
 # ---- incidents: one per localized fault ---------------------------------------------------
 
 
-def _faults(session: Session, j: Judgement, findings: list[Finding], at: datetime,
+def _faults(session: Session, coverage: Coverage, findings: list[Finding], at: datetime,
             policy: Policy, api_url: str, changes: HealthChanges) -> None:
     found: dict[str, Finding] = {}
     for f in findings:
         found.setdefault(fault_key(f), f)
     states = store.fault_states(session)
-    coverage = j.coverage()
     for key, state in list(states.items()):
         if key not in found and not coverage.covers(Finding.from_dict(state.detail)):
             del states[key]  # not looked at this cycle: no evidence either way

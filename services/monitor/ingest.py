@@ -91,6 +91,9 @@ class IngestRequest:
     skipped: dict[str, str] | None = None
     shipper: dict[str, Any] | None = None
     counters: list[dict[str, Any]] = field(default_factory=list)
+    # Nodes whose facts (counters, fabric state) the batch's check read before and after;
+    # only their counter incidents are judged (None: an older sender, no facts read).
+    facts: list[str] | None = None
     # How the scheduler's occupancy source answered (docs/formats.md): its busy nodes are
     # marked occupied, the batch's other nodes idle. None (a preflight's batch): untouched.
     occupancy: dict[str, Any] | None = None
@@ -113,7 +116,8 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     node_names |= set(req.skipped or {})
     busy = (req.occupancy or {}).get("busy") or {}
     node_names |= set(busy)
-    named = node_names | set(req.duty_cycle or {}) | {c["node"] for c in req.counters}
+    named = (node_names | set(req.duty_cycle or {}) | {c["node"] for c in req.counters}
+             | set(req.facts or ()))
     if req.sender.nodes is not None:
         outside = sorted(named - req.sender.nodes, key=node_order)
         if outside:
@@ -152,7 +156,8 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     changes = apply_round(session, judged, list(req.findings), at=seen_at,
                           thresholds=policy.thresholds or thresholds_for(req.backend),
                           hysteresis=policy.hysteresis, drift=policy.drift,
-                          api_url=policy.api_url, ranks=[RankInfo(**r) for r in req.ranks])
+                          api_url=policy.api_url, ranks=[RankInfo(**r) for r in req.ranks],
+                          facts=req.facts or ())
     done = time.perf_counter()
     return IngestResult(req.batch_id, True, run.id, stored, changes,
                         {"store": judging - started, "measurements": copied - copying,

@@ -27,11 +27,13 @@ from sqlalchemy.orm import Session
 
 from agents.groups import split_member
 from services.analyzer.hysteresis import DEGRADED, OK
+from services.config import TOKEN_EXPIRY_WARN_S
 from services.monitor.stored_verdict import excluded_nodes
 from services.store import health as health_store
 from services.store import measurements as measurement_store
 from services.store import metrics as store
 from services.store.preflight import LATENCY_BOUNDS
+from services.store.tokens import ROLES
 
 # nccl-tests' GB/s are 10^9 bytes a second.
 BYTES_PER_GB = 1e9
@@ -61,6 +63,8 @@ class Snapshot:
     causes: list[store.CauseRow] = field(default_factory=list)
     # How the occupancy source answered for the newest scheduled cycle (None: none said).
     occupancy: dict[str, Any] | None = None
+    # Active tokens that expire, soonest first.
+    tokens: list[store.TokenExpiry] = field(default_factory=list)
 
 
 def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
@@ -80,10 +84,11 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
     last_ingest_at, now = store.last_ingest(session), store.database_now(session)
     causes = store.open_causes(session)
     occupancy = store.latest_occupancy(session)
+    expiring = store.token_expiries(session)
     return Snapshot(link_counts, links, nodes, excluded, findings, per_node, shippers, backlog,
                     preflight, latency, ingested, last_ingest_at, now,
                     collect_s=time.perf_counter() - started, causes=causes,
-                    occupancy=occupancy)
+                    occupancy=occupancy, tokens=expiring)
 
 
 def _listed(value: Any) -> list[Any]:
@@ -135,6 +140,7 @@ class FleetCollector(Collector):
         yield from self._ingest()
         yield from self._notifier()
         yield from self._preflight()
+        yield from self._tokens()
         yield _gauge("ringwatch_metrics_collect_seconds",
                      "Seconds the queries behind this scrape took (cached between scrapes).",
                      self.snap.collect_s, unit="seconds")
@@ -310,6 +316,26 @@ class FleetCollector(Collector):
                                                                strict=True)]
             latency.add_metric([answered], [*buckets, ("+Inf", got.total)], got.sum_s)
         yield latency
+
+    def _tokens(self) -> Iterator[Metric]:
+        """Seconds each expiring token has left, by id and role (an id names one token in
+        ``ringwatch token list``; names are free text, never labels)."""
+        left = _gauge("ringwatch_token_expires_in_seconds", "Seconds until each active token "
+                      "that has an expiry expires (ringwatch token list names it by id).",
+                      labels=["id", "role"], unit="seconds")
+        soon = Counter(dict.fromkeys(ROLES, 0))
+        for t in self.snap.tokens:
+            role = t.role if t.role in ROLES else "other"  # a row written by hand
+            left.add_metric([str(t.id), role], t.expires_in_s)
+            if t.expires_in_s <= TOKEN_EXPIRY_WARN_S:
+                soon[role] += 1
+        yield left
+        expiring = _gauge("ringwatch_tokens_expiring_soon", "Active tokens expiring within "
+                          f"{TOKEN_EXPIRY_WARN_S / 86400:g} days, by role: rotate them.",
+                          labels=["role"])
+        for role, n in sorted(soon.items()):
+            expiring.add_metric([role], n)
+        yield expiring
 
 
 class Scrape(NamedTuple):

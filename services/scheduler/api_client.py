@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 import httpx
 
 from agents.groups import Group
 from services.analyzer.assess import LinkKey
+from services.scheduler.leader import LeaseRefused, NotLeader
+from services.scheduler.shipper import token_prefix
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +19,8 @@ log = logging.getLogger(__name__)
 class SchedulerApi:
     def __init__(self, api_url: str, token: str, worker: str, timeout_s: float = 10.0) -> None:
         self.worker = worker
+        # Enough of the token to tell which one the API refused, never the whole secret.
+        self.token_prefix = token_prefix(token)
         self.client = httpx.Client(base_url=api_url.rstrip("/"), timeout=timeout_s,
                                    headers={"Authorization": f"Bearer {token}"})
 
@@ -69,5 +74,68 @@ class SchedulerApi:
                         "hardware model only", exc)
             return {}
 
+    # ---- one scheduler per fleet (docs/operations.md, "One scheduler per fleet") ----------
+
+    def take_lease(self, fleet: str, lease_s: float) -> dict[str, Any] | None:
+        """Take or renew the fleet's lease for this worker: the API's answer (``leader``,
+        ``holder``, ``term``, ``expires_at``), or None where the API did not answer. A token
+        the API refuses raises (an operator must act)."""
+        try:
+            resp = self.client.post("/v1/scheduler/lease", json={
+                "fleet": fleet, "holder": self.worker, "lease_s": lease_s})
+        except httpx.HTTPError as exc:
+            log.warning("fleet lease not renewed: API unreachable (%s)", exc)
+            return None
+        if resp.status_code in (401, 403):
+            raise LeaseRefused(f"the API refused token {self.token_prefix} for the fleet "
+                               f"lease ({resp.status_code}): {_reason(resp)}")
+        if resp.status_code != 200:
+            log.warning("fleet lease not renewed: API answered %s: %s", resp.status_code,
+                        _reason(resp))
+            return None
+        answer: dict[str, Any] = resp.json()
+        return answer
+
+    def release_lease(self, fleet: str) -> None:
+        """Hand the fleet's lease back (a clean stop): a standby takes over at once."""
+        try:
+            self.client.delete("/v1/scheduler/lease", params={"fleet": fleet,
+                                                              "holder": self.worker})
+        except httpx.HTTPError as exc:
+            log.warning("fleet lease not handed back (%s): it runs out by itself", exc)
+
+    def start_cycle(self, fleet: str, nodes: list[str]) -> tuple[int, list[str | None]]:
+        """The fleet's next cycle number and its tournament seats, the node set reconciled
+        (joins take vacant seats, leaves leave them). NotLeader where another scheduler
+        holds the fleet now."""
+        resp = self.client.post("/v1/scheduler/cycle", json={
+            "fleet": fleet, "holder": self.worker, "nodes": nodes})
+        if resp.status_code == 409:
+            raise NotLeader(_reason(resp))
+        resp.raise_for_status()
+        body = resp.json()
+        return int(body["cycle"]), list(body["slots"])
+
+    def token_expires_at(self) -> datetime | None:
+        """When this scheduler's own token expires (``GET /v1/tokens/self``); None where it
+        never does or the API did not say."""
+        try:
+            resp = self.client.get("/v1/tokens/self")
+            if resp.status_code != 200 or not resp.json().get("expires_at"):
+                return None
+            return datetime.fromisoformat(resp.json()["expires_at"])
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def close(self) -> None:
         self.client.close()
+
+
+def _reason(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:200]
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error") or body)[:300]
+    return str(body)[:300]

@@ -8,7 +8,6 @@ peers of the same cycle and localizes exactly as the cycle did.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
@@ -16,13 +15,10 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agents.groups import member as member_key
-from agents.groups import node_of, node_order, split_member
+from agents.groups import node_of, node_order
 from agents.hostlist import compress_hostlist
-from agents.nvlink_fabric import domain_findings, fabric_by_node
 from agents.spec import (
     Finding,
     Measurement,
@@ -30,13 +26,20 @@ from agents.spec import (
     ProbeBackend,
     ProbeSetupError,
     RankInfo,
+    utcnow,
 )
-from agents.telemetry import counter_findings
-from agents.transport import node_nic_findings
 from agents.workloads import JobLayout, LayoutError
 from services.analyzer.assess import LinkKey, Thresholds
 from services.check import CheckBudget, ProbeSpec, run_check
 from services.check.planner import layout_of
+from services.config import TOKEN_EXPIRY_WARN_S
+from services.scheduler.leader import (
+    RENEW_SHARE,
+    FleetLease,
+    LeaseLost,
+    LeaseRefused,
+    NotLeader,
+)
 from services.scheduler.occupancy import (
     BackendOccupancy,
     OccupancySource,
@@ -46,6 +49,7 @@ from services.scheduler.occupancy import (
 if TYPE_CHECKING:  # httpx under both: `ringwatch probe --fabric` sends nothing
     from services.scheduler.api_client import SchedulerApi
     from services.scheduler.shipper import Shipper
+    from services.scheduler.watch import SchedulerWatch
 
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)
@@ -90,8 +94,11 @@ class CycleResult:
     # Seconds each rank spent inside probe groups in this cycle.
     busy_s: dict[str, float] = field(default_factory=dict)
     duty_cycle: dict[str, float] = field(default_factory=dict)
-    # NVML readings before and after the cycle of the GPUs whose counters rose.
+    # NVML and NIC readings before and after the check of the GPUs whose counters rose
+    # (or whose fabric state is a finding), and the nodes whose facts were read both times
+    # (services.check.facts): only these may clear a counter incident on ingest.
     counters: list[dict[str, Any]] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)
     # With a profile: how the job's communicators ran (the verdict's ``workload``
     # section); shown, not shipped (their measurements are).
     workload: dict[str, Any] | None = None
@@ -113,6 +120,9 @@ class CycleResult:
             "skipped": self.skipped,
             "duty_cycle": self.duty_cycle,
             "counters": self.counters,
+            # Absent and empty say the same (no node's facts read); absent, a batch of a
+            # backend that reads none is taken by an API that predates the field.
+            **({"facts": self.facts} if self.facts else {}),
             **({"occupancy": self.occupancy} if self.occupancy is not None else {}),
         }
 
@@ -136,14 +146,17 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
               history: Mapping[LinkKey, Sequence[float]] | None = None,
               thresholds: Thresholds | None = None,
               budget: CheckBudget = CheckBudget(),
-              sharing: Sharing = Sharing()) -> CycleResult:
+              sharing: Sharing = Sharing(),
+              slots: Sequence[str | None] | None = None) -> CycleResult:
     """Every node's intra-node group, GPU pairs of suspect nodes, the ``rotation``-th
     node-pair matching, re-pairs of suspects with proven nodes, the world group and, where
     it is slow, the search for the slow path: the check of a preflight (services.check),
-    judged against each link's own normal where ``history`` holds one; around it, the NVML
-    counters read before and after. With ``skip_busy`` (a scheduled cycle) it reads
-    occupancy first and probes idle nodes only; the backend holds its GPUs only from
-    ``acquire`` to ``release`` around the probing."""
+    judged against each link's own normal where ``history`` holds one, the facts of its
+    nodes (NVML and NIC counters, NVLink fabric state) read and judged inside it. With
+    ``skip_busy`` (a scheduled cycle) it reads occupancy first and probes idle nodes only;
+    the backend holds its GPUs only from ``acquire`` to ``release`` around the probing.
+    ``slots``: the fleet's tournament seats
+    (the API keeps them), so the ``rotation``-th matching is the fleet's whoever runs it."""
     backend.begin_cycle(rotation)
     ranks = backend.ranks()
     layout = layout_of(ranks, only)
@@ -175,20 +188,18 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
                 del layout[node]
         backend.refresh_ranks()
         ranks = backend.ranks()
-        before = backend.counters()
         run = run_check(backend, list(layout), ranks=ranks, spec=options,
                         thresholds=thresholds, history=history, rotation=rotation,
-                        fleet=fleet if skip_busy else None, budget=budget,
+                        fleet=(slots if slots is not None else fleet) if skip_busy else None,
+                        budget=budget,
                         profile=options.profile, job=options.job, progress=progress,
                         label="round")
-        after = backend.counters()
     finally:
         setup_s += backend.release()
-    nvml, snapshots = _counter_findings(before, after, partitioned=options.nvlink_partitioned)
     return CycleResult(
         backend=backend.name, ranks=ranks, measurements=run.measurements,
-        findings=run.probe_findings + nvml, judged=run.judgement.findings + nvml,
-        rounds=run.rounds, counters=snapshots,
+        findings=run.probe_findings, judged=run.judgement.findings,
+        rounds=run.rounds, counters=run.counters, facts=run.facts,
         fabric_time_s=run.fabric_s, wall_time_s=run.wall_s, rotation=rotation,
         injected=[f.to_dict() for f in backend.injected], skipped=skipped,
         busy_s=with_setup(run.busy_s, ranks, layout, setup_s), workload=run.workload,
@@ -231,62 +242,19 @@ def with_setup(busy_s: dict[str, float], ranks: Sequence[RankInfo],
 
 
 class Rotation:
-    """Where the node-pair tournament stands, kept in a file so a restarted scheduler goes
-    on with the next matching instead of starting over (and never reaching the rest)."""
+    """Where the node-pair tournament stands for a scheduler with no API to keep it (a
+    check run in-process, a benchmark): in memory. A scheduler with an API keeps it with
+    the fleet (``SchedulerApi.start_cycle``), so a restart, another host or a changed node
+    set goes on from the same place."""
 
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.position = 0
-        if path is not None and path.exists():
-            try:
-                self.position = int(json.loads(path.read_text()).get("position", 0))
-            except (ValueError, OSError, AttributeError):
-                self.position = 0  # an unreadable file: start over, never refuse to probe
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
 
     def advance(self) -> int:
         """The position for this cycle; the next cycle gets the one after it."""
         current = self.position
         self.position += 1
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"position": self.position}))
-            tmp.replace(self.path)  # atomic: a crash leaves the old or the new, never half
         return current
-
-
-def _counter_findings(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]],
-                      partitioned: bool = False) -> tuple[list[Finding], list[dict[str, Any]]]:
-    """Each GPU's NVML verdict over the cycle (counters that rose, links that went down,
-    XID errors) and, for the GPUs where something changed, the two readings to store."""
-    findings: list[Finding] = []
-    snapshots: list[dict[str, Any]] = []
-    for member_name, b in sorted(before.items()):
-        a = after.get(member_name)
-        if not a:
-            continue
-        node, gpu = split_member(member_name)
-        # A node's NICs are read under one of its ranks: their counters' verdict is the node's.
-        nic = node_nic_findings(b, a, node) if "nic" in b else []
-        findings += nic
-        xids = list(b.get("xid") or []) + list(a.get("xid") or [])
-        found = counter_findings(b, a, node, gpu, xids)
-        findings += found
-        found += nic
-        if found:
-            snapshots.append({"node": node, "local_index": gpu, "before": b.get("nvlinks", []),
-                              "after": a.get("nvlinks", []), "xid": xids,
-                              "findings": [f.kind for f in found]})
-    # The NVLink fabric's state (registration, health, clique) is a state, not a counter:
-    # judged on the readings after the cycle, across the nodes of each NVLink domain.
-    fabric = domain_findings(fabric_by_node(after), partitioned=partitioned)
-    findings += fabric
-    for f in fabric:
-        reading = after.get(member_key(f.node, f.gpu)) if f.node and f.gpu is not None else None
-        snapshots.append({"node": f.node, "local_index": f.gpu, "before": [], "after": [],
-                          "xid": [], "fabric": (reading or {}).get("fabric"),
-                          "findings": [f.kind]})
-    return findings, snapshots
 
 
 def _kinds(findings: list[Finding]) -> str:
@@ -408,6 +376,7 @@ def serve_preflight(backend: ProbeBackend, shipper: Shipper, api: SchedulerApi,
     asked = set(req["nodes"])
     batch = CycleResult(backend=backend.name, ranks=[r for r in ranks if r.node in asked],
                         measurements=checked.measurements, findings=checked.probe_findings,
+                        counters=checked.counters, facts=checked.facts,
                         injected=[f.to_dict() for f in backend.injected])
     if shipper.ship(batch.to_batch()):
         # Results still spooled: leave the request to be claimed again once the API takes them.
@@ -467,9 +436,18 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
                   stop: threading.Event | None = None, progress: Progress | None = None,
                   jitter: float = 0.1, poll_s: float = 1.0, max_duty: float = 0.005,
                   rotation: Rotation | None = None, thresholds: Thresholds | None = None,
-                  budget: CheckBudget = CheckBudget(), sharing: Sharing = Sharing()) -> int:
+                  budget: CheckBudget = CheckBudget(), sharing: Sharing = Sharing(),
+                  fleet: str | None = None, lease_s: float = 60.0,
+                  watch: SchedulerWatch | None = None) -> int:
     """Probe every ``interval_s`` (with jitter, so schedulers of many clusters do not align)
     and, between cycles, answer waiting preflight requests.
+
+    With an ``api`` and a ``fleet``, only the scheduler holding the fleet's lease
+    (services.scheduler.leader) probes; another stands by, releases what it holds on the
+    GPUs, and takes over once the lease is free. The cycle number and the tournament's
+    seats are the fleet's, kept by the API, so a restart, a new host or a changed node set
+    goes on from the same place; without an API, ``rotation`` (in memory) keeps them.
+    ``watch`` is told what the loop did (services.scheduler.watch: /healthz, /metrics).
 
     ``max_duty`` caps the fraction of any GPU's time spent probing: a cycle that held a
     rank for B seconds is followed by a wait of at least B / max_duty - B, whatever the
@@ -477,77 +455,219 @@ def run_scheduler(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions
     ``thresholds`` and ``budget`` (the process's settings) go to every check it runs;
     ``sharing`` says how cycles learn which nodes jobs hold and leave them alone."""
     stop = stop or threading.Event()
-    rotation = rotation or Rotation(None)
+    rotation = rotation or Rotation()
+    lease = FleetLease(api, fleet, lease_s, progress) if api is not None and fleet else None
     cycles = 0
     duty = DutyCycle(max_duty)
     next_cycle = time.monotonic()
     failures = 0
-    while not stop.is_set():
-        try:
-            if time.monotonic() >= next_cycle:
-                so_far = duty.fractions()
-                history = api.baselines(options.dtype) if api is not None else None
-                # The persisted position numbers the cycles: a scheduler restarted, or run
-                # with --once from cron, goes on counting instead of saying "cycle 1".
-                index = rotation.advance()
-                cycle = run_cycle(backend, options, progress=progress, skip_busy=True,
-                                  rotation=index, history=history,
-                                  thresholds=thresholds, budget=budget, sharing=sharing)
-                duty.add(cycle)
-                wait = interval_s * (1 + random.uniform(-jitter, jitter))
-                held = max(cycle.busy_s.values(), default=0.0)
-                floor = duty.rest_after(held)
-                # This cycle's share of its busiest GPU's time, the wait after it counted:
-                # what the duty cycle settles at if every cycle is like it. The first cycle
-                # reports it per node (nothing has elapsed to measure yet); later ones what
-                # each node spent since the scheduler started.
-                period = cycle.wall_time_s + max(wait, floor)
-                share = held / max(period, 1e-9)
-                cycle.duty_cycle = so_far or shares(cycle.busy_s, period)
-                batch = cycle.to_batch()
-                left = shipper.ship(batch)
-                cycles += 1
-                failures = 0
+    standby_since: float | None = None
+    observed = Observer(watch, shipper, api)
+    try:
+        while not stop.is_set():
+            try:
+                leading = lease is None or _leading(lease, backend)
+                observed.role(lease)
+            except LeaseRefused as exc:  # loud every time, and on: a new token mends it
+                observed.refused()
+                log.error("%s; no cycle runs until it is accepted", exc)
                 if progress:
-                    progress(f"cycle {index + 1}: {cycle.rounds} rounds, {len(cycle.measurements)} "
-                             f"measurements, {len(cycle.judged)} finding(s) in this cycle"
-                             f"{' ' + _kinds(cycle.judged) if cycle.judged else ''}, "
-                             f"{_api_note(shipper.answers.pop(batch['batch_id'], None))}, "
-                             f"{_occupancy_note(cycle, sharing)}, busiest GPU held "
-                             f"{held:.1f} s: duty cycle {share:.3%} (max {max_duty:.2%}), "
-                             f"{left} batch(es) still spooled"
-                             + _workload_note(cycle.workload)
-                             + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
+                    progress(f"ERROR: {exc}; no cycle runs until it is accepted")
                 if once:
-                    break
-                if floor > wait and progress:
-                    progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
-                             f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")
-                next_cycle = time.monotonic() + max(wait, floor)
-            else:
-                shipper.flush()
-            served = api is not None and serve_preflight(
-                backend, shipper, api, options, progress=progress, duty=duty,
-                thresholds=thresholds, budget=budget)
-            if served and (owed := duty.take_owed()) > 0:
-                next_cycle = max(next_cycle, time.monotonic()) + owed
-                if progress:
-                    progress(f"next cycle {owed:.0f} s later: the preflight's probing counts "
-                             f"in the duty cycle ({max_duty:.2%})")
-        except ProbeSetupError:
-            raise  # the backend cannot probe at all: an operator must act
-        except Exception as exc:  # an API, Ray or disk error: monitoring goes on
-            if once:
-                raise
-            failures += 1
-            backoff = min(ERROR_BACKOFF_MAX_S, ERROR_BACKOFF_S * 2 ** (failures - 1))
-            log.exception("scheduler loop failed (%d in a row)", failures)
-            if progress:
-                progress(f"error: {type(exc).__name__}: {exc}; retrying in {backoff:.0f} s "
-                         f"({failures} in a row)")
-            next_cycle = max(next_cycle, time.monotonic() + backoff)
-            stop.wait(backoff)
-            continue
-        if not served:
-            stop.wait(max(0.0, min(poll_s, next_cycle - time.monotonic())))
+                    raise
+                stop.wait(min(interval_s, 60.0))
+                continue
+            if not leading:
+                standby_since = standby_since or time.monotonic()
+                if once and time.monotonic() - standby_since > 2 * lease_s:
+                    break  # --once from cron while another leads: nothing to do here
+                stop.wait(min(poll_s * 5, lease_s * RENEW_SHARE))
+                continue
+            if standby_since is not None:  # taken over: the first cycle now
+                standby_since, next_cycle = None, time.monotonic()
+            cycles, next_cycle, failures, done = _turn(
+                backend, shipper, options, api=api, lease=lease, rotation=rotation,
+                duty=duty, cycles=cycles, next_cycle=next_cycle, failures=failures,
+                interval_s=interval_s, once=once, stop=stop, progress=progress,
+                jitter=jitter, poll_s=poll_s, max_duty=max_duty, thresholds=thresholds,
+                budget=budget, sharing=sharing, observed=observed)
+            observed.shipped(next_cycle)
+            if done:
+                break
+    finally:
+        if lease is not None:
+            lease.release()
     return cycles
+
+
+class Observer:
+    """What the loop tells its ``SchedulerWatch`` (none: nothing), in one place: its role,
+    each cycle, the spool and the API's last answer, and its token's expiry (asked of the
+    API once an hour, a WARNING while it is under 14 days)."""
+
+    TOKEN_CHECK_S = 3600.0
+
+    def __init__(self, watch: SchedulerWatch | None, shipper: Shipper,
+                 api: SchedulerApi | None) -> None:
+        self.watch, self.shipper, self.api = watch, shipper, api
+        self.token_checked = float("-inf")
+
+    def role(self, lease: FleetLease | None) -> None:
+        if self.watch is not None:
+            if lease is None:
+                self.watch.role(True, None)
+            else:
+                self.watch.role(lease.leader, lease.holder, lease.term)
+
+    def refused(self) -> None:
+        if self.watch is not None:
+            self.watch.token(refused=True, prefix=self.shipper.token_prefix)
+
+    def cycle(self, cycle: CycleResult, number: int) -> None:
+        if self.watch is not None:
+            self.watch.cycle(ended_at=time.time(), duration_s=cycle.wall_time_s,
+                             number=number, probed=len({n for m in cycle.measurements
+                                                         for n in m.nodes}),
+                             busy=len(cycle.skipped))
+
+    def shipped(self, next_cycle: float) -> None:
+        """After each turn: the spool, the API's last answer, the planned wait, the token."""
+        if self.watch is None:
+            return
+        s = self.shipper
+        self.watch.spool(len(s.pending()), s.spool_bytes(), s.dropped)
+        self.watch.ingest(s.last_status)
+        self.watch.next_cycle_in(max(0.0, next_cycle - time.monotonic()))
+        expires = None
+        if self.api is not None and time.monotonic() - self.token_checked >= self.TOKEN_CHECK_S:
+            self.token_checked = time.monotonic()
+            expires = self.api.token_expires_at()
+            left = (expires - utcnow()).total_seconds() if expires is not None else None
+            if expires is not None and left is not None and left < TOKEN_EXPIRY_WARN_S:
+                log.warning("this scheduler's token %s expires in %.1f days (%s): create a new "
+                            "agent token (ringwatch token create --role agent)",
+                            s.token_prefix, left / 86400, expires.isoformat())
+        self.watch.token(refused=s.refused, prefix=s.token_prefix, expires_at=expires)
+
+
+def _leading(lease: FleetLease, backend: ProbeBackend) -> bool:
+    """Whether this scheduler leads its fleet now; a standby holds nothing on the GPUs."""
+    if lease.hold():
+        return True
+    backend.release()
+    return False
+
+
+def _turn(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
+          api: SchedulerApi | None, lease: FleetLease | None, rotation: Rotation,
+          duty: DutyCycle, cycles: int, next_cycle: float, failures: int, interval_s: float,
+          once: bool, stop: threading.Event, progress: Progress | None, jitter: float,
+          poll_s: float, max_duty: float, thresholds: Thresholds | None,
+          budget: CheckBudget, sharing: Sharing,
+          observed: Observer | None = None) -> tuple[int, float, int, bool]:
+    """One turn of the leader's loop: a cycle when one is due, else a spool flush; then a
+    waiting preflight. Returns the cycle count, when the next cycle is due, the errors in a
+    row, and whether the loop is done."""
+    served = False
+    try:
+        if time.monotonic() >= next_cycle:
+            so_far = duty.fractions()
+            history = api.baselines(options.dtype) if api is not None else None
+            index, slots = _next_cycle(backend, api, lease, rotation)
+            cycle = run_cycle(backend, options, progress=_keeping(lease, progress),
+                              skip_busy=True, rotation=index, history=history,
+                              thresholds=thresholds, budget=budget, sharing=sharing,
+                              slots=slots)
+            duty.add(cycle)
+            wait = interval_s * (1 + random.uniform(-jitter, jitter))
+            held = max(cycle.busy_s.values(), default=0.0)
+            floor = duty.rest_after(held)
+            # This cycle's share of its busiest GPU's time, the wait after it counted:
+            # what the duty cycle settles at if every cycle is like it. The first cycle
+            # reports it per node (nothing has elapsed to measure yet); later ones what
+            # each node spent since the scheduler started.
+            period = cycle.wall_time_s + max(wait, floor)
+            share = held / max(period, 1e-9)
+            cycle.duty_cycle = so_far or shares(cycle.busy_s, period)
+            batch = cycle.to_batch()
+            left = shipper.ship(batch)
+            cycles += 1
+            failures = 0
+            if observed is not None:
+                observed.cycle(cycle, index + 1)
+            if progress:
+                progress(f"cycle {index + 1}: {cycle.rounds} rounds, {len(cycle.measurements)} "
+                         f"measurements, {len(cycle.judged)} finding(s) in this cycle"
+                         f"{' ' + _kinds(cycle.judged) if cycle.judged else ''}, "
+                         f"{_api_note(shipper.answers.pop(batch['batch_id'], None))}, "
+                         f"{_occupancy_note(cycle, sharing)}, busiest GPU held "
+                         f"{held:.1f} s: duty cycle {share:.3%} (max {max_duty:.2%}), "
+                         f"{left} batch(es) still spooled"
+                         + _workload_note(cycle.workload)
+                         + (f", {shipper.moved_aside} moved aside" if shipper.moved_aside else ""))
+            if once:
+                return cycles, next_cycle, failures, True
+            if floor > wait and progress:
+                progress(f"waiting {floor:.0f} s, not {wait:.0f} s: the cycle held a rank "
+                         f"{held:.1f} s and the duty cycle stays under {max_duty:.2%}")
+            next_cycle = time.monotonic() + max(wait, floor)
+        else:
+            shipper.flush()
+        served = api is not None and serve_preflight(
+            backend, shipper, api, options, progress=_keeping(lease, progress), duty=duty,
+            thresholds=thresholds, budget=budget)
+        if served and (owed := duty.take_owed()) > 0:
+            next_cycle = max(next_cycle, time.monotonic()) + owed
+            if progress:
+                progress(f"next cycle {owed:.0f} s later: the preflight's probing counts "
+                         f"in the duty cycle ({max_duty:.2%})")
+    except ProbeSetupError:
+        raise  # the backend cannot probe at all: an operator must act
+    except (LeaseLost, NotLeader) as exc:  # another scheduler leads now: stand by
+        if progress:
+            progress(f"fleet: {exc}; standing by")
+        if lease is not None:
+            lease.leader = False
+        return cycles, next_cycle, failures, False
+    except Exception as exc:  # an API, Ray or disk error: monitoring goes on
+        if once:
+            raise
+        failures += 1
+        backoff = min(ERROR_BACKOFF_MAX_S, ERROR_BACKOFF_S * 2 ** (failures - 1))
+        log.exception("scheduler loop failed (%d in a row)", failures)
+        if progress:
+            progress(f"error: {type(exc).__name__}: {exc}; retrying in {backoff:.0f} s "
+                     f"({failures} in a row)")
+        next_cycle = max(next_cycle, time.monotonic() + backoff)
+        stop.wait(backoff)
+        return cycles, next_cycle, failures, False
+    if not served:
+        stop.wait(max(0.0, min(poll_s, next_cycle - time.monotonic())))
+    return cycles, next_cycle, failures, False
+
+
+def _next_cycle(backend: ProbeBackend, api: SchedulerApi | None, lease: FleetLease | None,
+                rotation: Rotation) -> tuple[int, list[str | None] | None]:
+    """This cycle's index (its number less one) and the tournament's seats: the fleet's,
+    from the API, where a lease is held; else the local file's position over the nodes."""
+    if api is not None and lease is not None:
+        nodes = sorted({r.node for r in backend.ranks()}, key=node_order)
+        number, slots = api.start_cycle(lease.fleet, nodes)
+        return number - 1, slots
+    # The persisted position numbers the cycles: a scheduler restarted, or run with --once
+    # from cron, goes on counting instead of saying "cycle 1".
+    return rotation.advance(), None
+
+
+def _keeping(lease: FleetLease | None, progress: Progress | None) -> Progress | None:
+    """``progress`` that also renews the fleet's lease between rounds (LeaseLost once another
+    scheduler leads: the cycle stops there)."""
+    if lease is None:
+        return progress
+
+    def each(line: str) -> None:
+        lease.keep()
+        if progress:
+            progress(line)
+
+    return each

@@ -9,7 +9,12 @@ A batch the API cannot take now (unreachable, 429, 503) stops the queue until th
 ``Retry-After`` has passed. A batch the API fails on with another 5xx while it takes the
 batches behind it is poisoned: after ``max_failures`` tries it moves to ``spool/failed/``
 (kept for a human, counted) so later batches still flow. A 4xx moves to
-``spool/rejected/`` at once.
+``spool/rejected/`` at once. A refused token (401, 403) is said at ERROR each time the API
+refuses it, and every batch stays spooled for when the operator has mended it.
+
+The queue is bounded (``max_bytes``, RINGWATCH_SPOOL_MAX_BYTES): past it the oldest batches
+are removed, each said and counted (``dropped``), so an API that is gone for days cannot
+fill the scheduler's disk; nothing is removed while the queue fits.
 """
 
 from __future__ import annotations
@@ -31,11 +36,19 @@ log = logging.getLogger(__name__)
 BUSY = frozenset({408, 429, 502, 503, 504})
 # The API's answers kept for the latest batches sent (``Shipper.answers``).
 ANSWERS_KEPT = 16
+# A refused token is the operator's to mend: between batches the shipper asks again this
+# often, not at every flush, since each refusal is an ERROR line. A new batch asks at once.
+REFUSED_RETRY_S = 300.0
+
+
+def token_prefix(token: str) -> str:
+    """Enough of a token to tell which one the API refused, never the whole secret."""
+    return f"{token[:8]}…" if token else "(none)"
 
 
 class Shipper:
     def __init__(self, api_url: str, token: str, spool_dir: Path, timeout_s: float = 60.0,
-                 max_failures: int = 5) -> None:
+                 max_failures: int = 5, max_bytes: int | None = None) -> None:
         self.api_url = api_url.rstrip("/")
         self.spool_dir = spool_dir
         self.rejected_dir = spool_dir / "rejected"
@@ -43,8 +56,17 @@ class Shipper:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
         self.max_failures = max_failures
+        # The most bytes the queue holds (None: no bound); past it the oldest are dropped.
+        self.max_bytes = max_bytes
+        self.dropped = 0
+        self.token_prefix = token_prefix(token)
+        # The API's status for the last batch sent (None: unreachable or none sent yet), and
+        # whether the API refuses the token (401, 403) as of the latest answer that says.
+        self.last_status: int | None = None
+        self.refused = False
         self._failures: dict[str, int] = {}
         self._not_before = 0.0
+        self._refused_until = 0.0
         self._unreachable = False
         # What the API said of each batch lately sent, by batch id.
         self.answers: dict[str, dict[str, Any]] = {}
@@ -75,6 +97,7 @@ class Shipper:
         The batch carries what the spool holds (``shipper``), so the API's ``/metrics``
         shows batches waiting or moved aside on each host."""
         self.spool({**batch, "shipper": self.state()})
+        self._refused_until = 0.0  # each new batch asks a refusing API again
         return self.flush()
 
     def state(self) -> dict[str, Any]:
@@ -95,14 +118,46 @@ class Shipper:
         # The rename itself is durable only once the directory is: a power loss must not
         # take a batch the API was never sent.
         _fsync_dir(self.spool_dir)
+        self._bound(keep=path)
         return path
 
     def pending(self) -> list[Path]:
+        """The queue, oldest first."""
         return sorted(self.spool_dir.glob("*.json"))
+
+    def spool_bytes(self) -> int:
+        """Bytes of the batches in the queue (those moved aside not counted)."""
+        return sum(_size(p) for p in self.pending())
+
+    def _bound(self, keep: Path) -> None:
+        """Remove the oldest batches until the queue fits in ``max_bytes``; never ``keep``
+        (the batch just written), and nothing while the queue fits."""
+        if self.max_bytes is None:
+            return
+        queue = [(p, _size(p)) for p in self.pending()]
+        total = sum(size for _, size in queue)
+        removed = False
+        for path, size in queue:
+            if total <= self.max_bytes or path == keep:
+                break
+            try:
+                path.unlink()
+            except FileNotFoundError:  # sent or moved meanwhile: it no longer counts
+                total -= size
+                continue
+            total -= size
+            removed = True
+            self.dropped += 1
+            self._failures.pop(path.name, None)
+            log.warning("spool: dropped batch %s (%d bytes), never sent: the queue passed its "
+                        "bound of %d bytes (RINGWATCH_SPOOL_MAX_BYTES); %d dropped so far",
+                        _batch_id(path), size, self.max_bytes, self.dropped)
+        if removed:
+            _fsync_dir(self.spool_dir)
 
     def flush(self) -> int:
         """Send spooled batches in order; stop when the API cannot take any now."""
-        if time.monotonic() < self._not_before:
+        if time.monotonic() < max(self._not_before, self._refused_until):
             return len(self.pending())
         for path in self.pending():
             outcome = self._send(path)
@@ -141,6 +196,7 @@ class Shipper:
             resp = self.client.post(f"{self.api_url}/v1/measurements", content=path.read_bytes(),
                                     headers={"Content-Type": "application/json"})
         except httpx.HTTPError as exc:
+            self.last_status = None
             # Said once when the API goes away, not at every try (a scheduler tries every
             # second between cycles), and once when it is back.
             (log.debug if self._unreachable else log.warning)(
@@ -151,19 +207,29 @@ class Shipper:
         if self._unreachable:
             log.warning("API at %s answers again; sending the spooled batches", self.api_url)
             self._unreachable = False
+        self.last_status = resp.status_code
         if resp.status_code < 300:
+            self.refused = False
             self._answered(path, resp)
             return "sent"
+        if resp.status_code in (401, 403):
+            # A bad token is the operator's to fix and every batch would fail alike: loud at
+            # every refusal (once a cycle), every batch kept for when it is mended.
+            self.refused = True
+            self._refused_until = time.monotonic() + REFUSED_RETRY_S
+            log.error("API at %s refused token %s with %s (%s): %s and every later batch "
+                      "stay spooled until the token is mended", self.api_url,
+                      self.token_prefix, resp.status_code, _reason(resp), _batch_id(path))
+            return "busy"
         if resp.status_code in BUSY:
             self._not_before = time.monotonic() + _retry_after(resp)
             log.warning("API answered %s; %s stays spooled", resp.status_code, path.name)
             return "busy"
-        if resp.status_code in (401, 403) or resp.status_code >= 500:
-            # A bad token is the operator's to fix and every batch would fail alike; a 500
-            # may be this batch alone: the batches behind it are tried.
+        if resp.status_code >= 500:
+            # A 500 may be this batch alone: the batches behind it are tried.
             log.warning("API answered %s for %s: %s", resp.status_code, path.name,
                         resp.text[:300])
-            return "busy" if resp.status_code in (401, 403) else "failed"
+            return "failed"
         log.error("API rejected %s: %s", path.name, resp.text[:500])
         return "rejected"
 
@@ -189,6 +255,28 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _batch_id(path: Path) -> str:
+    """The batch id in a spool file's name (``<nanoseconds>-<batch id>.json``)."""
+    return path.stem.partition("-")[2] or path.stem
+
+
+def _reason(resp: httpx.Response) -> str:
+    """The API's own words for an error (its JSON ``message``), on one line."""
+    try:
+        body = resp.json()
+        text = str(body.get("message") or body.get("error") or body)
+    except (ValueError, AttributeError):
+        text = resp.text
+    return " ".join(text.split())[:300]
 
 
 def _retry_after(resp: httpx.Response, default_s: float = 1.0, cap_s: float = 300.0) -> float:

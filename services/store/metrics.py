@@ -10,6 +10,7 @@ from sqlalchemy import case, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from services.store.models import (
+    ApiToken,
     Finding,
     LinkHealth,
     Node,
@@ -193,3 +194,27 @@ def latest_occupancy(session: Session) -> dict[str, Any] | None:
     cycle's): source, error, read_s, busy and unknown counts."""
     return session.scalar(select(ProbeRun.occupancy).where(ProbeRun.occupancy.is_not(None))
                           .order_by(ProbeRun.id.desc()).limit(1))
+
+
+class TokenExpiry(NamedTuple):
+    """An active token's expiry; ``expires_in_s`` as of the database's clock."""
+
+    id: int
+    role: str
+    name: str
+    expires_at: datetime
+    expires_in_s: float
+
+
+def token_expiries(session: Session, within_s: float | None = None) -> list[TokenExpiry]:
+    """Active tokens (not revoked, not expired) that have an expiry, soonest first; with
+    ``within_s``, only those expiring within that many seconds."""
+    t = ApiToken
+    q = (select(t.id, t.role, t.name, t.expires_at,
+                func.extract("epoch", t.expires_at - func.now()))
+         .where(t.revoked_at.is_(None), t.expires_at.is_not(None), t.expires_at > func.now()))
+    if within_s is not None:
+        q = q.where(t.expires_at <= func.now() + timedelta(seconds=within_s))
+    rows = session.execute(q.order_by(t.expires_at, t.id)).tuples()
+    return [TokenExpiry(i, role, name, at, float(left)) for i, role, name, at, left in rows
+            if at is not None]

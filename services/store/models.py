@@ -448,3 +448,26 @@ class PreflightRequest(Base):
     # The job it asks about: {"profile": "fsdp", "job": {"tp": 8, "pp": 1, "dp": null}}.
     # Such a request is always probed (agents.workloads).
     workload: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+
+
+class Fleet(Base):
+    """One fleet's scheduling state (services.store.fleets): the lease its one active
+    scheduler holds, the number of the last cycle started and the node-pair tournament's
+    slots, so a standby that takes over goes on where the last holder stopped."""
+
+    __tablename__ = "fleets"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    # The scheduler holding the lease (a worker id such as "host:pid"); None: free.
+    holder: Mapped[str | None] = mapped_column(Text)
+    # Incremented whenever the holder changes: a scheduler can tell it was replaced.
+    term: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Every time here is the database's clock, never a scheduler's.
+    lease_expires_at: Mapped[datetime | None] = mapped_column(TZ)
+    acquired_at: Mapped[datetime | None] = mapped_column(TZ)
+    renewed_at: Mapped[datetime | None] = mapped_column(TZ)
+    cycle: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The tournament's slots: a node name, or None for a vacant slot.
+    slots: Mapped[list[str | None]] = mapped_column(JSONB, default=list,
+                                                    server_default=text("'[]'::jsonb"))
+    updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())

@@ -18,6 +18,9 @@ from agents.spec import utcnow
 from services.store.models import ApiToken
 
 ROLES = ("agent", "reader", "admin")
+# Characters of a token's text shown to tell it apart ("rw_" and five of its 43 random
+# ones); only its hash is stored, so only the one presenting it can be shown them.
+SHOWN_PREFIX_CHARS = 8
 # last_used_at is written at most this often per token, so reads do not all become writes.
 LAST_USED_GRANULARITY_S = 60
 
@@ -78,6 +81,16 @@ def authenticate(session: Session, token: str) -> Principal | str:
                                or_(ApiToken.last_used_at.is_(None), ApiToken.last_used_at < stale))
         .values(last_used_at=func.now()))
     return Principal(row.id, row.role, frozenset(row.nodes) if row.nodes is not None else None)
+
+
+def get(session: Session, token_id: int) -> ApiToken | None:
+    return session.get(ApiToken, token_id)
+
+
+def shown_prefix(token: str) -> str:
+    """The first characters of a token's text, to tell which token it is: at most
+    SHOWN_PREFIX_CHARS and a quarter of it, so a short hand-made token is not given away."""
+    return token[:min(SHOWN_PREFIX_CHARS, len(token) // 4)]
 
 
 def list_tokens(session: Session, *, after_id: int = 0, limit: int = 100,
