@@ -21,6 +21,8 @@ class SchedulerApi:
         self.worker = worker
         # Enough of the token to tell which one the API refused, never the whole secret.
         self.token_prefix = token_prefix(token)
+        # Why the last lease request got no answer, for the one line that says so.
+        self.lease_error = ""
         self.client = httpx.Client(base_url=api_url.rstrip("/"), timeout=timeout_s,
                                    headers={"Authorization": f"Bearer {token}"})
 
@@ -84,14 +86,13 @@ class SchedulerApi:
             resp = self.client.post("/v1/scheduler/lease", json={
                 "fleet": fleet, "holder": self.worker, "lease_s": lease_s})
         except httpx.HTTPError as exc:
-            log.warning("fleet lease not renewed: API unreachable (%s)", exc)
+            self.lease_error = f"API unreachable ({type(exc).__name__})"
             return None
         if resp.status_code in (401, 403):
             raise LeaseRefused(f"the API refused token {self.token_prefix} for the fleet "
                                f"lease ({resp.status_code}): {_reason(resp)}")
         if resp.status_code != 200:
-            log.warning("fleet lease not renewed: API answered %s: %s", resp.status_code,
-                        _reason(resp))
+            self.lease_error = f"the API answered {resp.status_code}: {_reason(resp)}"
             return None
         answer: dict[str, Any] = resp.json()
         return answer

@@ -55,6 +55,8 @@ class FleetLease:
         self.granted_at = float("-inf")
         self.asked_at = float("-inf")
         self._said_standby_at = float("-inf")
+        # The API's silence is said once, until it answers again.
+        self._said_silence = False
 
     @property
     def valid_until(self) -> float:
@@ -71,7 +73,13 @@ class FleetLease:
         was = self.leader
         if answer is None:  # unreachable: lead on only while the last grant would still hold
             self.leader = self.leader and now < self.valid_until
+            if not self._said_silence:
+                self._said_silence = True
+                self._line(f"fleet {self.fleet}: {self.api.lease_error or 'no answer'} to the "
+                           "lease; " + ("leading while the last grant holds" if self.leader
+                                        else "no cycle runs until it answers and grants it"))
         else:
+            self._said_silence = False
             self._take(answer, now)
         if self.leader != was or (not self.leader and answer is not None
                                   and now - self._said_standby_at >= self.lease_s):
@@ -89,12 +97,15 @@ class FleetLease:
         if self.leader:
             line = (f"fleet {self.fleet}: leading (term {self.term}, lease {self.lease_s:g} s)")
         elif answer is None:
-            line = (f"fleet {self.fleet}: standing by: the API did not answer and the lease "
-                    "this scheduler held has run out")
+            line = (f"fleet {self.fleet}: standing by: the lease this scheduler held has run "
+                    "out without an answer from the API")
         else:
             self._said_standby_at = self.clock()
             line = (f"fleet {self.fleet}: standing by; {self.holder} leads (term {self.term}) "
                     "and this scheduler probes nothing until it stops or its lease runs out")
+        self._line(line)
+
+    def _line(self, line: str) -> None:
         log.info(line)
         if self.progress:
             self.progress(line)
