@@ -26,7 +26,11 @@ PUBLIC = frozenset({"/healthz", "/metrics"})
 ADMIN_PREFIXES = ("/v1/tokens", "/v1/webhooks")
 AGENT_ROUTES = frozenset({("POST", "/v1/measurements"), ("POST", "/v1/preflight/claim"),
                           ("POST", "/v1/preflight/{request_id}/renew"),
-                          ("POST", "/v1/preflight/{request_id}/complete")})
+                          ("POST", "/v1/preflight/{request_id}/complete"),
+                          ("POST", "/v1/scheduler/lease"), ("DELETE", "/v1/scheduler/lease"),
+                          ("POST", "/v1/scheduler/cycle")})
+# Any valid token may ask about itself.
+ANY_TOKEN_ROUTES = frozenset({("GET", "/v1/tokens/self")})
 MAY = {"reader": {"reader", "agent", "admin"}, "agent": {"agent", "admin"}, "admin": {"admin"}}
 BAD_TOKEN = "rw_" + "0" * 43
 
@@ -35,6 +39,8 @@ def needs(method: str, path: str) -> str | None:
     """The least role a route needs: "none", "reader", "agent", "admin"; None if unknown."""
     if path in PUBLIC:
         return "none"
+    if (method, path) in ANY_TOKEN_ROUTES:
+        return "reader"
     if path.startswith(ADMIN_PREFIXES):
         return "admin"
     if (method, path) in AGENT_ROUTES:
