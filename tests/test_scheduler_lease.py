@@ -343,3 +343,21 @@ def test_reconciled_slots_hold_every_node_once_and_keep_places(before, nodes) ->
     kept = [s if s in nodes else None for s in before]
     new = set(nodes) - set(kept)
     assert len(slots) <= max(len(kept), len([s for s in kept if s]) + len(new))
+
+
+
+def test_the_lease_is_its_holders_with_the_token_it_asked_with(api, clean_db) -> None:
+    """Another token sending the same holder id neither renews, nor hands back, nor starts
+    a cycle of the fleet (as a preflight claim is its worker's and token's)."""
+    assert lease(api, "sched-a:1")["leader"] is True
+    other = api.post(LEASE, json={"fleet": "default", "holder": "sched-a:1", "lease_s": 60},
+                     headers=api.h["admin"]).json()
+    assert other["leader"] is False and other["holder"] == "sched-a:1"
+    refused = api.post(CYCLE, json={"fleet": "default", "holder": "sched-a:1",
+                                    "nodes": ["node-000"]}, headers=api.h["admin"])
+    assert refused.status_code == 409 and "another token" in refused.json()["message"]
+    assert api.delete(LEASE, params={"fleet": "default", "holder": "sched-a:1"},
+                      headers=api.h["admin"]).status_code == 204
+    # Not handed back: its own token still leads and starts cycles.
+    assert cycle(api, "sched-a:1", ["node-000"]).status_code == 200
+    assert lease(api, "sched-a:1")["leader"] is True

@@ -47,32 +47,33 @@ CONFLICT: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/lease", response_model=LeaseOut)
-def take_lease(body: LeaseIn, session: SessionDep, _: SchedulerDep) -> dict:
+def take_lease(body: LeaseIn, session: SessionDep, who: SchedulerDep) -> dict:
     """Take the fleet's lease for ``lease_s`` seconds, or renew it as its holder. ``leader``
     says whether the asker holds it now; where another scheduler does, ``holder`` names it
     and ``expires_at`` says until when (it takes over once the lease runs out, ``term``
     one higher). The expiry is on the database's clock; renew well within ``lease_s``."""
-    got = fleets.take_lease(session, body.fleet, body.holder, body.lease_s)
+    got = fleets.take_lease(session, body.fleet, body.holder, body.lease_s, who.token_id)
     return {"fleet": got.fleet, "holder": got.holder, "leader": got.leader, "term": got.term,
             "expires_at": got.expires_at, "lease_s": body.lease_s, "cycle": got.cycle}
 
 
 @router.delete("/lease", status_code=status.HTTP_204_NO_CONTENT)
-def release_lease(session: SessionDep, _: SchedulerDep, fleet: FleetQuery,
+def release_lease(session: SessionDep, who: SchedulerDep, fleet: FleetQuery,
                   holder: HolderQuery) -> Response:
     """Hand the fleet's lease back (a clean stop): a standby takes it at its next ask.
     Harmless where ``holder`` does not hold it."""
-    fleets.release_lease(session, fleet, holder)
+    fleets.release_lease(session, fleet, holder, who.token_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/cycle", response_model=CycleOut, responses=CONFLICT)
-def start_cycle(body: CycleIn, session: SessionDep, _: SchedulerDep) -> dict:
+def start_cycle(body: CycleIn, session: SessionDep, who: SchedulerDep) -> dict:
     """Start the fleet's next cycle: its number (one more than the last, whoever started
     that) and the node-pair tournament's ``slots`` for ``nodes``: a node keeps its slot, a
     node gone leaves its slot vacant (null), a new node takes the lowest vacant slot or one
     at the end. Only the holder of the unexpired lease may (409 ``not_leader`` otherwise)."""
-    cycle, slots = fleets.start_cycle(session, body.fleet, body.holder, body.nodes)
+    cycle, slots = fleets.start_cycle(session, body.fleet, body.holder, body.nodes,
+                                      who.token_id)
     return {"fleet": body.fleet, "cycle": cycle, "slots": slots}
 
 

@@ -24,6 +24,7 @@ def upgrade() -> None:
         "fleets",
         sa.Column("name", sa.Text(), nullable=False),
         sa.Column("holder", sa.Text(), nullable=True),
+        sa.Column("token_id", sa.Integer(), nullable=True),
         sa.Column("term", sa.BigInteger(), server_default="0", nullable=False),
         sa.Column("lease_expires_at", sa.TIMESTAMP(timezone=True), nullable=True),
         sa.Column("acquired_at", sa.TIMESTAMP(timezone=True), nullable=True),

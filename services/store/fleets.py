@@ -56,29 +56,35 @@ class FleetState:
 # it. The conflicting row is locked while this runs, so a second asker waits for the first
 # to commit and then sees its holder: no two are granted. ``term`` counts holders.
 _TAKE = text("""
-    INSERT INTO fleets AS f (name, holder, term, lease_expires_at, acquired_at, renewed_at,
-                             updated_at)
-    VALUES (:fleet, :holder, 1, clock_timestamp() + make_interval(secs => :lease_s),
+    INSERT INTO fleets AS f (name, holder, token_id, term, lease_expires_at, acquired_at,
+                             renewed_at, updated_at)
+    VALUES (:fleet, :holder, :token_id, 1,
+            clock_timestamp() + make_interval(secs => :lease_s),
             clock_timestamp(), clock_timestamp(), clock_timestamp())
     ON CONFLICT (name) DO UPDATE SET
         holder = EXCLUDED.holder,
-        term = CASE WHEN f.holder IS DISTINCT FROM EXCLUDED.holder THEN f.term + 1
-                    ELSE f.term END,
-        acquired_at = CASE WHEN f.holder IS DISTINCT FROM EXCLUDED.holder
+        token_id = EXCLUDED.token_id,
+        term = CASE WHEN (f.holder, f.token_id) IS DISTINCT FROM (EXCLUDED.holder, EXCLUDED.token_id)
+                    THEN f.term + 1 ELSE f.term END,
+        acquired_at = CASE WHEN (f.holder, f.token_id) IS DISTINCT FROM
+                                (EXCLUDED.holder, EXCLUDED.token_id)
                            THEN clock_timestamp() ELSE f.acquired_at END,
         lease_expires_at = clock_timestamp() + make_interval(secs => :lease_s),
         renewed_at = clock_timestamp(),
         updated_at = clock_timestamp()
-    WHERE f.holder IS NULL OR f.holder = EXCLUDED.holder
+    WHERE f.holder IS NULL
+       OR (f.holder = EXCLUDED.holder AND f.token_id IS NOT DISTINCT FROM EXCLUDED.token_id)
        OR f.lease_expires_at IS NULL OR f.lease_expires_at <= clock_timestamp()
     RETURNING holder, term, lease_expires_at, cycle
 """)
 
 
-def take_lease(session: Session, fleet: str, holder: str, lease_s: float) -> LeaseState:
-    """Take the fleet's lease for ``lease_s`` seconds, or renew it for its holder; where
-    another holds it unexpired, the lease as it stands (``leader`` false)."""
-    got = session.execute(_TAKE, {"fleet": fleet, "holder": holder,
+def take_lease(session: Session, fleet: str, holder: str, lease_s: float,
+               token_id: int | None = None) -> LeaseState:
+    """Take the fleet's lease for ``lease_s`` seconds, or renew it for its holder (the same
+    holder asking with the same token); where another holds it unexpired, the lease as it
+    stands (``leader`` false)."""
+    got = session.execute(_TAKE, {"fleet": fleet, "holder": holder, "token_id": token_id,
                                   "lease_s": float(lease_s)}).one_or_none()
     if got is not None:
         return LeaseState(fleet, got.holder, True, got.term, got.lease_expires_at, got.cycle)
@@ -87,26 +93,28 @@ def take_lease(session: Session, fleet: str, holder: str, lease_s: float) -> Lea
     return LeaseState(fleet, row.holder, False, row.term, row.lease_expires_at, row.cycle)
 
 
-def release_lease(session: Session, fleet: str, holder: str) -> bool:
+def release_lease(session: Session, fleet: str, holder: str,
+                  token_id: int | None = None) -> bool:
     """Hand the lease back (a clean stop), so a standby takes it at its next ask; False
-    where ``holder`` did not hold it."""
+    where ``holder`` (with this token) did not hold it."""
     done = session.execute(text(
         "UPDATE fleets SET holder = NULL, lease_expires_at = NULL, "
         "updated_at = clock_timestamp() WHERE name = :fleet AND holder = :holder "
-        "RETURNING name"), {"fleet": fleet, "holder": holder}).one_or_none()
+        "AND token_id IS NOT DISTINCT FROM :token_id RETURNING name"),
+        {"fleet": fleet, "holder": holder, "token_id": token_id}).one_or_none()
     return done is not None
 
 
 def start_cycle(session: Session, fleet: str, holder: str,
-                nodes: Iterable[str]) -> tuple[int, Slots]:
+                nodes: Iterable[str], token_id: int | None = None) -> tuple[int, Slots]:
     """Start the fleet's next cycle: its number and the tournament's slots reconciled with
     ``nodes`` (``reconcile_slots``). Only the holder of the unexpired lease may (NotLeader
     otherwise); the row is locked meanwhile, so two starts never share a number."""
     row = session.execute(text(
-        "SELECT holder, cycle, slots, lease_expires_at > clock_timestamp() AS live "
+        "SELECT holder, token_id, cycle, slots, lease_expires_at > clock_timestamp() AS live "
         "FROM fleets WHERE name = :fleet FOR UPDATE"), {"fleet": fleet}).one_or_none()
-    if row is None or row.holder != holder or not row.live:
-        raise NotLeader(_not_leader(fleet, holder, row))
+    if row is None or row.holder != holder or row.token_id != token_id or not row.live:
+        raise NotLeader(_not_leader(fleet, holder, row, token_id))
     slots, rebuilt = reconcile_slots(row.slots, nodes)
     if rebuilt:
         log.warning("fleet %s: its stored rotation slots were %s; rebuilt them from the "
@@ -118,11 +126,13 @@ def start_cycle(session: Session, fleet: str, holder: str,
     return cycle, slots
 
 
-def _not_leader(fleet: str, holder: str, row: Any) -> str:
+def _not_leader(fleet: str, holder: str, row: Any, token_id: int | None) -> str:
     if row is None:
         return f"fleet {fleet!r} has no lease yet: take it (POST /v1/scheduler/lease) first"
     if row.holder is None:
         return f"{holder!r} does not hold fleet {fleet!r}'s lease (it is free): take it first"
+    if row.holder == holder and row.token_id != token_id:
+        return f"{holder!r} holds fleet {fleet!r}'s lease with another token"
     if row.holder == holder:
         return f"{holder!r}'s lease on fleet {fleet!r} ran out: take it again first"
     return f"{row.holder!r} holds fleet {fleet!r}'s lease, not {holder!r}"

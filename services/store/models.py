@@ -460,6 +460,9 @@ class Fleet(Base):
     name: Mapped[str] = mapped_column(Text, primary_key=True)
     # The scheduler holding the lease (a worker id such as "host:pid"); None: free.
     holder: Mapped[str | None] = mapped_column(Text)
+    # The token the holder asked with: only the same holder with the same token renews,
+    # hands back or starts a cycle (as a preflight claim is its worker's and token's).
+    token_id: Mapped[int | None] = mapped_column(Integer)
     # Incremented whenever the holder changes: a scheduler can tell it was replaced.
     term: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # Every time here is the database's clock, never a scheduler's.
