@@ -59,10 +59,11 @@ def _expand_one(pattern: str, whole: str) -> list[str]:
         return [pattern]
     head, tail = pattern[:m.start()], pattern[m.end():]
     rests = _expand_one(tail, whole)
-    names = [f"{head}{n}{rest}" for n in _numbers(m.group(1), whole) for rest in rests]
-    if len(names) > MAX_HOSTS:
+    numbers = _numbers(m.group(1), whole)
+    # Checked before building: two groups under the limit each can name 10^12 together.
+    if len(numbers) * len(rests) > MAX_HOSTS:
         raise ValueError(f"host list {whole!r} names more than {MAX_HOSTS} hosts")
-    return names
+    return [f"{head}{n}{rest}" for n in numbers for rest in rests]
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -84,7 +85,7 @@ def compress_hostlist(names: list[str]) -> str:
     plain: list[str] = []
     for name in dict.fromkeys(names):
         m = _TAIL.match(name)
-        if m is None or not m.group(2).isascii():
+        if m is None:
             plain.append(name)
             continue
         runs.setdefault((m.group(1), len(m.group(2))), []).append(int(m.group(2)))

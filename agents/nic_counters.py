@@ -78,7 +78,7 @@ def _counters(directory: Path) -> tuple[dict[str, int], list[str]]:
         if not entry.is_file():
             continue
         text = _text(entry)
-        if text is not None and text.isdigit():
+        if text is not None and text.isascii() and text.isdigit():
             values[entry.name] = int(text)
         else:
             bad.append(f"{directory.name}/{entry.name}")
@@ -126,7 +126,7 @@ def read_ports(root: str | os.PathLike[str] = "/",
         if not ports.is_dir():
             continue
         for port in sorted(ports.iterdir(), key=lambda p: (len(p.name), p.name)):
-            if not port.name.isdigit():
+            if not (port.name.isascii() and port.name.isdigit()):
                 continue
             link_layer = _text(port / "link_layer")
             rate = _RATE.search(_text(port / "rate") or "")

@@ -92,6 +92,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# Free text shown to a person, on one line: no control characters.
+ONE_LINE = r"^[^\x00-\x1f\x7f]*$"
+
+
 class MeasurementIn(Strict):
     op: Op
     scope: Scope
@@ -122,7 +126,7 @@ class MeasurementIn(Strict):
     # The other traffic its links carried while it ran (agents.contention): stored and
     # shown, never judged (docs/operations.md, "Occupancy and contention").
     contended: str | None = Field(default=None, min_length=1, max_length=512,
-                                  pattern=r"^[^\x00-\x1f\x7f]+$")
+                                  pattern=ONE_LINE)
 
     @field_validator("members")
     @classmethod
@@ -228,7 +232,7 @@ class OccupantIn(Strict):
     source: OccupancySourceName
     job: JobId | None = None
     gpus: list[GpuIndex] | None = Field(default=None, max_length=4096)
-    state: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
+    state: str | None = Field(default=None, max_length=256, pattern=ONE_LINE)
     unknown: bool = False
     # Derived again from the fields above when stored; accepted for symmetry.
     reason: str | None = Field(default=None, max_length=1024)

@@ -7,6 +7,7 @@ node beside it. The figures size the GPU workers' requests (deploy/kubernetes)."
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ def main(flags: list[str]) -> None:
             if len(acquire_s) == cycles:
                 idle_lines = idle(backend)
             release_s.append(backend.release())
+        probe_lines = probes_and_monitor()
     steady_a, steady_r = acquire_s[1:], release_s[1:]
     print(f"local Ray cluster, {NODES} nodes x {RANKS} gloo ranks, agents ending between "
           f"cycles (the nccl lifecycle); {psutil.cpu_count()} cores here")
@@ -47,8 +49,45 @@ def main(flags: list[str]) -> None:
           f"{statistics.median(steady_r):.3f} s (max {max(steady_r):.3f})")
     print(f"  set-up and tear-down per cycle, counted in each probed rank's duty cycle: "
           f"{statistics.median(steady_a) + statistics.median(steady_r):.2f} s")
-    for line in idle_lines:
+    for line in idle_lines + probe_lines:
         print(line)
+
+
+def probes_and_monitor() -> list[str]:
+    """What the worker pod holds besides: Ray's log monitor, and one `ray health-check`
+    (the kubelet's probe of the GPU workers runs it three times every 30 s)."""
+    import resource
+    import shutil
+    import subprocess
+
+    import ray
+
+    monitors = [p.memory_info().rss / MIB for p in psutil.Process().children(recursive=True)
+                if "log_monitor" in " ".join(_cmdline(p))]
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    check = subprocess.Popen([ray_bin, "health-check", "--address",
+                              ray.get_runtime_context().gcs_address],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peak = 0.0
+    while check.poll() is None:  # its own peak resident memory, sampled
+        try:
+            peak = max(peak, psutil.Process(check.pid).memory_info().rss / MIB)
+        except psutil.Error:
+            break
+        time.sleep(0.02)
+    check.wait(120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return [f"  Ray's log monitor: resident {_range(monitors)} MiB; one `ray health-check`: "
+            f"{cpu:.2f} CPU-s, about {peak:.0f} MiB resident at its peak"]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 
 def groups(backend: RayBackend) -> list[GroupSpec]:

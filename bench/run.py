@@ -14,7 +14,7 @@ import time
 
 BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
               "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why",
-              "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage")
+              "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage", "spool_size")
 
 
 def main(argv: list[str]) -> int:

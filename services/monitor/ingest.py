@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,7 +22,8 @@ from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
 from services.store import timeseries
 
-OCCUPANT_FIELDS = ("source", "job", "gpus", "state", "unknown")
+# What an Occupant is made of: a stored occupant's other keys (reason, since) are ours.
+OCCUPANT_FIELDS = frozenset(f.name for f in fields(Occupant))
 
 
 @dataclass

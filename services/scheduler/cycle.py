@@ -40,11 +40,7 @@ from services.scheduler.leader import (
     LeaseRefused,
     NotLeader,
 )
-from services.scheduler.occupancy import (
-    BackendOccupancy,
-    OccupancySource,
-    read_occupancy,
-)
+from services.scheduler.occupancy import OccupancySource, backend_view, read_occupancy
 
 if TYPE_CHECKING:  # httpx under both: `ringwatch probe --fabric` sends nothing
     from services.scheduler.api_client import SchedulerApi
@@ -164,7 +160,7 @@ def run_cycle(backend: ProbeBackend, options: ProbeOptions, *, only: list[str] |
     occupancy = None
     skipped: dict[str, str] = {}
     if skip_busy:
-        occupancy = read_occupancy(sharing.source or BackendOccupancy(backend, own_source(backend)), fleet,
+        occupancy = read_occupancy(sharing.source or backend_view(backend), fleet,
                                    timeout_s=sharing.timeout_s)
         skipped = {n: o.reason for n, o in occupancy.busy.items() if n in layout}
         if occupancy.error and progress:
@@ -220,12 +216,6 @@ def busy_lines(busy: Mapping[str, Occupant]) -> list[str]:
             else f"{'job ' + job if job else 'other work'}, per {source}")
         lines.append(f"{len(nodes)} node(s) {compress_hostlist(nodes)}: {why}")
     return lines
-
-
-def own_source(backend: ProbeBackend) -> str:
-    """The occupancy source a backend's own view is: the sim's scenario jobs, else Ray's
-    other work."""
-    return "sim" if backend.name == "sim" else "ray"
 
 
 def with_setup(busy_s: dict[str, float], ranks: Sequence[RankInfo],
@@ -535,7 +525,7 @@ class Observer:
         if self.watch is None:
             return
         s = self.shipper
-        self.watch.spool(len(s.pending()), s.spool_bytes(), s.dropped)
+        self.watch.spool(*s.spool_state(), s.dropped)
         self.watch.ingest(s.last_status)
         self.watch.next_cycle_in(max(0.0, next_cycle - time.monotonic()))
         expires = None

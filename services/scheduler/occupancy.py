@@ -496,6 +496,12 @@ def in_pod(environ: Mapping[str, str], token_path: str | Path = SERVICE_ACCOUNT_
     return bool(environ.get("KUBERNETES_SERVICE_HOST")) and Path(token_path).is_file()
 
 
+def backend_view(backend: ProbeBackend) -> BackendOccupancy:
+    """The backend's own view of what else runs: the sim's scenario jobs, else Ray's other
+    work (what a cycle asks where no source was chosen)."""
+    return BackendOccupancy(backend, "sim" if backend.name == "sim" else "ray")
+
+
 def source_for(setting: str, backend: ProbeBackend, *, environ: Mapping[str, str] = os.environ,
                token_path: str | Path = SERVICE_ACCOUNT_TOKEN, kubernetes_api_url: str = "",
                timeout_s: float = DEFAULT_TIMEOUT_S) -> OccupancySource:
@@ -505,8 +511,9 @@ def source_for(setting: str, backend: ProbeBackend, *, environ: Mapping[str, str
     if setting not in OCCUPANCY_SETTINGS:
         raise ValueError(f"occupancy source {setting!r}: one of {', '.join(OCCUPANCY_SETTINGS)}")
     if setting == "auto":
-        setting = ("sim" if backend.name == "sim" else
-                   "kubernetes" if in_pod(environ, token_path) else "ray")
+        if backend.name == "sim" or not in_pod(environ, token_path):
+            return backend_view(backend)
+        setting = "kubernetes"
     if setting == "none":
         return NoOccupancy()
     if setting in ("ray", "sim"):

@@ -397,8 +397,8 @@ class RayBackend(BackendDefaults):
                 infos[slot.member] = ray.get(ref)
             except ray.exceptions.RayError as exc:  # cannot probe there, or the agent died
                 cause = getattr(exc, "cause", None) or exc
-                failed.setdefault(slot.node, f"{type(cause).__name__}: "
-                                  f"{str(cause).splitlines()[0] if str(cause) else ''}"[:300])
+                first_line = next(iter(str(cause).splitlines()), "")
+                failed.setdefault(slot.node, f"{type(cause).__name__}: {first_line}"[:300])
         for slot in slots:
             if slot.node in failed:
                 with contextlib.suppress(Exception):  # pending or gone: either way stopped

@@ -127,7 +127,12 @@ class Shipper:
 
     def spool_bytes(self) -> int:
         """Bytes of the batches in the queue (those moved aside not counted)."""
-        return sum(_size(p) for p in self.pending())
+        return self.spool_state()[1]
+
+    def spool_state(self) -> tuple[int, int]:
+        """The queue's batches and their bytes, from one listing of the spool."""
+        queue = self.pending()
+        return len(queue), sum(_size(p) for p in queue)
 
     def _bound(self, keep: Path) -> None:
         """Remove the oldest batches until the queue fits in ``max_bytes``; never ``keep``
