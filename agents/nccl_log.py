@@ -10,9 +10,11 @@ the log, and a reader that returns only what NCCL appended since its last read.
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import re
 import socket
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,9 +36,31 @@ _PCIE_PATHS = frozenset({"PIX", "PXB", "PXN", "P2C", "PHB", "SYS"})
 # WARN puts "file:line" before "NCCL WARN" and a newline before the line; TRACE a time. Since
 # 2.26 a strftime stamp ("[%F %T] ", NCCL_DEBUG_TIMESTAMP_FORMAT) may come first, and
 # launchers add prefixes of their own: so the prefix is searched for, not anchored.
-_PREFIX = re.compile(
-    r"(?P<host>[^\s:\[\]]+):(?P<pid>\d+):(?P<tid>\d+)(?: \[(?P<dev>-?\d+)\])?[^\n]*?"
-    r" NCCL (?P<level>INFO|WARN|TRACE|CALL) ?")
+_LEVEL = re.compile(r" NCCL (?P<level>INFO|WARN|TRACE|CALL) ?")
+# The "host:pid:tid [dev]" before the level, searched only where a host name starts (the
+# character before is none of its own), so a long run of name characters is walked once,
+# not once per position: the search stays linear in the line.
+_HEAD = re.compile(r"(?<![^\s:\[\]])(?P<host>[^\s:\[\]]+):(?P<pid>[0-9]+):(?P<tid>[0-9]+)"
+                   r"(?: \[(?P<dev>-?[0-9]+)\])?")
+# NCCL formats each line into a 1024-byte buffer (debug.cc; the longest line of the H200
+# capture is 1023 characters), so a longer line is not NCCL's: it is counted foreign unread,
+# and no rule's pattern ever runs over more than this.
+MAX_LINE_CHARS = 4096
+
+
+def _prefix(line: str) -> tuple[re.Match[str], re.Match[str]] | None:
+    """NCCL's prefix in ``line``: its head (host, pid, tid, device) and its level; the
+    first level with a head before it (after the previous level), as launchers and
+    NCCL_DEBUG_TIMESTAMP_FORMAT put text of their own first."""
+    start = 0
+    for level in _LEVEL.finditer(line):
+        head = _HEAD.search(line, start, level.start())
+        if head is not None:
+            return head, level
+        start = level.start()
+    return None
+
+
 # init.cc: "NCCL version %s" ("2.28.9+cuda13.0").
 _VERSION = re.compile(r"^NCCL version (?P<v>\d+\.\d+\.\d+)(?P<suffix>\S*)")
 # init.cc, "... comm %p rank %d nranks %d cudaDev %d nvmlDev %d busId %lx commId 0x%llx -
@@ -284,16 +308,17 @@ class NcclLogParser:
             out.lines += 1
             if not line.strip():
                 continue
-            m = _PREFIX.search(line)
-            if m is None:
+            found = _prefix(line) if len(line) <= MAX_LINE_CHARS else None
+            if found is None:
                 out.foreign += 1
                 continue
-            host, pid = m["host"], int(m["pid"])
-            dev = int(m["dev"]) if m["dev"] is not None else None
-            msg = line[m.end():].rstrip()
+            head, level = found
+            host, pid = head["host"], int(head["pid"])
+            dev = int(head["dev"]) if head["dev"] is not None else None
+            msg = line[level.end():].rstrip()
             self._proc(host, pid)
             touched_procs[(host, pid)] = None
-            if m["level"] == "WARN":
+            if level["level"] == "WARN":
                 out.warnings.append(msg)
                 out.recognized += 1
                 continue
@@ -741,9 +766,69 @@ def find_debug_files(pattern: str, host: str | None = None) -> list[Path]:
     return sorted(path.parent.glob(path.name))
 
 
+def debug_file_pid(pattern: str, name: str, host: str | None = None) -> int | None:
+    """The pid in ``name`` where ``pattern`` names this host's file of that process: ASCII
+    digits, no leading zero, at most Linux's largest pid (2**22); None for any other name."""
+    named = Path(expand_debug_file(pattern.replace("%p", "\0"), host or nccl_hostname(), 0)).name
+    prefix, _, suffix = named.partition("\0")
+    if not (name.startswith(prefix) and name.endswith(suffix)):
+        return None
+    pid = name[len(prefix):len(name) - len(suffix)]
+    if not re.fullmatch(r"[1-9][0-9]{0,6}", pid) or int(pid) > PID_MAX:
+        return None
+    return int(pid)
+
+
+PID_MAX = 1 << 22  # kernel/pid.c, PID_MAX_LIMIT on 64-bit
+
+
+def private_dir(path: str | os.PathLike[str]) -> tuple[Path | None, str | None]:
+    """``path`` as a folder only this user can write in: made 0700 where it is missing, and
+    where it is there, taken only as a real folder (no link) owned by this user that no one
+    else may write to. Anyone sharing a node's temp folder could have made it first, as a
+    link to their own files or as an open folder, and NCCL (which opens its file through
+    links) and the agent's trim and clean-up would then act on what they chose. The folder,
+    or None and why not."""
+    folder = Path(path)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return None, f"cannot make {folder}: {exc.strerror}"
+    try:
+        st = os.lstat(folder)
+    except OSError as exc:
+        return None, f"cannot read {folder}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return None, f"{folder} is not a folder but a {'link' if stat.S_ISLNK(st.st_mode) else 'file'}"
+    if st.st_uid != os.getuid():
+        return None, f"{folder} is owned by uid {st.st_uid}, not this agent's {os.getuid()}"
+    if st.st_mode & 0o077:
+        return None, f"{folder} is mode {stat.S_IMODE(st.st_mode):04o}: others may write in it"
+    return folder, None
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """A descriptor on ``path`` that is a regular file reached without following a link as
+    its last part: a link, a FIFO or a device planted there raises OSError (and a FIFO never
+    blocks the open)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 # The most of NCCL's debug file an agent keeps once read (NcclLogReader.trim): every
 # communicator's init writes its topology and channels, tens of kilobytes a group.
 TRIM_BYTES = 16 << 20
+# The most one ``read`` takes in (a user's own file may be far larger); the rest waits for
+# the next read.
+READ_BYTES = 64 << 20
 
 
 class NcclLogReader:
@@ -751,11 +836,17 @@ class NcclLogReader:
     NCCL appended since the last one, so the probe that reads after each group gets that
     group's communicators and connections. The parser keeps earlier windows' context (version,
     devices, topology). A line still being written is left for the next read; a file that
-    shrank (a new process reusing the name) is read again from its start."""
+    shrank (a new process reusing the name) is read again from its start.
 
-    def __init__(self, debug_file: str, *, host: str | None = None, pid: int | None = None) -> None:
+    The file is opened only as a regular file reached without a link, and trimmed only where
+    it is ``own`` (ringwatch named it, in its private folder) and this user's: a user's own
+    NCCL_DEBUG_FILE is read, never emptied."""
+
+    def __init__(self, debug_file: str, *, host: str | None = None, pid: int | None = None,
+                 own: bool = True) -> None:
         self.path = Path(expand_debug_file(debug_file, host or nccl_hostname(),
                                            os.getpid() if pid is None else pid))
+        self.own = own
         self._offset = 0
         self._parser = NcclLogParser()
         # Set by ``trim``: the file was emptied under NCCL, which goes on writing at its own
@@ -763,32 +854,42 @@ class NcclLogReader:
         self._trimmed = False
 
     @classmethod
-    def for_this_process(cls, environ: Mapping[str, str] | None = None) -> NcclLogReader | None:
+    def for_this_process(cls, environ: Mapping[str, str] | None = None, *,
+                         own: bool = False) -> NcclLogReader | None:
         """A reader of the file NCCL_DEBUG_FILE names for this process; None when NCCL writes
         to stdout."""
         env = os.environ if environ is None else environ
         pattern = env.get("NCCL_DEBUG_FILE")
-        return cls(pattern) if pattern else None
+        return cls(pattern, own=own) if pattern else None
+
+    def _size(self) -> int | None:
+        try:
+            fd = _open_regular(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def skip(self) -> None:
         """Start from the end: what NCCL wrote before now is not the next probe's."""
-        try:
-            self._offset = self.path.stat().st_size
-        except OSError:
-            self._offset = 0
+        self._offset = self._size() or 0
 
     def read(self) -> NcclLog:
         try:
-            size = self.path.stat().st_size
+            fd = _open_regular(self.path, os.O_RDONLY)
         except OSError:
-            return NcclLog()  # NCCL has not logged yet in this process
-        if size < self._offset:
-            if self._trimmed:
-                return NcclLog()  # trimmed, and NCCL has written nothing since
-            self._offset, self._parser = 0, NcclLogParser()
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read(size - self._offset)
+            return NcclLog()  # NCCL has not logged yet in this process (or it is no file)
+        try:
+            size = os.fstat(fd).st_size
+            if size < self._offset:
+                if self._trimmed:
+                    return NcclLog()  # trimmed, and NCCL has written nothing since
+                self._offset, self._parser = 0, NcclLogParser()
+            data = os.pread(fd, min(size - self._offset, READ_BYTES), self._offset)
+        finally:
+            os.close(fd)
         end = data.rfind(b"\n") + 1
         self._offset += end
         log = self._parser.feed(data[:end].decode("utf-8", errors="replace"))
@@ -801,12 +902,18 @@ class NcclLogReader:
         fopen(..., "w") (debug.cc) and goes on writing at its own position, so the file
         becomes sparse (the emptied part takes no disk) and reading goes on at the same
         offset. Whether it was emptied."""
+        if not self.own:
+            return False
         try:
-            size = self.path.stat().st_size
+            fd = _open_regular(self.path, os.O_WRONLY)
         except OSError:
             return False
-        if size <= max_bytes or size != self._offset:
-            return False
-        os.truncate(self.path, 0)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_size <= max_bytes or st.st_size != self._offset:
+                return False
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
         self._trimmed = True
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import socket
 import sys
@@ -41,6 +42,12 @@ from agents.patterns import check_tolerance, count_wrong, expected_output, make_
 from agents.spec import TIMING_CUDA_GRAPH, InjectedFault, ProbeSetupError, RankInfo, redop_for
 
 # An injected hang sleeps this long; the driver kills the agent long before.
+log = logging.getLogger(__name__)
+
+# The agent's private folder for NCCL's debug files, under the node's temp folder, one per
+# user (``-<uid>``), made 0700 (nccl_log.private_dir).
+NCCL_DEBUG_DIR = "ringwatch-nccl"
+
 _HANG_SLEEP_S = 24 * 3600.0
 
 Work = Any  # torch's c10d Work: has .wait()
@@ -411,30 +418,42 @@ def _origin(exc: BaseException) -> str:
 def _nccl_log_reader() -> nccl_log.NcclLogReader | None:
     """NCCL's INIT, NET and GRAPH lines into a file of this process's own, set before its
     first communicator forms (NCCL reads them once); None where the user set NCCL_DEBUG in a
-    way that leaves the transports unwritten (docs/transport.md)."""
-    setup = nccl_log.nccl_debug_setup(Path(tempfile.gettempdir()) / "ringwatch-nccl", os.environ)
+    way that leaves the transports unwritten, or where the private folder for ringwatch's
+    own file cannot be had (docs/transport.md)."""
+    base = Path(tempfile.gettempdir()) / f"{NCCL_DEBUG_DIR}-{os.getuid()}"
+    setup = nccl_log.nccl_debug_setup(base, os.environ)
+    own = "NCCL_DEBUG_FILE" in setup.env
+    if own:
+        folder, problem = nccl_log.private_dir(base)
+        if folder is None:
+            # Someone sharing the node's temp folder made it first: NCCL would write where
+            # they chose, and trimming and clean-up would act on their files.
+            log.warning("NCCL transports not recorded: %s", problem)
+            return None
     for key, value in setup.env.items():
         os.environ.setdefault(key, value)
-    if "NCCL_DEBUG_FILE" in setup.env:  # ringwatch's own files, never a user's
+    if own:  # ringwatch's own files, never a user's
         _remove_dead_logs(setup.env["NCCL_DEBUG_FILE"])
-    return nccl_log.NcclLogReader.for_this_process() if setup.transports_visible else None
+    if not setup.transports_visible:
+        return None
+    return nccl_log.NcclLogReader.for_this_process(own=own)
 
 
 def _remove_dead_logs(pattern: str) -> None:
     """The debug files ``pattern`` names for this host's agents that are gone (its ``%p`` a
-    pid no process has any more)."""
+    pid no process has any more). A name whose pid is not one (not ASCII digits, or past the
+    largest pid) is no agent's and is left alone; only names are removed, never what a link
+    points at."""
     host = nccl_log.nccl_hostname()
-    named = Path(nccl_log.expand_debug_file(pattern.replace("%p", "\0"), host, 0)).name
-    prefix, _, suffix = named.partition("\0")
     for path in nccl_log.find_debug_files(pattern, host):
-        pid = path.name[len(prefix):len(path.name) - len(suffix)]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        pid = nccl_log.debug_file_pid(pattern, path.name, host)
+        if pid is None or pid == os.getpid():
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             path.unlink(missing_ok=True)
-        except PermissionError:
+        except (PermissionError, OverflowError):
             pass  # alive, another user's
 
 

@@ -131,6 +131,8 @@ def test_the_agent_reads_ncclS_own_log_of_its_group() -> None:
     (reply,) = run_agents([agent], spec)
     assert reply["status"] == "ok", reply
     assert agent._nccl_log is not None, "NCCL_DEBUG set in this environment: nothing recorded"
+    folder = agent._nccl_log.path.parent.lstat()  # the agent's private folder
+    assert folder.st_mode & 0o777 == 0o700 and folder.st_uid == os.getuid()
     log = nccl_log.parse_nccl_log(agent._nccl_log.path.read_text())
     major, minor, patch = torch.cuda.nccl.version()
     assert any(v.startswith(f"{major}.{minor}.{patch}") for v in log.nccl_versions)
