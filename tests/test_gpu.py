@@ -8,6 +8,8 @@ refuses two ranks on one GPU, so only the two-GPU tests need a bigger machine.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -104,8 +106,6 @@ def test_an_error_on_one_gpu_blames_it_not_its_peer() -> None:
 
 @needs_gpu
 def test_allreduce_runs_under_each_nccl_algo_and_the_variable_is_put_back() -> None:
-    import os
-
     os.environ.pop("NCCL_ALGO", None)
     agent = ProbeAgent("gpu-node", 0, backend="nccl")
     for algo in ("ring", "tree", None):
