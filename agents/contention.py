@@ -14,15 +14,17 @@ The judgement here is pure: real agents feed it what NVML and the NICs' counters
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from agents import nic_counters, telemetry
+from agents import counter_delta, nic_counters, telemetry
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # How long a rank reads its links before its group forms: long enough for a job's traffic to
 # move counters by far more than their noise, short beside a group's probes (its cost is
@@ -150,8 +152,10 @@ class TrafficMeter:
         seen = [s.processes for s in (before, after) if s.processes is not None]
         return Traffic(
             member=member, window_s=seconds,
-            nvlink_gbs=_gbs(before.nvlink_kib, after.nvlink_kib, 1024, seconds),
-            net_gbs=_gbs(before.net_bytes, after.net_bytes, 1, seconds),
+            nvlink_gbs=_gbs(before.nvlink_kib, after.nvlink_kib, 1024, seconds,
+                            telemetry.NVLINK_MAX_BITS_PER_S, f"{member} NVLink"),
+            net_gbs=_gbs(before.net_bytes, after.net_bytes, 1, seconds,
+                         2 * nic_counters.MAX_PORT_GBPS * 1e9, f"{member} RDMA port"),
             gpu_util=after.gpu_util, processes=max(seen) if seen else None)
 
     def _gpu(self, gpu: int, at: float) -> tuple[dict[tuple[int, int], int] | None,
@@ -202,14 +206,21 @@ def _nvlink_kib(nvml: Any, handle: Any) -> dict[tuple[int, int], int] | None:
 
 
 def _gbs(before: dict[Any, int] | None, after: dict[Any, int] | None, unit: int,
-         seconds: float) -> float | None:
+         seconds: float, bits_per_s: float, what: str) -> float | None:
     """GB/s that cumulative counters (of ``unit`` bytes) moved between two readings, over the
-    counters both readings have; a counter that went back (driver reloaded, cleared) adds
-    nothing."""
+    counters both readings have. A counter that went back (driver reloaded, cleared) or rose
+    past what its link (``bits_per_s``) could carry adds nothing, and is logged: a planted or
+    misread jump would otherwise mark every measurement of the group contended."""
     if before is None or after is None or seconds <= 0:
         return None
     common = before.keys() & after.keys()
     if not common:
         return None
-    moved = sum(max(0, after[k] - before[k]) for k in common)
+    limit = counter_delta.ceiling(bits_per_s, seconds) / (8 * unit)
+    moved = 0
+    for key in sorted(common, key=str):
+        delta, why = counter_delta.rise(before[key], after[key], limit)
+        if why is not None:
+            log.warning("%s %s: %s: dropped", what, key, why)
+        moved += delta or 0
     return moved * unit / seconds / 1e9

@@ -15,22 +15,44 @@ from collections.abc import Iterable, Iterator
 from functools import cached_property, lru_cache
 
 # A node's name: hostname-like ASCII (letters, digits, ".", "_", "-"; a letter or digit
-# first). Invisible, bidirectional and look-alike characters are refused by construction:
-# five names that all render as "node-000" cannot be five nodes.
-NODE_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}"
-_NODE = re.compile(rf"^{NODE_NAME}$")
-_MEMBER = re.compile(rf"^(?P<node>{NODE_NAME})/(?P<local>\d{{1,6}})$")
+# first, no "." last: "node-000." is node-000 with the DNS root spelled out). Invisible,
+# bidirectional and look-alike characters are refused by construction: five names that all
+# render as "node-000" cannot be five nodes. Letters keep their case (a site's hosts may be
+# upper-case), but a name is one node whatever its case: the store refuses a new name that
+# differs only in case from a node it holds (services.store.nodes.twins_in_fleet).
+NODE_NAME = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9_-])?"
+# A rank's index on its node: ASCII digits, no leading zero, so each index has one spelling
+# (\d would take "٣" and "１", and "00" would be 0 again).
+LOCAL_INDEX = r"0|[1-9][0-9]{0,5}"
+# Whole-string rules (fullmatch): `$` would also match before a final newline.
+_NODE = re.compile(NODE_NAME)
+_MEMBER = re.compile(rf"(?P<node>{NODE_NAME})/(?P<local>{LOCAL_INDEX})")
 # Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
 MAX_PLAIN_KEY = 512
 HASHED_KEY_PREFIX = "sha256:"
 
 
+def is_node_name(name: str) -> bool:
+    """Whether ``name`` is a node name (``NODE_NAME``, the whole string)."""
+    return _NODE.fullmatch(name) is not None
+
+
 def check_node_name(name: str) -> str:
     """``name`` when it is a node name (``NODE_NAME``); ValueError saying why otherwise."""
-    if not _NODE.match(name):
+    if not is_node_name(name):
         raise ValueError(f"node name {name!r} is not hostname-like: 1-253 ASCII letters, "
-                         "digits, '.', '_' or '-', starting with a letter or digit")
+                         "digits, '.', '_' or '-', starting with a letter or digit and not "
+                         "ending with '.'")
     return name
+
+
+def case_twins(names: Iterable[str]) -> list[list[str]]:
+    """The names among ``names`` that are one host in more than one case (``node-000`` and
+    ``NODE-000``), each set sorted: host names ignore case, so each is one node named twice."""
+    by_host: dict[str, set[str]] = {}
+    for name in names:
+        by_host.setdefault(name.lower(), set()).add(name)
+    return sorted(sorted(v) for v in by_host.values() if len(v) > 1)
 
 
 def member(node: str, local_index: int) -> str:
@@ -42,9 +64,10 @@ def member(node: str, local_index: int) -> str:
 def split_member(name: str) -> tuple[str, int]:
     """``"node-001/3"`` -> ``("node-001", 3)``; ValueError on anything else. Kept per name:
     a check reads the same ranks' names in every group and judgement."""
-    m = _MEMBER.match(name)
+    m = _MEMBER.fullmatch(name)
     if m is None:
-        raise ValueError(f"member {name!r} is not NODE/LOCAL_INDEX")
+        raise ValueError(f"member {name!r} is not NODE/LOCAL_INDEX (a node name, '/', and "
+                         "its index in ASCII digits without leading zeros)")
     return m["node"], int(m["local"])
 
 

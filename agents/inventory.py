@@ -9,12 +9,15 @@ a tree of its own. EFA devices appear there as ``efa_N`` like InfiniBand HCAs do
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
+from agents.nic_counters import rate_gbps, read_attribute
+
 SYSFS_IB = "/sys/class/infiniband"
-_RATE = re.compile(r"([\d.]+)\s*Gb/sec")
+# More ports than any node has (a DGX has 8 to 12 HCAs of one or two ports): a tree past
+# this is not the kernel's, and is read no further.
+MAX_PORTS = 256
 
 
 def read_nics(root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
@@ -29,24 +32,17 @@ def read_nics(root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]
         if not ports.is_dir():
             continue
         for port in sorted(ports.iterdir(), key=lambda p: p.name):
-            rate = _read(port / "rate")
-            state = _read(port / "state")
-            m = _RATE.search(rate or "")
+            if len(nics) >= MAX_PORTS:
+                return nics
+            state = read_attribute(port / "state")
             nics.append({
                 "device": dev.name, "port": port.name,
-                "rate_gbps": float(m.group(1)) if m else None,
+                "rate_gbps": rate_gbps(read_attribute(port / "rate")),
                 # "4: ACTIVE" -> "ACTIVE"
                 "state": (state or "").split(":")[-1].strip() or None,
-                "link_layer": _read(port / "link_layer"),
+                "link_layer": read_attribute(port / "link_layer"),
             })
     return nics
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
 
 
 def versions(nvml_driver: str | None) -> dict[str, str | None]:
@@ -65,4 +61,4 @@ def versions(nvml_driver: str | None) -> dict[str, str | None]:
 def product_name(root: str | os.PathLike[str] | None = None) -> str | None:
     """The machine's DMI product name (an instance type such as "p5.48xlarge" on AWS)."""
     base = Path(root or os.environ.get("RINGWATCH_SYSFS_DMI", "/sys/devices/virtual/dmi/id"))
-    return _read(base / "product_name")
+    return read_attribute(base / "product_name")

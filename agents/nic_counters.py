@@ -9,16 +9,33 @@ agent reads each cycle and the analyzer judges what it is sent.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from agents import counter_delta
+
+log = logging.getLogger(__name__)
+
 IB_CLASS = Path("sys/class/infiniband")
-_RATE = re.compile(r"([\d.]+)\s*Gb/sec")
+# "400 Gb/sec (4X NDR)", "2.5 Gb/sec (1X SDR)": the kernel's rate_show, number first, ASCII.
+_RATE = re.compile(r"(\d+(?:\.\d+)?) Gb/sec(?: |\Z)", re.ASCII)
+# A sysfs attribute is at most a page; a longer file under the root is not the kernel's.
+ATTRIBUTE_MAX_BYTES = 4096
+# mlx5's hw_counters, the longest such directory, has under a hundred files.
+MAX_COUNTER_FILES = 512
+# A counter is an unsigned 64-bit number: at most 20 ASCII digits, at most this.
+U64_MAX = (1 << 64) - 1
+# The fastest RDMA port today is ConnectX-8's XDR at 800 Gb/s: a port that states no rate is
+# held to twice that when its counters' rises are checked (counter_delta).
+MAX_PORT_GBPS = 1600.0
 
 # The IBTA PortCounters as Linux publishes them (drivers/infiniband/core/sysfs.c,
 # PORT_PMA_ATTR: name, counter, width in bits). By the IBTA spec these stop at all ones
@@ -42,7 +59,8 @@ class PortSnapshot:
 
     ``counters`` are the IBTA port counters (ports/N/counters: mlx5 IB and RoCE); ``hw_counters``
     the driver's own (ports/N/hw_counters: EFA's rx_drops, retrans_pkts, ...; mlx5's
-    out_of_buffer, ...). A file that could not be read is in ``unreadable``, not in either."""
+    out_of_buffer, ...). A file that could not be read is in ``unreadable``, not in either: a
+    counter as ``counters/NAME``, a port attribute (``state``, ``rate``, ...) by its name."""
 
     device: str
     port: int
@@ -60,26 +78,65 @@ class PortSnapshot:
         return asdict(self)
 
 
-def _text(path: Path) -> str | None:
+def rate_gbps(text: str | None) -> float | None:
+    """A port's ``rate`` attribute in Gb/s ("400 Gb/sec (4X NDR)" -> 400.0); None where it
+    is no rate as the kernel writes one."""
+    m = _RATE.match(text or "")
+    return float(m.group(1)) if m else None
+
+
+def read_attribute(path: Path) -> str | None:
+    """A sysfs attribute's text, stripped; None where it cannot be read, is not UTF-8, is
+    longer than a page, or is not a regular file: opened without blocking and checked
+    before it is read, so a FIFO or a device planted under the root neither blocks the
+    reader nor feeds it without end."""
     try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, ATTRIBUTE_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > ATTRIBUTE_MAX_BYTES:
+        return None
+    try:
+        return data.decode().strip()
+    except UnicodeDecodeError:
+        return None
+
+
+def parse_counter(text: str | None) -> int | None:
+    """A counter file's text as its value: ASCII digits only (str.isdigit alone takes "²"
+    and "٣"), an unsigned 64-bit number; None for anything else."""
+    if text is None or not (0 < len(text) <= 20 and text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value <= U64_MAX else None
 
 
 def _counters(directory: Path) -> tuple[dict[str, int], list[str]]:
     """Every counter file of a directory as an int; the ones that do not read as one apart
-    (a PMA the device lacks reads "N/A (no PMA)" on older kernels, or fails with EINVAL)."""
+    (a PMA the device lacks reads "N/A (no PMA)" on older kernels, or fails with EINVAL;
+    a file that is not a regular one). At most MAX_COUNTER_FILES are read."""
     values: dict[str, int] = {}
     bad: list[str] = []
     if not directory.is_dir():
         return values, bad
-    for entry in sorted(directory.iterdir()):
-        if not entry.is_file():
+    listed = list(itertools.islice(directory.iterdir(), MAX_COUNTER_FILES + 1))
+    if len(listed) > MAX_COUNTER_FILES:
+        bad.append(f"{directory.name}/ (more than {MAX_COUNTER_FILES} files; none read)")
+        return values, bad
+    for entry in sorted(listed):
+        if entry.is_dir():
             continue
-        text = _text(entry)
-        if text is not None and text.isascii() and text.isdigit():
-            values[entry.name] = int(text)
+        value = parse_counter(read_attribute(entry))
+        if value is not None:
+            values[entry.name] = value
         else:
             bad.append(f"{directory.name}/{entry.name}")
     return values, bad
@@ -110,6 +167,10 @@ def _state(text: str | None) -> str | None:
     return text.split(":", 1)[-1].strip() or None
 
 
+# A port's own attributes, read beside its counters.
+_ATTRIBUTES = ("link_layer", "rate", "state", "phys_state")
+
+
 def read_ports(root: str | os.PathLike[str] = "/",
                devices: Iterable[str] | None = None) -> list[PortSnapshot]:
     """Every port of every RDMA device under ``root``/sys/class/infiniband (or of ``devices``
@@ -128,17 +189,21 @@ def read_ports(root: str | os.PathLike[str] = "/",
         for port in sorted(ports.iterdir(), key=lambda p: (len(p.name), p.name)):
             if not (port.name.isascii() and port.name.isdigit()):
                 continue
-            link_layer = _text(port / "link_layer")
-            rate = _RATE.search(_text(port / "rate") or "")
-            counters, bad = _counters(port / "counters")
+            text = {name: read_attribute(port / name) for name in _ATTRIBUTES}
+            rate = _RATE.match(text["rate"] or "")
+            # An attribute that did not read (or a rate that is no number) is noted, as a
+            # counter is: None says "not known", the note says why.
+            bad = [name for name, value in text.items()
+                   if value is None or (name == "rate" and rate is None)]
+            counters, counters_bad = _counters(port / "counters")
             hw_counters, hw_bad = _counters(port / "hw_counters")
             snapshots.append(PortSnapshot(
-                device=device.name, port=int(port.name), kind=_kind(device, link_layer),
-                link_layer=link_layer, state=_state(_text(port / "state")),
-                phys_state=_state(_text(port / "phys_state")),
+                device=device.name, port=int(port.name), kind=_kind(device, text["link_layer"]),
+                link_layer=text["link_layer"], state=_state(text["state"]),
+                phys_state=_state(text["phys_state"]),
                 rate_gbps=float(rate.group(1)) if rate else None,
-                counters=counters, hw_counters=hw_counters, unreadable=tuple(bad + hw_bad),
-                read_at=time.time()))
+                counters=counters, hw_counters=hw_counters,
+                unreadable=tuple(bad + counters_bad + hw_bad), read_at=time.time()))
     return snapshots
 
 
@@ -177,15 +242,16 @@ def read_data_bytes(root: str | os.PathLike[str] = "/",
 
 def _data_bytes(port: Path) -> int | None:
     for sub, names, unit in _DATA_COUNTERS:
-        texts = [_text(port / sub / name) for name in names]
+        texts = [read_attribute(port / sub / name) for name in names]
         if any(text is None for text in texts):
             continue
-        if not all(t is not None and t.isascii() and t.isdigit() for t in texts):
+        values = [parse_counter(t) for t in texts]
+        if any(v is None for v in values):
             return None
-        values = [int(t) for t in texts if t is not None]
-        if unit == 4 and _PMA_DATA_MAX in values:
+        counts = [v for v in values if v is not None]
+        if unit == 4 and _PMA_DATA_MAX in counts:
             return None
-        return sum(values) * unit
+        return sum(counts) * unit
     return None
 
 
@@ -193,7 +259,9 @@ def _data_bytes(port: Path) -> int | None:
 class CounterRate:
     """One counter between two readings of a port. A counter that went backwards (cleared by
     perfquery -R, or the driver reloaded) is a ``reset``: no delta and no rate for that
-    interval, rather than a negative one."""
+    interval, rather than a negative one. One that rose by more than the port could carry
+    (agents.counter_delta: a jump from 0 to 2^64-1) is ``impossible``: no delta and no rate
+    either. Both are logged."""
 
     device: str
     port: int
@@ -206,6 +274,7 @@ class CounterRate:
     rate_per_s: float | None         # None on a reset or an interval of no length
     reset: bool = False
     saturated: bool = False          # an IBTA counter at its maximum: rises no longer show
+    impossible: bool = False         # rose past what the port could carry: misread or planted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,7 +282,8 @@ class CounterRate:
 
 def counter_rates(before: Sequence[PortSnapshot],
                   after: Sequence[PortSnapshot]) -> list[CounterRate]:
-    """Per port present in both readings, every counter present in both."""
+    """Per port present in both readings, every counter present in both; a counter that
+    went back or rose past what the port could carry has no delta, and is logged."""
     earlier = {(s.device, s.port): s for s in before}
     rates: list[CounterRate] = []
     for now in after:
@@ -221,19 +291,24 @@ def counter_rates(before: Sequence[PortSnapshot],
         if then is None:
             continue
         interval = now.read_at - then.read_at
+        gbps = max(then.rate_gbps or 0.0, now.rate_gbps or 0.0) or MAX_PORT_GBPS
+        # Both directions' bits: a port's counters count either or both.
+        limit = counter_delta.ceiling(2 * gbps * 1e9, interval)
         for source in _SOURCES:
             old: dict[str, int] = getattr(then, source)
             new: dict[str, int] = getattr(now, source)
             for name in sorted(old.keys() & new.keys()):
-                delta = new[name] - old[name]
-                reset = delta < 0
+                delta, why = counter_delta.rise(old[name], new[name], limit)
+                if why is not None:
+                    log.warning("%s port %s %s/%s %s in %.0f s: dropped", now.device, now.port,
+                                source, name, why, interval)
                 width = PMA_WIDTHS.get(name) if source == "counters" else None
                 rates.append(CounterRate(
                     device=now.device, port=now.port, counter=name, source=source,
-                    before=old[name], after=new[name], delta=None if reset else delta,
-                    interval_s=interval,
-                    rate_per_s=None if reset or interval <= 0 else delta / interval,
-                    reset=reset, saturated=width is not None and new[name] >= (1 << width) - 1))
+                    before=old[name], after=new[name], delta=delta, interval_s=interval,
+                    rate_per_s=None if delta is None or interval <= 0 else delta / interval,
+                    reset=new[name] < old[name], impossible=delta is None and new[name] > old[name],
+                    saturated=width is not None and new[name] >= (1 << width) - 1))
     return rates
 
 
@@ -394,7 +469,8 @@ def nic_errors(before: Sequence[PortSnapshot], after: Sequence[PortSnapshot], no
                thresholds: Sequence[Threshold] = THRESHOLDS) -> list[NicError]:
     """The cycle's verdict on a node's NICs: every counter that rose past its threshold
     (``link_downed`` rising is a flap), and every port that was ACTIVE and no longer is. A
-    counter reset (it went backwards) is judged on the next interval, not this one."""
+    counter reset (it went backwards) is judged on the next interval, not this one; a rise
+    the port could not have carried is not judged at all."""
     rules = {(t.source, t.counter): t for t in thresholds}
     ports = {(p.device, p.port): p for p in after}
     rates = counter_rates(before, after)
@@ -406,7 +482,7 @@ def nic_errors(before: Sequence[PortSnapshot], after: Sequence[PortSnapshot], no
     for r in rates:
         rule = rules.get((r.source, r.counter))
         port = ports[(r.device, r.port)]
-        if rule is None or r.reset or port.kind not in rule.kinds:
+        if rule is None or r.delta is None or port.kind not in rule.kinds:
             continue
         over, limit, per = _breaches(rule, r, port, deltas.get((r.device, r.port), {}))
         if over:

@@ -10,16 +10,19 @@ nvidia-ml-py): the one seam a test replaces with a fake. Without an NVML library
 from __future__ import annotations
 
 import ctypes
+import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
 import pynvml
 
-from agents import nvlink_fabric
+from agents import counter_delta, nvlink_fabric
 from agents.spec import Finding
 
 _nvml: Any = pynvml
+log = logging.getLogger(__name__)
 
 # NVML error counters per link, under the names the output uses.
 _ERROR_COUNTERS = {
@@ -28,6 +31,14 @@ _ERROR_COUNTERS = {
     "crc_flit": "NVML_NVLINK_ERROR_DL_CRC_FLIT",
     "crc_data": "NVML_NVLINK_ERROR_DL_CRC_DATA",
 }
+# The fastest NVLink (NVLink 5) carries 100 GB/s per link, both directions: no error counter
+# of a link rises by more than its bits (agents.counter_delta).
+NVLINK_MAX_BITS_PER_S = 800e9
+# Two readings without their times (an older agent's) are held to a day apart: no check
+# reads a GPU's counters further apart than that.
+UNTIMED_INTERVAL_S = 86400.0
+# A cumulative count since driver load past int64 would take centuries of errors: misread.
+_COUNT_MAX = (1 << 63) - 1
 # nvmlGpuTopologyLevel_t -> nvidia-smi topo's words, nearest first.
 _TOPOLOGY_LEVELS = {0: "internal", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 # GPU fabric info, newest struct first: v3 adds a health summary to v2's health mask; the
@@ -117,16 +128,27 @@ def _link_throughput(nvml: Any, handle: Any, link: int) -> dict[str, int] | None
     return {"tx_kib": int(values[0].value.ullVal), "rx_kib": int(values[1].value.ullVal)}
 
 
+def _error_counts(nvml: Any, handle: Any, link: int) -> dict[str, int | None]:
+    """A link's error counters; None where NVML has none, or answers with a count no
+    driver's lifetime reaches (logged)."""
+    counts: dict[str, int | None] = {}
+    for name, const in _ERROR_COUNTERS.items():
+        value = _optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, getattr(nvml, const))
+        if value is not None and not 0 <= int(value) <= _COUNT_MAX:
+            log.warning("NVLink: link %s %s read %s, past any real count: dropped", link, name,
+                        value)
+            value = None
+        counts[name] = None if value is None else int(value)
+    return counts
+
+
 def _nvlinks(nvml: Any, handle: Any) -> list[dict[str, Any]]:
     links = []
     for link in range(int(nvml.NVML_NVLINK_MAX_LINKS)):
         active = _link_active(nvml, handle, link)
         if active is None:
             continue
-        errors = {
-            name: _optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, getattr(nvml, const))
-            for name, const in _ERROR_COUNTERS.items()
-        }
+        errors = _error_counts(nvml, handle, link)
         remote = _optional(nvml.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
         links.append({
             "link": link,
@@ -229,17 +251,28 @@ def read_gpu_telemetry(local_index: int) -> dict[str, Any]:
         return {"available": False, "reason": str(exc)}
 
 
-def _rising_errors(before: dict[str, Any], after: dict[str, Any]) -> dict[int, dict[str, int]]:
-    """Per link, the error counters that grew between two readings."""
+def _rising_errors(before: dict[str, Any], after: dict[str, Any],
+                   where: str = "") -> dict[int, dict[str, int]]:
+    """Per link, the error counters that grew between two readings (of the GPU ``where``
+    names); one that went back (a driver reload clears them), or rose by more than any
+    NVLink could in the readings' interval (agents.counter_delta), is dropped and logged."""
     old = {link["link"]: link for link in before.get("nvlinks", [])}
+    first, last = before.get("read_at"), after.get("read_at")
+    interval = last - first if first is not None and last is not None else UNTIMED_INTERVAL_S
+    limit = counter_delta.ceiling(NVLINK_MAX_BITS_PER_S, interval)
     rising: dict[int, dict[str, int]] = {}
     for link in after.get("nvlinks", []):
         prev = old.get(link["link"], {}).get("errors", {})
-        grew = {
-            name: now - (prev.get(name) or 0)
-            for name, now in link.get("errors", {}).items()
-            if now is not None and now > (prev.get(name) or 0)
-        }
+        grew: dict[str, int] = {}
+        for name, now in link.get("errors", {}).items():
+            then = prev.get(name) or 0
+            if now is None or now == then:
+                continue
+            delta, why = counter_delta.rise(then, now, limit)
+            if delta is None:
+                log.warning("%s NVLink: link %s %s %s: dropped", where, link["link"], name, why)
+            else:
+                grew[name] = delta
         if grew:
             rising[link["link"]] = grew
     return rising
@@ -258,7 +291,7 @@ def telemetry_findings(
     was_active = {link["link"] for link in before.get("nvlinks", []) if link["active"]}
     down = sorted(link["link"] for link in after.get("nvlinks", [])
                   if not link["active"] and link["link"] in was_active)
-    rising = _rising_errors(before, after)
+    rising = _rising_errors(before, after, f"{node} GPU {gpu}")
     if down or rising:
         findings.append(Finding(
             kind="nvlink_degraded", node=node, gpu=gpu,
@@ -286,12 +319,10 @@ def read_counters(local_index: int) -> dict[str, Any]:
                 active = _link_active(nvml, handle, link)
                 if active is None:
                     continue
-                links.append({"link": link, "active": active, "errors": {
-                    name: _optional(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link,
-                                    getattr(nvml, const))
-                    for name, const in _ERROR_COUNTERS.items()}})
+                links.append({"link": link, "active": active,
+                              "errors": _error_counts(nvml, handle, link)})
             return {"available": True, "local_index": local_index, "nvlinks": links,
-                    "fabric": _fabric(nvml, handle)}
+                    "fabric": _fabric(nvml, handle), "read_at": time.time()}
     except NvmlUnavailable as exc:
         return {"available": False, "reason": str(exc)}
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api import errors
 from api.auth import PUBLIC_PATHS, Authenticate
 from api.headers import SecurityHeaders
-from api.limits import BodyLimit, IngestSlots
+from api.limits import BodyLimit, BodyPace, IngestSlots
 from api.request_metrics import ApiMetrics, RequestMetrics, RouteTemplates
 from api.routers import (
     docs,
@@ -64,6 +64,9 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     app.state.session_factory = session_factory
     # Batches stored at once; more wait up to ingest_wait_s, then get a 503 with Retry-After.
     app.state.ingest_slots = IngestSlots(settings.max_concurrent_ingests, settings.ingest_wait_s)
+    # How fast a batch's body must come once it holds a slot (a slower one is a 408).
+    app.state.body_pace = BodyPace(settings.ingest_body_timeout_s,
+                                   settings.ingest_body_min_bytes_per_s)
     app.state.preflight_waiters = PreflightWaiters(session_factory, settings.max_waiting_preflights)
     _bootstrap_admin(settings, session_factory)
     for r in (meta.router, measurements.router, fleet.router, preflight.router,

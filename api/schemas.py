@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 from datetime import datetime
@@ -14,16 +15,22 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
-from pydantic_core import to_json
+from pydantic_core import ErrorDetails, to_json
 
 from agents.groups import NODE_NAME, check_node_name, split_member
 from agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
 from agents.workloads import ProfileName
 from services.config import PLACEHOLDER_SECRET
 from services.store.events import Subscribable as Event
+
+log = logging.getLogger(__name__)
 
 # Hostname-like ASCII (agents.groups.NODE_NAME): no separators, whitespace, control,
 # invisible, bidirectional or look-alike characters.
@@ -43,6 +50,11 @@ JSON_MAX_STRING = 4096
 DETAIL_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,63}$")
 
 
+class OutOfRange(ValueError):
+    """A number no column holds (an integer past int64, a float that is not finite): in a
+    batch's finding or counter reading, that one item is dropped, not the batch."""
+
+
 def bounded_json(value: Any, where: str = "", depth: int = 0) -> int:
     """Check a free-form JSON value: nesting at most JSON_MAX_DEPTH, at most JSON_MAX_ITEMS
     values in all, strings of at most JSON_MAX_STRING characters, integers within int64 and
@@ -53,11 +65,11 @@ def bounded_json(value: Any, where: str = "", depth: int = 0) -> int:
         return 1
     if isinstance(value, int):
         if not -(2**63) <= value < 2**63:
-            raise ValueError(f"{where or 'value'}: integer outside int64")
+            raise OutOfRange(f"{where or 'value'}: integer outside int64")
         return 1
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ValueError(f"{where or 'value'}: number is not finite")
+            raise OutOfRange(f"{where or 'value'}: number is not finite")
         return 1
     if isinstance(value, str):
         if len(value) > JSON_MAX_STRING:
@@ -198,12 +210,15 @@ class FindingIn(BaseModel):
 
 
 class ShipperState(Strict):
-    """What the sender's spool held when it wrote this batch."""
+    """What the sender's spool held when it wrote this batch. It is kept as the spool of
+    the token that sent the batch: ``host`` says where that spool is (a label on /metrics,
+    at most a few per token), never whose it is (docs/security.md, "The shipper's
+    identity")."""
 
     host: str = Field(default="", max_length=255)
-    pending: int = Field(default=0, ge=0)
-    failed: int = Field(default=0, ge=0)
-    rejected: int = Field(default=0, ge=0)
+    pending: Count = 0
+    failed: Count = 0
+    rejected: Count = 0
 
 
 class CounterSnapshotIn(Strict):
@@ -262,6 +277,53 @@ def _drop_unset(d: dict[str, Any], names: tuple[str, ...]) -> None:
             del d[name]
 
 
+# What pydantic calls a number outside a field's bounds.
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                           "finite_number"})
+
+
+def _out_of_range(error: ErrorDetails) -> bool:
+    return (error["type"] in _RANGE_ERRORS
+            or isinstance((error.get("ctx") or {}).get("error"), OutOfRange))
+
+
+class _Kept(list):  # type: ignore[type-arg]
+    """A batch's findings (or counters) less the ones dropped for a number out of range,
+    with a line on each: carried to MeasurementBatch, which keeps the lines."""
+
+    def __init__(self, items: list[Any], dropped: list[str]) -> None:
+        super().__init__(items)
+        self.dropped = dropped
+
+
+def _dropped_note(field: str, index: int, item: Any, error: ErrorDetails) -> str:
+    named = [str(item[k])[:64] for k in ("kind", "node")
+             if isinstance(item, dict) and isinstance(item.get(k), str)]
+    where = ".".join(str(p) for p in error["loc"][1:])
+    note = (f"{field}[{index}]{' (' + ' on '.join(named) + ')' if named else ''} dropped: "
+            f"{where + ': ' if where else ''}{error['msg']}")
+    return re.sub(r"[^\x20-\x7e]", "?", note)[:300]  # one printable line, whatever was sent
+
+
+def _drop_out_of_range(value: Any, handler: ValidatorFunctionWrapHandler, field: str) -> Any:
+    """A batch's list validated; where its only errors are numbers out of range (one
+    reading misread as 2^64-1 by an older agent), each item holding one is dropped and
+    named, and the rest stored: one bad counter never costs a fleet's cycle. Any other
+    error is still the sender's, a 422."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        if not isinstance(value, list) or not all(
+                _out_of_range(e) and e["loc"] and isinstance(e["loc"][0], int) for e in errors):
+            raise
+        bad: dict[int, ErrorDetails] = {}
+        for e in errors:
+            bad.setdefault(int(e["loc"][0]), e)
+        notes = [_dropped_note(field, i, value[i], bad[i]) for i in sorted(bad)]
+        return _Kept(handler([item for i, item in enumerate(value) if i not in bad]), notes)
+
+
 class MeasurementBatch(Strict):
     batch_id: str = Field(min_length=1, max_length=128)
     backend: Backend
@@ -281,6 +343,30 @@ class MeasurementBatch(Strict):
     facts: list[NodeName] | None = Field(default=None, max_length=262_144)
     # What held the fleet's nodes this cycle: scheduled batches carry it.
     occupancy: OccupancyIn | None = None
+    _dropped: list[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("findings", "counters", mode="wrap")
+    @classmethod
+    def _numbers_in_range(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                          info: ValidationInfo) -> Any:
+        return _drop_out_of_range(value, handler, str(info.field_name))
+
+    @model_validator(mode="after")
+    def _keep_dropped(self) -> MeasurementBatch:
+        for field in ("findings", "counters"):
+            items = getattr(self, field)
+            if isinstance(items, _Kept):
+                self._dropped += items.dropped
+                setattr(self, field, list(items))
+        for note in self._dropped:
+            log.warning("batch %r: %s; the rest of the batch is stored", self.batch_id, note)
+        return self
+
+    @property
+    def dropped(self) -> list[str]:
+        """The findings and counter readings left out of this batch for a number out of
+        range, a line each (docs/security.md, "Names, counters and batch sizes")."""
+        return list(self._dropped)
 
     def content_digest(self) -> str:
         """SHA-256 of what the batch says (its id and the sender's spool state aside): a
@@ -307,6 +393,9 @@ class IngestOut(BaseModel):
     recovered: list[dict[str, Any]]
     probe_findings: list[dict[str, Any]]
     findings: list[dict[str, Any]] = []
+    # Findings and counter readings left out for a number out of range (an integer past
+    # int64), a line each: the rest of the batch is stored (MeasurementBatch.dropped).
+    dropped: list[str] = []
 
 
 class GpuOut(BaseModel):
@@ -363,9 +452,24 @@ class NodeDetailOut(BaseModel):
     occupied: OccupiedOut | None = None
     last_seen_at: datetime
     last_probed_at: datetime | None
+    # When it left the fleet (POST /v1/nodes/retire, or retention); None while in it.
+    retired_at: datetime | None = None
     gpus: list[NodeDetailGpuOut]
     nics: list[dict[str, Any]]
     counters: list[dict[str, Any]]
+
+
+class NodesRetireIn(Strict):
+    # Names as stored, any the table holds (one stored before today's name rule too).
+    nodes: list[Annotated[str, Field(min_length=1, max_length=255)]] = Field(
+        min_length=1, max_length=100_000)
+
+
+class NodesRetireOut(BaseModel):
+    dry_run: bool
+    # Taken out of the fleet by this request (with dry_run: would be).
+    retired: list[str]
+    already_retired: list[str]
 
 
 class NodeStateOut(BaseModel):

@@ -14,7 +14,8 @@ import time
 
 BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
               "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why",
-              "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage", "spool_size")
+              "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage", "spool_size",
+              "ingest_findings")
 
 
 def main(argv: list[str]) -> int:

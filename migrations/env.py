@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from services.store.db import migration_lock
+from services.store.db import MIGRATION_LOCK_WAIT_S, migration_lock
 from services.store.models import Base, is_partition
 
 config = context.config
@@ -24,7 +24,10 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
-    with engine.connect() as connection, migration_lock(connection):
+    # How long to wait for another upgrade's lock, and where to say so: db.upgrade's.
+    wait_s = config.attributes.get("migration_lock_wait_s", MIGRATION_LOCK_WAIT_S)
+    say = config.attributes.get("say")
+    with engine.connect() as connection, migration_lock(connection, wait_s, say):
         # Configured once the lock is held: the revision alembic starts from is read after
         # any upgrade running beside this one has committed.
         context.configure(connection=connection, target_metadata=target_metadata,

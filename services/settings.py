@@ -32,6 +32,7 @@ from services.scheduler.occupancy import OccupancySetting
 
 if TYPE_CHECKING:
     from services.analyzer.assess import Thresholds
+    from services.monitor.metrics import SeriesLimits
 
 # What a server of this machine alone (``Settings.local``) delivers webhooks to: receivers
 # on this machine, which the URL policy otherwise refuses.
@@ -45,6 +46,9 @@ class Settings(BaseSettings):
 
     # Empty: start an embedded Postgres under STATE_DIR (the demo and the tests).
     database_url: str = ""
+    # Seconds `ringwatch db upgrade` waits for another upgrade's migration lock, then exits 2
+    # (unset: services.store.db.MIGRATION_LOCK_WAIT_S, 300).
+    migration_lock_timeout_s: float | None = Field(default=None, gt=0)
     api_url: str = "http://127.0.0.1:8420"
     # Token the scheduler and CLI present to the API.
     token: str = ""
@@ -115,10 +119,29 @@ class Settings(BaseSettings):
     max_concurrent_ingests: int = Field(default=2, ge=1)
     ingest_wait_s: float = Field(default=10.0, ge=0)
     max_batch_measurements: int = Field(default=200_000, ge=1)
+    # A batch's body is read inside its slot, so its pace is bounded: whole within
+    # ingest_body_timeout_s, and, past the first 5 s, at least ingest_body_min_bytes_per_s
+    # on average (0: no floor); a slower body is a 408 and frees the slot. One token holds at
+    # most half the slots (rounded up) at once; its other batches wait as for a full house.
+    ingest_body_timeout_s: float = Field(default=60.0, gt=0)
+    ingest_body_min_bytes_per_s: int = Field(default=16384, ge=0)
+    # Findings one batch may carry (413 beyond). A 1024 x 8 fleet's worst cycle, a
+    # transport_fallback on each of every node's 28 GPU pairs and a finding of each other
+    # kind on every GPU, stays under 50 000.
+    max_batch_findings: int = Field(default=65_536, ge=1)
     # Nodes one batch may create, and nodes the fleet may hold in all (413 / 422 beyond):
     # one token cannot grow the node table, and every read over it, without bound.
     max_new_nodes_per_batch: int = Field(default=8192, ge=1)
     max_nodes: int = Field(default=16384, ge=1)
+    # Nodes one token may add to the fleet (create, or bring back from retirement) within
+    # the window (429 beyond, 422 for a batch the whole quota cannot hold): one agent's
+    # made-up names cannot fill RINGWATCH_MAX_NODES. A scheduler's first cycle of a 1024 x 8
+    # fleet adds 1024; raise it for one scheduler of more than 4096 nodes.
+    max_new_nodes_per_token: int = Field(default=4096, ge=1)
+    new_nodes_window_s: float = Field(default=86400.0, gt=0)
+    # Nodes no batch has named for this many days leave the fleet at the next maintenance
+    # pass (retired: their history kept; back when they report); 0: never.
+    node_retention_days: float = Field(default=30.0, ge=0)
     # Days each resolution of the time series is kept: raw probes, hourly and daily rollups.
     retention_raw_days: float = Field(default=14.0, gt=0)
     retention_hourly_days: float = Field(default=90.0, gt=0)
@@ -147,6 +170,11 @@ class Settings(BaseSettings):
     # Per-link series cover links read within this many seconds, and every link that is not
     # ok (0: every link; the rotation leaves a row for each node pair it ever probed).
     metrics_link_max_age_s: float = Field(default=3600.0, ge=0)
+    # The most series one node may have in any one /metrics family (the groups across three
+    # or more nodes count as one node), and one family in all; what is left out is counted
+    # in ringwatch_metrics_series_dropped (services.monitor.metrics.SeriesLimits).
+    metrics_max_series_per_node: int = Field(default=512, ge=1)
+    metrics_max_series_per_family: int = Field(default=262_144, ge=1)
     # GET /v1/fleet/pairs sends the whole node-pair map up to this many nodes (n(n-1)/2
     # bytes: 8 MiB at 4096), beyond it 422 and the map in tiles of at most this many rows
     # by as many columns (docs/scale.md, "Node-pair map bounds").
@@ -179,7 +207,12 @@ class Settings(BaseSettings):
         from services.store.timeseries import Retention
 
         return Retention(self.retention_raw_days, self.retention_hourly_days,
-                         self.retention_daily_days)
+                         self.retention_daily_days, self.node_retention_days)
+
+    def metrics_limits(self) -> SeriesLimits:
+        from services.monitor.metrics import SeriesLimits
+
+        return SeriesLimits(self.metrics_max_series_per_node, self.metrics_max_series_per_family)
 
     def hysteresis(self) -> Policy:
         return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)

@@ -325,7 +325,7 @@ def test_a_job_on_a_nodes_nics_makes_the_groups_measurements_contended(
         """Another job's traffic through the port while a rank's window is open: the counter
         replaced whole, so the other rank never reads it half written."""
         with lock:
-            moved[0] += 1_000_000_000_000
+            moved[0] += 1_000_000_000  # 4 GB: what a port could carry (agents.counter_delta)
             fresh = counter.with_name(".port_xmit_data.new")
             fresh.write_text(f"{moved[0]}\n")
             os.replace(fresh, counter)

@@ -618,7 +618,9 @@ def _http_routes(container: dict) -> dict[int, set[str]]:
     args = _parse(argv)
     if args.command == "serve":
         return {args.port: {r.path for r in router.routes}}  # type: ignore[attr-defined]
-    if args.command == "notifier" and args.health_port is not None:
+    # A kubelet probes the pod's address: a port bound to loopback serves it nothing.
+    if (args.command == "notifier" and args.health_port is not None
+            and not args.health_host.startswith("127.")):
         return {args.health_port: set(PATHS)}
     return {}
 

@@ -3,6 +3,8 @@ and a sysfs tree of our own, end to end to the API's findings, series and events
 
 from __future__ import annotations
 
+import os
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,6 +77,23 @@ def test_nics_are_read_from_the_sysfs_tree(tmp_path: Path) -> None:
     assert [(n["device"], n["rate_gbps"], n["state"]) for n in nics] == [
         ("efa_0", 100.0, "DOWN"), ("mlx5_0", 400.0, "ACTIVE"), ("mlx5_1", 200.0, "ACTIVE")]
     assert inventory.read_nics(tmp_path / "absent") == []
+
+
+def test_a_fifo_or_a_crafted_rate_in_the_tree_neither_blocks_nor_raises(tmp_path: Path) -> None:
+    """A FIFO planted as a port's state used to block the agent's inventory read for good,
+    and a rate of "4..0" or Unicode digits raised or read as a number."""
+    root = _sysfs(tmp_path, [("mlx5_0", "400", "4: ACTIVE"), ("mlx5_1", "4..0", "4: ACTIVE"),
+                             ("mlx5_2", "\u0664\u0660\u0660", "4: ACTIVE")])
+    fifo = root / "mlx5_0" / "ports" / "1" / "state"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    out: list[list[dict]] = []
+    reader = threading.Thread(target=lambda: out.append(inventory.read_nics(root)), daemon=True)
+    reader.start()
+    reader.join(30)  # a guard against the hang, not a measure of speed
+    assert out, "the inventory read blocked on a FIFO"
+    assert [(n["device"], n["rate_gbps"], n["state"]) for n in out[0]] == [
+        ("mlx5_0", 400.0, None), ("mlx5_1", None, "ACTIVE"), ("mlx5_2", None, "ACTIVE")]
 
 
 def test_an_nccl_agent_reports_its_inventory(nvml: EventNvml, fake_cuda: object, tmp_path: Path,

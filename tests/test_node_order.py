@@ -12,7 +12,7 @@ from agents.spec import Finding
 from services.analyzer.verdict import build_verdict
 
 # Node names (agents.groups.NODE_NAME), kept short.
-names = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,23}\Z").map(check_node_name)
+names = st.from_regex(r"\A[A-Za-z0-9](?:[A-Za-z0-9._-]{0,22}[A-Za-z0-9_-])?\Z").map(check_node_name)
 no_digits = st.from_regex(r"\A[A-Za-z._-]{1,24}\Z")
 
 

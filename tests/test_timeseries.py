@@ -5,6 +5,7 @@ series read at the resolution its range asks for, and backpressure at the ingest
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -237,5 +238,7 @@ def test_metrics_count_each_hosts_spooled_and_moved_aside_batches(clean_db) -> N
                 "shipper": {"host": host, "pending": 1, "failed": failed, "rejected": 0}})
             assert r.status_code == 200, r.text
         text_ = api.get("/metrics").text
-    assert 'ringwatch_shipper_batches{host="sched-b",state="failed"} 3' in text_
-    assert 'ringwatch_shipper_batches{host="sched-a",state="failed"} 0' in text_
+    # One token's spools, per host it named (docs/security.md, "The shipper's identity").
+    token = r'token="\d+"'
+    assert re.search(rf'ringwatch_shipper_batches{{host="sched-b",state="failed",{token}}} 3', text_)
+    assert re.search(rf'ringwatch_shipper_batches{{host="sched-a",state="failed",{token}}} 0', text_)

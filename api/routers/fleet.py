@@ -5,7 +5,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
-from api.deps import ReaderDep, SessionDep, SettingsDep
+from api.deps import AdminDep, ReaderDep, SessionDep, SettingsDep
 from api.pages import decode_cursor, encode_cursor, link_next
 from api.schemas import (
     BaselineOut,
@@ -15,6 +15,8 @@ from api.schemas import (
     NodeOut,
     NodePairsOut,
     NodePairTileOut,
+    NodesRetireIn,
+    NodesRetireOut,
     NodeStatesOut,
     SeriesOut,
 )
@@ -26,21 +28,46 @@ router = APIRouter(prefix="/v1", tags=["fleet"])
 
 @router.get("/nodes", response_model=list[NodeOut])
 def get_nodes(request: Request, response: Response, session: SessionDep, _: ReaderDep,
-              after: str | None = Query(default=None, max_length=255,
-                                        description="the name the previous page ended at"),
+              after: str | None = Query(default=None, max_length=2048,
+                                        description="X-Next-Cursor of the previous page, or "
+                                                    "the name it ended at"),
               limit: int = Query(default=5000, ge=1, le=50_000)) -> list[dict]:
-    """The nodes ringwatch has seen, by name, with their ranks (GPUs). A full page names the
-    next in ``X-Next-Cursor`` and ``Link: rel="next"``."""
-    out = fleet.nodes(session, after=after, limit=limit)
-    link_next(request, response, out, limit, out[-1]["name"] if out else None)
+    """The nodes of the fleet (retired ones left out), by name, with their ranks (GPUs). A
+    full page names the next in ``X-Next-Cursor`` and ``Link: rel="next"``."""
+    out = fleet.nodes(session, after=_node_after(after), limit=limit)
+    # The cursor is encoded, so it is a legal header whatever name a page ends at (one
+    # stored before today's name rule, with a newline in it, would end the response).
+    link_next(request, response, out, limit, encode_cursor([out[-1]["name"]]) if out else None)
     return out
+
+
+def _node_after(after: str | None) -> str | None:
+    """The name a page of nodes starts after: X-Next-Cursor decoded, or a plain name."""
+    if after is None:
+        return None
+    try:
+        return decode_cursor(after, 1)[0]
+    except BadInput:
+        return after
 
 
 @router.get("/nodes/{name}", response_model=NodeDetailOut)
 def get_node(name: str, session: SessionDep, _: ReaderDep) -> dict:
     """One node: its GPUs with their telemetry, its NICs and its newest NVML counter
-    readings (up to 100, newest first)."""
+    readings (up to 100, newest first); a retired node's too, with ``retired_at``."""
     return fleet.node(session, name)
+
+
+@router.post("/nodes/retire", response_model=NodesRetireOut)
+def retire_nodes(body: NodesRetireIn, session: SessionDep, _: AdminDep,
+                 dry_run: bool = Query(default=False, description="say what would be "
+                                                                   "retired, change nothing")
+                 ) -> dict:
+    """Take nodes out of the fleet (admin): they leave ``GET /v1/nodes``, the fleet map,
+    the node count (and RINGWATCH_MAX_NODES), /metrics and preflight; their measurements,
+    series, findings and ``GET /v1/nodes/{name}`` stay. A retired node that reports again
+    comes back, as a new node. All or nothing: a name ringwatch never held is a 404."""
+    return fleet.retire_nodes(session, list(body.nodes), dry_run=dry_run)
 
 
 @router.get("/fleet/nodes", response_model=NodeStatesOut)
@@ -163,7 +190,7 @@ def get_health(session: SessionDep, _: ReaderDep) -> dict:
 
 @router.get("/findings")
 def get_findings(request: Request, response: Response, session: SessionDep, _: ReaderDep,
-                 status: Literal["open", "resolved"] | None = None,
+                 status: Literal["open", "resolved", "retired"] | None = None,
                  after: int | None = Query(default=None, ge=1,
                                            description="the id the previous page ended at"),
                  limit: int = Query(default=500, ge=1, le=5000)) -> list[dict]:

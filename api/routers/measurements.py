@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.deps import AgentDep, SessionDep, SettingsDep
-from api.limits import IngestSlots
-from api.schemas import IngestOut, MeasurementBatch
-from services.errors import TooLarge
+from api.limits import BodyPace, IngestSlots, drain_body, read_body
+from api.schemas import ErrorOut, IngestOut, MeasurementBatch
+from services.errors import Busy, TooLarge
 from services.monitor.ingest import (
     IngestLimits,
     IngestPolicy,
@@ -37,13 +37,25 @@ def _parse(raw: bytes) -> MeasurementBatch:
             [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]) from None
 
 
-async def batch_in_slot(request: Request, _: AgentDep) -> AsyncIterator[MeasurementBatch]:
-    """The request's batch, read and parsed only once it holds an ingest slot (kept until
-    the batch is stored). The role is checked first: a reader waits for no slot."""
+async def batch_in_slot(request: Request, who: AgentDep) -> AsyncIterator[MeasurementBatch]:
+    """The request's batch, read (at a bounded pace) and parsed only once it holds one of
+    its token's ingest slots, kept until the batch is stored. The role is checked first: a
+    reader waits for no slot. Refused for want of a slot, the body is drained first, so a
+    client that writes it whole before reading sees the 503."""
     slots: IngestSlots = request.app.state.ingest_slots
-    async with slots.hold():
-        raw = await request.body()
+    pace: BodyPace = request.app.state.body_pace
+    try:
+        await slots.acquire(who.token_id)
+    except Busy:
+        # A client that asked to be told before it sends (Expect: 100-continue) sent nothing.
+        if request.headers.get("expect", "").lower() != "100-continue":
+            await drain_body(request.receive, pace)
+        raise
+    try:
+        raw = await read_body(request.receive, pace)
         yield await run_in_threadpool(_parse, raw)
+    finally:
+        slots.release(who.token_id)
 
 
 BatchDep = Annotated[MeasurementBatch, Depends(batch_in_slot, scope="function")]
@@ -52,7 +64,8 @@ BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"$ref": "#/components/schemas/MeasurementBatch"}}}}}
 
 
-@router.post("/measurements", response_model=IngestOut, openapi_extra=BODY)
+@router.post("/measurements", response_model=IngestOut, openapi_extra=BODY,
+             responses={408: {"model": ErrorOut, "description": "the body came too slowly"}})
 def post_measurements(batch: BatchDep, response: Response, session: SessionDep,
                       settings: SettingsDep, who: AgentDep) -> dict:
     """Store a batch of probe results once (a retried ``batch_id`` with the same content is a
@@ -60,17 +73,22 @@ def post_measurements(batch: BatchDep, response: Response, session: SessionDep,
     a 409) and fold its judgement into link health and fault incidents. The answer comes
     once the batch is committed.
 
-    At most ``max_concurrent_ingests`` batches are read and stored at once; one that waits
-    longer than ``ingest_wait_s`` for its turn is a 503 with Retry-After (the shipper keeps
-    it spooled and sends it then)."""
+    At most ``max_concurrent_ingests`` batches are read and stored at once, half of them
+    (rounded up) for one token; one that waits longer than ``ingest_wait_s`` for its turn
+    is a 503 with Retry-After (the shipper keeps it spooled and sends it then). A body that
+    comes slower than ``ingest_body_timeout_s`` / ``ingest_body_min_bytes_per_s`` allow is
+    a 408 with Retry-After; more than ``max_batch_findings`` findings, a 413."""
     if len(batch.measurements) > settings.max_batch_measurements:
         raise TooLarge(f"{len(batch.measurements)} measurements in one batch; the limit is "
                        f"{settings.max_batch_measurements} (RINGWATCH_MAX_BATCH_MEASUREMENTS)")
+    if len(batch.findings) > settings.max_batch_findings:
+        raise TooLarge(f"{len(batch.findings)} findings in one batch; the limit is "
+                       f"{settings.max_batch_findings} (RINGWATCH_MAX_BATCH_FINDINGS)")
     result = _ingest(batch, session, settings, who)
     # Where the time went (store: nodes, groups, COPY; judge: health and incidents).
     response.headers["Server-Timing"] = ", ".join(
         f"{k};dur={v * 1000:.1f}" for k, v in result.timings.items())
-    return result.to_dict()
+    return {**result.to_dict(), "dropped": batch.dropped}
 
 
 def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
@@ -98,5 +116,7 @@ def _ingest(batch: MeasurementBatch, session: Session, settings: Settings,
                 max_clock_skew=timedelta(seconds=settings.max_clock_skew_s),
                 max_age=timedelta(days=settings.retention_raw_days),
                 max_new_nodes=settings.max_new_nodes_per_batch,
-                max_nodes=settings.max_nodes)),
+                max_nodes=settings.max_nodes,
+                max_new_nodes_per_token=settings.max_new_nodes_per_token,
+                new_nodes_window=timedelta(seconds=settings.new_nodes_window_s))),
     ))

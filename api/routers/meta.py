@@ -28,7 +28,8 @@ def scrape_cache(request: Request, settings: SettingsDep) -> fleet_metrics.Scrap
         cache = getattr(state, "metrics_cache", None)
         if cache is None:
             cache = state.metrics_cache = fleet_metrics.ScrapeCache(
-                settings.metrics_cache_s, settings.metrics_link_max_age_s)
+                settings.metrics_cache_s, settings.metrics_link_max_age_s,
+                settings.metrics_limits())
     return cache
 
 

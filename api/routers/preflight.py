@@ -1,5 +1,6 @@
 """Preflight: may a job launch on these nodes? Durable requests that a scheduler completes."""
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
@@ -10,7 +11,7 @@ from agents.workloads import JobLayout
 from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
 from api.schemas import ClaimIn, CompleteIn, PreflightIn, PreflightOut
 from services.preflight import service
-from services.preflight.waiting import PreflightWaiters
+from services.preflight.waiting import POLL_S, PreflightWaiters
 
 router = APIRouter(prefix="/v1/preflight", tags=["preflight"])
 
@@ -60,7 +61,14 @@ async def create_preflight(body: PreflightIn, request: Request, factory: Factory
         service.submit_committed, factory, list(body.nodes), body.max_age_s, settings.api_url,
         confirm=body.confirm, token_id=who.token_id,
         max_waiting=settings.max_pending_preflights_per_token, profile=body.profile, job=job)
-    return _code(await waiters.wait(out, wait), response)
+    return _code(await waiters.wait(out, wait, hung_up=lambda: _hung_up(request)), response)
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns once the caller has closed its connection. Its body has been read, so the
+    server's next message is the disconnect (awaited, not polled)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(POLL_S)  # a server that sends more: look again later
 
 
 @router.get("/{request_id}", response_model=PreflightOut, response_model_exclude_unset=True,

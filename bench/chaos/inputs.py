@@ -24,6 +24,7 @@ from tests.api_fixtures import fleet_batch, measurement, pair
 # does not place is itself a failure: the matrix must be told about every new route.
 PUBLIC = frozenset({"/healthz", "/metrics"})
 ADMIN_PREFIXES = ("/v1/tokens", "/v1/webhooks")
+ADMIN_ROUTES = frozenset({("POST", "/v1/nodes/retire")})
 AGENT_ROUTES = frozenset({("POST", "/v1/measurements"), ("POST", "/v1/preflight/claim"),
                           ("POST", "/v1/preflight/{request_id}/renew"),
                           ("POST", "/v1/preflight/{request_id}/complete"),
@@ -41,7 +42,7 @@ def needs(method: str, path: str) -> str | None:
         return "none"
     if (method, path) in ANY_TOKEN_ROUTES:
         return "reader"
-    if path.startswith(ADMIN_PREFIXES):
+    if path.startswith(ADMIN_PREFIXES) or (method, path) in ADMIN_ROUTES:
         return "admin"
     if (method, path) in AGENT_ROUTES:
         return "agent"

@@ -7,6 +7,7 @@ reads the incidents it produced. So all of them name the same fault the same way
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -125,28 +126,55 @@ def judge(
 CAUSES = ("transport_fallback", "nic_errors", "nvlink_fabric")
 
 
+# Where a cause finding's slow results are: a node's network (groups across nodes), its
+# NVLink (groups inside it) or one GPU pair of it.
+Place = tuple[str, str, frozenset[int]]
+NO_GPUS: frozenset[int] = frozenset()
+
+
 def explain(findings: list[Finding], assessments: Sequence[Assessment]) -> None:
     """Give each cause finding the bandwidth figure it explains, where its node measured
     slow: among the bad results of groups through its place (a GPU pair's transport, that
     pair; a node's network, groups across nodes; a GPU's fabric state, groups in its node),
     the one at the middle by ratio, as every finding's headline is chosen."""
-    for f in findings:
-        if f.kind not in CAUSES or f.node is None or "headline" in f.detail:
-            continue
-        slow = [a for a in assessments if a.bad and _through(f, a.measurement.members)]
-        a = deciding_result(slow)
+    causes = [f for f in findings
+              if f.kind in CAUSES and f.node is not None and "headline" not in f.detail]
+    if not causes:
+        return
+    # The bad results by place, once, and each place's deciding result once: a batch may
+    # carry thousands of cause findings, and scanning every result for each was quadratic.
+    bad_at: dict[Place, list[Assessment]] = defaultdict(list)
+    for bad in assessments:
+        if bad.bad:
+            for place in _places(bad.measurement.members):
+                bad_at[place].append(bad)
+    deciding: dict[Place, Assessment | None] = {}
+    for f in causes:
+        place = _place(f)
+        if place not in deciding:
+            deciding[place] = deciding_result(bad_at.get(place, ()))
+        a = deciding[place]
         if a is not None:
             f.detail["headline"] = headline_of(a)
             f.measured_gbs, f.expected_gbs = a.measurement.busbw_gbs, a.expected_gbs
 
 
-def _through(f: Finding, members: Sequence[str]) -> bool:
+def _place(f: Finding) -> Place:
+    assert f.node is not None
+    if f.gpus:  # a GPU pair: results of that pair's own group
+        return ("gpus", f.node, frozenset(f.gpus))
+    if f.kind == "nvlink_fabric":
+        return ("nvlink", f.node, NO_GPUS)
+    return ("net", f.node, NO_GPUS)
+
+
+def _places(members: Sequence[str]) -> list[Place]:
+    """Every place a group's results are through, as ``_place`` names a finding's."""
     places = [split_member(m) for m in members]
     nodes = {n for n, _ in places}
-    if f.node not in nodes:
-        return False
-    if f.gpus:  # a GPU pair: results of that pair's own group
-        return nodes == {f.node} and {g for _, g in places} == set(f.gpus)
-    if f.kind == "nvlink_fabric":
-        return nodes == {f.node}
-    return len(nodes) > 1
+    if len(nodes) > 1:
+        return [("net", n, NO_GPUS) for n in nodes]
+    node = next(iter(nodes), None)
+    if node is None:
+        return []
+    return [("nvlink", node, NO_GPUS), ("gpus", node, frozenset(g for _, g in places))]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from agents.groups import node_order
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
-from services.cli.output import print_json, print_tokens, print_verdict
+from services.cli.output import print_json, print_tokens, print_verdict, say, visible
 from services.config import settings_in_environment
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class _Progress:
 
     def __call__(self, message: str) -> None:
         stream = sys.stderr
+        message = visible(message)  # it may quote an API's or a node's text
         if stream.isatty() and _TRANSIENT.match(message):
             elapsed = time.monotonic() - self.started
             stream.write(f"\r\x1b[K  .. [{elapsed:6.1f} s] {message}")
@@ -159,8 +160,15 @@ def cmd_db(args: argparse.Namespace) -> int:
         return 0
     if args.db_command == "wait":
         return _wait_for_schema(url, args.timeout)
+    wait_s = next(w for w in (args.lock_timeout, settings.migration_lock_timeout_s,
+                              db.MIGRATION_LOCK_WAIT_S) if w is not None)
+    if not wait_s > 0:
+        raise CliError("--lock-timeout must be more than 0 seconds")
     before = db.current_revision(url)
-    db.upgrade(url)
+    try:
+        db.upgrade(url, lock_wait_s=wait_s, say=progress)
+    except db.MigrationLockBusy as exc:
+        raise CliError(str(exc)) from None
     after = db.current_revision(url)
     moved = f"from {before} to {after}" if before != after else f"already at {after}"
     print(f"database {db.describe_url(url)}: migrated {moved} (head)")
@@ -217,6 +225,7 @@ def cmd_token(args: argparse.Namespace) -> int:
             raise CliError("--expires-in-days must be 0 (never) or more")
     if args.api:
         return _token_via_api(args)
+    from services.errors import RingwatchError
     from services.store import db, tokens
 
     settings = get_settings()
@@ -224,8 +233,11 @@ def cmd_token(args: argparse.Namespace) -> int:
     with db.transaction(factory) as s:
         if args.token_command == "create":
             ttl = settings.token_ttl_days if args.expires_in_days is None else args.expires_in_days
-            row, token = tokens.issue(s, args.role, args.name, expires_at=tokens.expiry(ttl),
-                                      nodes=args.nodes)
+            try:  # the scope's names as the API takes them (tokens.check_scope)
+                row, token = tokens.issue(s, args.role, args.name, expires_at=tokens.expiry(ttl),
+                                          nodes=args.nodes)
+            except RingwatchError as exc:
+                raise CliError(exc.message) from None
             _print_created(_token_info(row), token)
         elif args.token_command == "list":
             rows = tokens.list_tokens(s, limit=1_000_000, include_revoked=args.all)
@@ -285,12 +297,12 @@ def _from_api(info: dict[str, Any]) -> dict[str, Any]:
 
 def _print_created(info: dict[str, Any], token: str) -> None:
     until = info["expires_at"].isoformat(timespec="seconds") if info["expires_at"] else "never"
-    print(f"created {info['role']} token {info['id']} (expires {until}): {token}")
+    say(f"created {info['role']} token {info['id']} (expires {until}): {token}")
 
 
 def _print_revoked(info: dict[str, Any]) -> None:
-    print(f"revoked token {info['id']} ({info['role']}"
-          f"{', ' + info['name'] if info['name'] else ''})")
+    say(f"revoked token {info['id']} ({info['role']}"
+        f"{', ' + info['name'] if info['name'] else ''})")
 
 
 def _token_info(row) -> dict[str, Any]:
@@ -579,7 +591,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
                      "injected": cycle.injected,
                      **({"workload": cycle.workload} if cycle.workload else {})})
     else:
-        print(format_table(cycle.measurements))
+        for line in format_table(cycle.measurements).splitlines():
+            say(line)
         for f in cycle.findings:
             print(f"FINDING {json.dumps(f.to_dict())}")
         for f in (cycle.workload or {}).get("findings", []):
@@ -902,12 +915,12 @@ def _print_rankmap(result: dict[str, Any], as_json: bool) -> None:
         print_json(result)
         return
     state = "OK" if result["ok"] else "PROBLEMS"
-    print(f"{state}: {result['ranks']} rank(s) on {result['hosts']} host(s), "
-          f"{len(result['findings'])} finding(s)")
-    for f in result["findings"]:
-        print(f"  {f['problem']:<20} {_describe_rank_finding(f)} [{f.get('severity', '')}]")
+    say(f"{state}: {result['ranks']} rank(s) on {result['hosts']} host(s), "
+        f"{len(result['findings'])} finding(s)")
+    for f in result["findings"]:  # host names come from the launcher's file and the API
+        say(f"  {f['problem']:<20} {_describe_rank_finding(f)} [{f.get('severity', '')}]")
     if result.get("skipped"):
-        print(f"skipped: {', '.join(result['skipped'])}")
+        say(f"skipped: {', '.join(result['skipped'])}")
 
 
 def _few(values: list) -> str:
@@ -944,6 +957,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services.cli.demo import run_demo
 
     return run_demo(args)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from services.cli.nodes import cmd_node as run_node
+
+    return run_node(args)
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:

@@ -12,10 +12,11 @@ import sys
 import warnings
 
 from agents.spec import OPS, REDOPS, ProbeSetupError
-from services.cli import commands, slurm
+from services.cli import commands, nodes, slurm
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
 from services.cli.extras import missing_extra
+from services.cli.output import visible
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -38,10 +39,16 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    """Node names, comma-separated, each by the rule the API names nodes by."""
+    from agents.groups import check_node_name
+
+    names = [n.strip(" ") for n in text.split(",") if n.strip(" ")]
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r} names no node")
-    return names
+    try:
+        return [check_node_name(n) for n in names]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -136,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer GET /healthz (the loop comes round) and /readyz (key set, "
                         "database at this ringwatch's migrations) on this port, for a "
                         "supervisor's probes (default: off)")
-    p.add_argument("--health-host", default="0.0.0.0",
-                   help="the address --health-port listens on (default: every interface)")
+    p.add_argument("--health-host", default="127.0.0.1",
+                   help="the address --health-port listens on (default: loopback; in a pod, "
+                        "0.0.0.0, as a kubelet probes the pod's address)")
 
     p = sub.add_parser("scheduler", help="probe periodically and send results to the API")
     add_backend_args(p)
@@ -149,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve GET /healthz and /metrics (leader or standby, the last cycle, "
                         "nodes probed and busy, the spool, the API's last answer) on this "
                         "port (default: off)")
-    p.add_argument("--health-host", default="0.0.0.0",
-                   help="the address --health-port listens on (default: every interface)")
+    p.add_argument("--health-host", default="127.0.0.1",
+                   help="the address --health-port listens on (default: loopback; for a "
+                        "Prometheus on another host or in a pod, 0.0.0.0)")
 
     p = sub.add_parser("probe", help="run one probe cycle and print the results")
     add_backend_args(p)
@@ -226,8 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("db", help="database")
     dsub = p.add_subparsers(dest="db_command", required=True)
-    dsub.add_parser("upgrade", help="apply migrations (one upgrade at a time: a second waits "
-                                    "for the first)")
+    p = dsub.add_parser("upgrade", help="apply migrations (one upgrade at a time: a second "
+                                        "waits for the first, saying who holds the lock)")
+    p.add_argument("--lock-timeout", type=float, metavar="SECONDS",
+                   help="give up (exit 2) when another upgrade holds the migration lock this "
+                        "long (default RINGWATCH_MIGRATION_LOCK_TIMEOUT_S, 300)")
     p = dsub.add_parser("wait", help="wait until another step (`db upgrade`, a migration Job) "
                                      "has brought the database to this ringwatch's migrations; "
                                      "exit 2 past --timeout")
@@ -238,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     dsub.add_parser("stop", help="stop the embedded Postgres (started when no "
                                  "RINGWATCH_DATABASE_URL is set); its data stays")
     slurm.add_parser(sub)
+    nodes.add_parser(sub)
     return parser
 
 
@@ -255,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except (CliError, ProbeSetupError) as exc:
         commands.progress.end()
-        print(f"ringwatch {args.command}: {exc}", file=sys.stderr)
+        # One line, whatever an API's or a node's text inside it holds.
+        print(f"ringwatch {args.command}: {visible(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         commands.progress.end()
@@ -266,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.exception("failed")
         # A role's extra not installed here is named with the install that gives it.
         line = missing_extra(exc, args.command) if isinstance(exc, ModuleNotFoundError) else None
-        print(f"ringwatch {args.command}: {line or f'{type(exc).__name__}: {exc}'}",
+        print(f"ringwatch {args.command}: {visible(line or f'{type(exc).__name__}: {exc}')}",
               file=sys.stderr)
         return 2
 

@@ -1,10 +1,26 @@
-"""What the CLI prints: JSON for machines, a verdict for people."""
+"""What the CLI prints: JSON for machines, a verdict for people.
+
+Text that an agent or an admin supplied (a headline, a cause, a node's or a token's name, an
+API's error message) can hold terminal control sequences: clear the screen, set the window
+title, an OSC 8 link. Every CLI surface prints such text through ``visible``; JSON output is
+safe as it is (``json.dumps`` escapes control characters)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
 from typing import Any
+
+
+def visible(text: str) -> str:
+    """Free text fit for one terminal line: control and invisible characters (ESC, BEL, C1
+    controls, a newline, bidirectional overrides) shown as escapes, never acted on."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def say(line: str = "") -> None:
+    """Print one line of output whose parts may hold free text."""
+    print(visible(line))
 
 
 def headline(finding: dict[str, Any]) -> str:
@@ -41,31 +57,31 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
         print_json(verdict)
         return
     state = "HEALTHY" if verdict["healthy"] else "UNHEALTHY"
-    print(f"{state}: {verdict['nodes_checked']} node(s) checked on {verdict['backend']}, "
-          f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing")
+    say(f"{state}: {verdict['nodes_checked']} node(s) checked on {verdict['backend']}, "
+        f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing")
     if verdict.get("exclude"):
-        print(f"exclude: {', '.join(verdict['exclude'])}")
+        say(f"exclude: {', '.join(verdict['exclude'])}")
     for f in verdict.get("findings", []):
         if f["kind"] == "fabric_below_rated":  # the fleet's, not a node's: say how far
-            print(f"  {f['kind']:<18} {f.get('scope')}: {f.get('reason', '')} [{f.get('severity', '')}]")
+            say(f"  {f['kind']:<18} {f.get('scope')}: {f.get('reason', '')} [{f.get('severity', '')}]")
             continue
         where = f.get("node") or ",".join(f.get("nodes") or [])
         gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
         bw = headline(f)
-        print(f"  {f['kind']:<18} {where}{gpus}{f' {bw}' if bw else ''} [{f.get('severity', '')}]")
+        say(f"  {f['kind']:<18} {where}{gpus}{f' {bw}' if bw else ''} [{f.get('severity', '')}]")
     if verdict.get("suspects"):
-        print(f"suspects (slow in an earlier cycle, not in the latest; --confirm re-probes them): "
-              f"{', '.join(verdict['suspects'])}")
+        say(f"suspects (slow in an earlier cycle, not in the latest; --confirm re-probes them): "
+            f"{', '.join(verdict['suspects'])}")
     if verdict.get("complete") is False:
         why = (f"the check's budget of {verdict['stopped_by']} ran out"
                if verdict.get("stopped_by") else "repeats ran out")
-        print(f"incomplete: {why} with {verdict.get('undecided', 0)} group(s) undecided "
-              "(never exclusions); the verdict rests on what was decided")
+        say(f"incomplete: {why} with {verdict.get('undecided', 0)} group(s) undecided "
+            "(never exclusions); the verdict rests on what was decided")
     if verdict.get("unprobed"):
-        print(f"no fresh results for: {', '.join(verdict['unprobed'])}")
+        say(f"no fresh results for: {', '.join(verdict['unprobed'])}")
     if verdict.get("contended"):
-        print(f"not judged, their links carried other traffic (a job's): "
-              f"{', '.join(verdict['contended'])}")
+        say(f"not judged, their links carried other traffic (a job's): "
+            f"{', '.join(verdict['contended'])}")
 
 
 def print_tokens(rows: list[dict[str, Any]], as_json: bool) -> None:
@@ -76,10 +92,11 @@ def print_tokens(rows: list[dict[str, Any]], as_json: bool) -> None:
     def when(value: Any) -> str:
         return value.isoformat(timespec="minutes") if value is not None else "-"
 
-    print(f"{'id':>5}  {'role':<6}  {'name':<20}  {'last used':<22}  {'expires':<22}  state")
+    say(f"{'id':>5}  {'role':<6}  {'name':<20}  {'last used':<22}  {'expires':<22}  state")
     for r in rows:
         state = "revoked" if r["revoked_at"] else "active"
         if r["nodes"] is not None:
             state += f", {len(r['nodes'])} node(s)"
-        print(f"{r['id']:>5}  {r['role']:<6}  {r['name'][:20]:<20}  {when(r['last_used_at']):<22}  "
-              f"{when(r['expires_at']):<22}  {state}")
+        name = visible(r["name"])[:20]
+        say(f"{r['id']:>5}  {r['role']:<6}  {name:<20}  {when(r['last_used_at']):<22}  "
+            f"{when(r['expires_at']):<22}  {state}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import email.utils
+import errno
 import os
 import re
 import shutil
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.cli.errors import CliError
-from services.cli.output import with_cause
+from services.cli.output import visible, with_cause
 
 if TYPE_CHECKING:
     import httpx
@@ -55,6 +56,14 @@ MAX_AGE_S = 900.0
 EPILOG_MAX_AGE_S = 0.001
 # Slurm stores any length, but sinfo and scontrol show reasons on one line.
 MAX_REASON = 200
+# What a drain reason keeps: what ringwatch writes in one (names, figures, units, a cause's
+# "40% of packets" and "+500"). Not $, backticks, ;, |, &, quotes, <, >, \ or braces: a
+# site's script that reads the reason back (NHC, a drain hook) must not run any of it.
+# A ";" (headline; cause) reads as a ",".
+REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                         " .,:()/+%_-")
+# An env file is a few KEY=value lines; anything larger is not one.
+MAX_ENV_FILE_BYTES = 64 * 1024
 # Where distributions and source installs put Slurm's commands; slurmd gives a prolog no PATH.
 SLURM_BIN_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin")
 # Answers worth asking again after a pause (Retry-After where the API gives one).
@@ -94,17 +103,28 @@ class GateConfig:
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """The ``KEY=value`` lines of an env file that only its owner may read: it holds a token."""
+    """The ``KEY=value`` lines of an env file that only its owner may read: it holds a token.
+    Opened without following a link and without blocking (a FIFO planted there would hold
+    every job's start), and read only once it is known to be a small regular file."""
     try:
-        with open(path, encoding="utf-8") as f:
-            st = os.fstat(f.fileno())
-            text = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return {}
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CliError(f"{path} is a symbolic link: give the file itself") from None
         raise CliError(f"cannot read {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CliError(f"{path} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CliError(f"{path} is not a regular file")
+        data = f.read(MAX_ENV_FILE_BYTES + 1)
+    if len(data) > MAX_ENV_FILE_BYTES:
+        raise CliError(f"{path} is larger than {MAX_ENV_FILE_BYTES // 1024} KiB: not an env file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not UTF-8 text") from None
     if st.st_mode & 0o077:
         raise CliError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: it holds a token, so "
                        f"group and others may not read it (chmod 600 {path})")
@@ -204,18 +224,32 @@ class DecisionLog:
     def __call__(self, line: str) -> None:
         import syslog
 
-        text = f"ringwatch slurm {self.command}: {line}"
+        # The API's answer and scontrol's output are quoted: one line, nothing a terminal
+        # or a log viewer acts on.
+        text = visible(f"ringwatch slurm {self.command}: {line}")
         print(text, file=sys.stderr, flush=True)
         syslog.openlog("ringwatch", syslog.LOG_PID, syslog.LOG_DAEMON)
         syslog.syslog(syslog.LOG_WARNING, text)
         if self.path:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             try:
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(f"{stamp} {text}\n")
+                append_line(self.path, f"{stamp} {text}\n")
             except OSError as exc:
-                print(f"ringwatch slurm: cannot write {self.path}: {exc.strerror}",
+                print(visible(f"ringwatch slurm: cannot write {self.path}: {exc.strerror}"),
                       file=sys.stderr)
+
+
+def append_line(path: str, line: str) -> None:
+    """Append ``line`` to the regular file at ``path`` (made 0600 where missing), never
+    through a link planted there and never blocking on a FIFO (no reader: ENXIO)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | os.O_CLOEXEC, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.write(fd, line.encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
 
 
 # ---- asking the API ------------------------------------------------------------------------
@@ -369,8 +403,9 @@ def _figure(f: Mapping[str, Any]) -> str:
 
 
 def clean_reason(text: str) -> str:
-    """One printable line without quotes, at most MAX_REASON characters."""
-    text = " ".join("".join(c if c.isprintable() and c not in "\"'" else " " for c in text).split())
+    """One line of REASON_CHARS (anything else a space), at most MAX_REASON characters."""
+    text = text.replace(";", ",")
+    text = " ".join("".join(c if c in REASON_CHARS else " " for c in text).split())
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from services.cli.errors import CliError
-from services.cli.output import headline
+from services.cli.output import headline, visible
 from services.config import TOKEN_EXPIRY_WARN_S
 
 # Incidents listed at most; the count says how many more are open.
@@ -147,7 +147,9 @@ def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:
         table.append([str(inc["id"]), inc["kind"], inc.get("severity") or "", where(inc),
                       ago((status.now - opened).total_seconds() if opened else None),
                       headline(inc.get("detail") or {})])
-    return summary, table
+    # Names, headlines and causes are an agent's text: shown, never acted on by a terminal.
+    return ([(label, visible(value)) for label, value in summary],
+            [[visible(cell) for cell in row] for row in table])
 
 
 def busy_text(busy: dict[str, Any]) -> str:
@@ -160,12 +162,6 @@ def busy_text(busy: dict[str, Any]) -> str:
     if busy["unknown"]:
         text += f"; {len(busy['unknown'])} counted busy because occupancy could not be read"
     return text
-
-
-def visible(text: str) -> str:
-    """A free string (a token's name) fit for one terminal line: control and invisible
-    characters shown as escapes, never acted on."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def until(seconds: float) -> str:
@@ -229,6 +225,6 @@ def render_rich(status: FleetStatus) -> None:
         t = Table(title=f"open incidents ({len(status.incidents)})", title_justify="left")
         for h in HEADERS:
             t.add_column(h)
-        for r in table:
-            t.add_row(*r, style="red" if r[2] == "critical" else "yellow")
+        for r in table:  # as written, never as markup
+            t.add_row(*(escape(c) for c in r), style="red" if r[2] == "critical" else "yellow")
         console.print(t)

@@ -20,6 +20,7 @@ from services.errors import BadInput, NodeNotFound, NotFound
 from services.store import health as health_store
 from services.store import measurements as store
 from services.store import metrics as metrics_store
+from services.store import nodes as node_store
 from services.store import timeseries
 
 
@@ -37,7 +38,8 @@ def nodes(session: Session, *, after: str | None = None,
 
 def node(session: Session, name: str) -> dict[str, Any]:
     """One node's inventory: its GPUs with their telemetry, its NICs (as its first rank
-    read them), and its newest stored NVML counter readings."""
+    read them), and its newest stored NVML counter readings; a retired node's too, with
+    when it was retired."""
     found = store.get_node(session, name)
     if found is None:
         raise NodeNotFound(f"unknown node: {name}")
@@ -46,6 +48,7 @@ def node(session: Session, name: str) -> dict[str, Any]:
     return {"name": n.name, "hostname": n.hostname, "backend": n.backend, "profile": n.profile,
             "duty_cycle": n.duty_cycle, "skipped_reason": n.skipped_reason,
             "occupied": n.occupied, "last_seen_at": n.last_seen_at, "last_probed_at": n.last_probed_at,
+            "retired_at": n.retired_at,
             "gpus": [{"local_index": g.local_index, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
                       "numa_node": g.numa_node, "name": g.name, "telemetry": g.telemetry}
                      for g in gpus],
@@ -216,10 +219,31 @@ def _tile(session: Session, max_nodes: int, rows: Span, cols: Span) -> dict[str,
             "cells": base64.b64encode(cells).decode()}
 
 
-def require_nodes(session: Session, names: list[str]) -> None:
-    unknown = sorted(set(names) - store.known_nodes(session, names), key=node_order)
+def require_nodes(session: Session, names: list[str], *, include_retired: bool = False) -> None:
+    """404 naming the nodes of ``names`` the fleet does not hold (``include_retired``: that
+    it never held; a retired node's history is read like any other's)."""
+    unknown = sorted(set(names) - store.known_nodes(session, names,
+                                                    include_retired=include_retired),
+                     key=node_order)
+    if unknown:
+        what = "unknown node(s)" if include_retired else "unknown or retired node(s)"
+        raise NodeNotFound(f"{what}: {', '.join(unknown[:20])}")
+
+
+def retire_nodes(session: Session, names: list[str], *, dry_run: bool = False) -> dict[str, Any]:
+    """Take ``names`` out of the fleet: off its lists, counts, map, /metrics and preflight,
+    and no longer counted toward RINGWATCH_MAX_NODES; their measurements, series, findings
+    and GET /v1/nodes/{name} stay. A node that reports again comes back, as a new node.
+    All or nothing: a name the table never held is a 404 and nothing is retired."""
+    state = node_store.retired_state(session, names)
+    unknown = sorted(set(names) - set(state), key=node_order)
     if unknown:
         raise NodeNotFound(f"unknown node(s): {', '.join(unknown[:20])}")
+    active = sorted((n for n, at in state.items() if at is None), key=node_order)
+    retired = active if dry_run else sorted(node_store.retire(session, active), key=node_order)
+    return {"dry_run": dry_run, "retired": retired,
+            "already_retired": sorted((n for n, at in state.items() if at is not None),
+                                      key=node_order)}
 
 
 def links(session: Session, *, status: str | None, scope: str | None, node: str | None,
@@ -228,7 +252,7 @@ def links(session: Session, *, status: str | None, scope: str | None, node: str 
     """Each link's health, with where it stands in the hysteresis ``policy``'s window
     (``hysteresis.standing``: why a link slow in one cycle is still ok)."""
     if node:
-        require_nodes(session, [node])
+        require_nodes(session, [node], include_retired=True)
     return [
         {**{c: getattr(link, c) for c in ("group_key", "scope", "op", "members", "nodes",
                                           "status", "size_bytes", "busbw_gbs", "expected_gbs",
@@ -266,7 +290,7 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
         node_names = sorted({split_member(m.strip())[0] for m in members})
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
-    require_nodes(session, node_names)
+    require_nodes(session, node_names, include_retired=True)
     wanted = sorted(m.strip() for m in members)
     resolution = timeseries.pick_resolution(resolution, since, until,
                                             retention or timeseries.Retention())
@@ -298,8 +322,9 @@ def series(session: Session, members: list[str] | None, *, op: str | None,
     return out
 
 
-def shipper_states(session: Session) -> dict[str, dict[str, Any]]:
-    """Each sending host's spool as its newest batch of the last day reported it."""
+def shipper_states(session: Session) -> list[store.ShipperSpool]:
+    """Each sending token's spools (per host it named) as its newest batch of the last day
+    reported them."""
     return store.shipper_states(session)
 
 

@@ -37,6 +37,7 @@ from services.store import drift as drift_store
 from services.store import events
 from services.store import health as store
 from services.store.models import FaultState
+from services.store.models import Finding as FindingRow
 
 
 @dataclass
@@ -124,6 +125,8 @@ def _drift(session: Session, j: Judgement, at: datetime, policy: CusumPolicy) ->
 
 def _faults(session: Session, coverage: Coverage, findings: list[Finding], at: datetime,
             policy: Policy, api_url: str, changes: HealthChanges) -> None:
+    """Step every fault's hysteresis and write what changed: a few statements however many
+    faults the batch names (services.store.health writes them in bulk)."""
     found: dict[str, Finding] = {}
     for f in findings:
         found.setdefault(fault_key(f), f)
@@ -131,10 +134,12 @@ def _faults(session: Session, coverage: Coverage, findings: list[Finding], at: d
     for key, state in list(states.items()):
         if key not in found and not coverage.covers(Finding.from_dict(state.detail)):
             del states[key]  # not looked at this cycle: no evidence either way
-    for key, f in found.items():
-        if key not in states:
-            states[key] = store.add_fault_state(session, key=key, kind=f.kind,
-                                                nodes=fault_nodes(f), detail=f.to_dict())
+    new = {key: store.new_fault_state(key=key, kind=f.kind, nodes=fault_nodes(f),
+                                      detail=f.to_dict())
+           for key, f in found.items() if key not in states}
+    states.update(new)
+    turned: list[tuple[FaultState, str]] = []  # (state, its new status), in order
+    seen_again: list[FaultState] = []
     for key, state in states.items():
         seen = key in found
         if seen:
@@ -145,37 +150,67 @@ def _faults(session: Session, coverage: Coverage, findings: list[Finding], at: d
         state.status, state.good_streak = after.status, after.good_streak
         state.recent = "".join("1" if bad else "0" for bad in after.recent)
         state.updated_at = at
-        if before == OK and after.status == DEGRADED:
-            _open(session, state, api_url, changes)
-        elif before == DEGRADED and after.status == OK:
-            _resolve(session, state, at, api_url, changes)
+        if after.status != before:
+            turned.append((state, after.status))
         elif seen and state.finding_id is not None:
-            store.touch_finding(session, state.finding_id, at, state.detail)
-        if state.status == OK and "1" not in state.recent:
-            session.delete(state)
+            seen_again.append(state)
+    _write_turns(session, turned, seen_again, at, api_url, changes)
+    # A fault keeps its row while it is open or was seen within its window.
+    kept = {key for key, s in states.items() if s.status != OK or "1" in s.recent}
+    store.save_fault_states(session, [s for key, s in new.items() if key in kept],
+                            [s for key, s in states.items() if key in kept and key not in new],
+                            [s for key, s in states.items() if key not in kept and key not in new])
 
 
-def _open(session: Session, state: FaultState, api_url: str, changes: HealthChanges) -> None:
+def _write_turns(session: Session, turned: list[tuple[FaultState, str]],
+                 seen_again: list[FaultState], at: datetime, api_url: str,
+                 changes: HealthChanges) -> None:
+    """Open and resolve the incidents of the faults that turned, touch those seen again,
+    and write their events in the order the faults turned."""
+    incidents = [_incident(s) for s, status in turned if status == DEGRADED]
+    opened = iter(zip(store.open_findings(session, incidents), incidents, strict=True))
+    held = store.findings_by_id(session, [s.finding_id for s, status in turned
+                                          if status == OK and s.finding_id is not None]
+                                + [s.finding_id for s in seen_again if s.finding_id is not None])
+    payloads: list[events.Payload] = []
+    for state, status in turned:
+        if status == DEGRADED:
+            finding_id, incident = next(opened)
+            payloads.append(_opened(state, finding_id, incident["detail"], api_url, changes))
+        else:
+            payloads.append(_resolved(state, held.get(state.finding_id or 0), at, api_url,
+                                      changes))
+    for state in seen_again:
+        finding = held.get(state.finding_id or 0)
+        if finding is not None:
+            store.touch_finding(finding, at, state.detail)
+    store.save_findings(session, list(held.values()))
+    events.emit_many(session, payloads)
+
+
+def _incident(state: FaultState) -> dict[str, Any]:
+    """The incident row a fault opens."""
     detail = {**state.detail, "fault": state.key}
-    finding = store.open_finding(session, kind=state.kind, group_key=None, op=None,
-                                 nodes=list(state.nodes), severity=detail.get("severity", "critical"),
-                                 detail=detail)
-    state.finding_id = finding.id
-    events.emit(session, events.incident_opened(state.kind, detail, finding.id,
-                                                list(state.nodes), api_url))
+    return {"kind": state.kind, "group_key": None, "op": None, "nodes": list(state.nodes),
+            "severity": detail.get("severity", "critical"), "detail": detail}
+
+
+def _opened(state: FaultState, finding_id: int, detail: dict[str, Any], api_url: str,
+            changes: HealthChanges) -> events.Payload:
+    state.finding_id = finding_id
     (changes.probe_findings if state.kind in RANK_KINDS else changes.degraded).append(detail)
+    return events.incident_opened(state.kind, detail, finding_id, list(state.nodes), api_url)
 
 
-def _resolve(session: Session, state: FaultState, at: datetime, api_url: str,
-             changes: HealthChanges) -> None:
-    finding = store.get_finding(session, state.finding_id) if state.finding_id else None
+def _resolved(state: FaultState, finding: FindingRow | None, at: datetime, api_url: str,
+              changes: HealthChanges) -> events.Payload:
     detail = dict(finding.detail) if finding is not None else {**state.detail, "fault": state.key}
     if finding is not None:
-        store.resolve_finding(session, finding, at)
+        store.resolve_finding(finding, at)
     state.finding_id = None
-    events.emit(session, events.incident_recovered(
-        detail, finding.id if finding is not None else None, list(state.nodes), api_url))
     changes.recovered.append(detail)
+    return events.incident_recovered(detail, finding.id if finding is not None else None,
+                                     list(state.nodes), api_url)
 
 
 # ---- link health: per link and op, for reading --------------------------------------------

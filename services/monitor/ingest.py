@@ -10,16 +10,17 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from agents.groups import node_order, nodes_of, series_key
+from agents.groups import case_twins, node_order, nodes_of, series_key
 from agents.spec import Occupant, RankInfo, utcnow
 from services.analyzer.assess import Thresholds, thresholds_for
 from services.analyzer.evidence import CusumPolicy
 from services.analyzer.faults import RANK_KINDS
 from services.analyzer.hysteresis import Policy
 from services.config import MAX_CLOCK_SKEW_S
-from services.errors import BadInput, Conflict, Forbidden, TooLarge
+from services.errors import BadInput, Conflict, Forbidden, TooLarge, TooManyRequests
 from services.monitor.health import HealthChanges, apply_round
 from services.store import measurements as store
+from services.store import nodes as node_store
 from services.store import timeseries
 
 # What an Occupant is made of: a stored occupant's other keys (reason, since) are ours.
@@ -56,6 +57,10 @@ class IngestLimits:
     # Nodes one batch may create, and the fleet may hold in all.
     max_new_nodes: int | None = None
     max_nodes: int | None = None
+    # Nodes one token may add to the fleet (create, or bring back from retirement) within
+    # ``new_nodes_window``.
+    max_new_nodes_per_token: int | None = None
+    new_nodes_window: timedelta = timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
         return _stored_before(session, req.batch_id, req.digest, req.sender.token_id)
     now = utcnow()
     _check_times(rows, now, req.policy.limits)
-    _check_growth(session, node_names, req.policy.limits)
+    _check_growth(session, node_names, req.policy.limits, req.sender.token_id)
     seen_at = max((r["time"] for r in rows), default=now)
     # A contended measurement is about the job beside it: stored and shown, never judged, and
     # no sign of the node's health, so it does not make the node's results fresh either.
@@ -138,7 +143,8 @@ def ingest_batch(session: Session, req: IngestRequest) -> IngestResult:
     store.upsert_nodes(session, sorted(node_names), req.backend, seen_at,
                        _probed_at(judged, req.findings, seen_at),
                        duty_cycle=req.duty_cycle, skipped=req.skipped,
-                       occupied=_occupied(req.occupancy, node_names))
+                       occupied=_occupied(req.occupancy, node_names),
+                       token_id=req.sender.token_id)
     store.upsert_ranks(session, req.ranks)
     if rows:
         bind = session.get_bind()
@@ -220,19 +226,57 @@ def _check_times(rows: list[dict[str, Any]], now: datetime, limits: IngestLimits
                        "raw results are kept (RINGWATCH_RETENTION_RAW_DAYS)")
 
 
-def _check_growth(session: Session, names: set[str], limits: IngestLimits) -> None:
-    """Refuse a batch that would create more nodes than one batch, or the fleet, may hold."""
-    if limits.max_new_nodes is None and limits.max_nodes is None:
+def _check_growth(session: Session, names: set[str], limits: IngestLimits,
+                  token_id: int | None) -> None:
+    """Refuse a batch that would add to the fleet more nodes than one batch, its token
+    within its window, or the fleet may hold; or a node the fleet holds under another case.
+    A node is new when the fleet does not hold it: never seen, or retired."""
+    _check_one_case(names)
+    new = names - store.known_nodes(session, sorted(names))
+    if not new:
         return
-    new = len(names) - len(store.known_nodes(session, sorted(names)))
-    if limits.max_new_nodes is not None and new > limits.max_new_nodes:
-        raise TooLarge(f"the batch would create {new} nodes; one batch may create at most "
+    twins = node_store.twins_in_fleet(session, new)
+    if twins:
+        shown = ", ".join(f"{a} (the fleet's {b})" for a, b in sorted(twins.items())[:10])
+        raise BadInput(f"{len(twins)} node name(s) differ only in case from a node in the "
+                       f"fleet (host names ignore case; name each as the fleet does): {shown}")
+    if limits.max_new_nodes is not None and len(new) > limits.max_new_nodes:
+        raise TooLarge(f"the batch would create {len(new)} nodes; one batch may create at most "
                        f"{limits.max_new_nodes} (RINGWATCH_MAX_NEW_NODES_PER_BATCH)")
-    if limits.max_nodes is not None and new:
+    if limits.max_new_nodes_per_token is not None and token_id is not None:
+        _check_token_quota(session, len(new), limits, token_id)
+    if limits.max_nodes is not None:
         held = store.node_count(session)
-        if held + new > limits.max_nodes:
-            raise BadInput(f"the fleet holds {held} nodes and the batch would add {new}; it "
+        if held + len(new) > limits.max_nodes:
+            raise BadInput(f"the fleet holds {held} nodes and the batch would add {len(new)}; it "
                            f"may hold at most {limits.max_nodes} (RINGWATCH_MAX_NODES)")
+
+
+def _check_one_case(names: set[str]) -> None:
+    """Refuse a batch naming one host in two cases (node-000 and NODE-000)."""
+    twins = case_twins(names)
+    if twins:
+        raise BadInput(f"the batch names {len(twins)} host(s) in more than one case (host names "
+                       f"ignore case): {'; '.join(' and '.join(t) for t in twins[:10])}")
+
+
+def _check_token_quota(session: Session, new: int, limits: IngestLimits, token_id: int) -> None:
+    """One token adds at most ``max_new_nodes_per_token`` nodes to the fleet in its window:
+    a flood of made-up names from one agent stops there, while nodes it added before report
+    on and another token's new node still joins. A batch the whole quota cannot hold is a
+    422 (it would never fit); one that fits once older additions leave the window, a 429."""
+    quota, window_s = limits.max_new_nodes_per_token, limits.new_nodes_window.total_seconds()
+    assert quota is not None
+    setting = "RINGWATCH_MAX_NEW_NODES_PER_TOKEN per RINGWATCH_NEW_NODES_WINDOW_S"
+    if new > quota:
+        raise BadInput(f"the batch would add {new} nodes to the fleet; one token may add at most "
+                       f"{quota} in {window_s:g} s ({setting}): raise it for a fleet this large")
+    added = node_store.added_by(session, token_id, window_s)
+    if added.nodes + new > quota:
+        raise TooManyRequests(
+            f"this token added {added.nodes} nodes to the fleet in the last {window_s:g} s and "
+            f"the batch would add {new} more; one token may add at most {quota} ({setting}). "
+            "Nodes already in the fleet report on", retry_after_s=added.frees_in_s or window_s)
 
 
 def _stored_before(session: Session, batch_id: str, digest: str | None,

@@ -1,10 +1,17 @@
 """Prometheus metrics of the fleet: a snapshot read by a few aggregate queries, rendered by
 prometheus_client (escaped labels, HELP and TYPE per family, OpenMetrics when the scraper
 asks for it), and cached in the API process so many scrapers cost one scan; the process's
-own families (requests, latency, CPU, memory) are rendered fresh behind it at every scrape."""
+own families (requests, latency, CPU, memory) are rendered fresh behind it at every scrape.
+
+Every label takes its value from a closed vocabulary (a known counter, transport, GPU pair,
+a node name the rule accepts, a token's id) and every family holds at most so many series
+per node and in all (``SeriesLimits``): what an agent's batch says cannot choose how many
+series a scrape carries. A row that cannot be labelled is left out, never a failed scrape,
+and what is left out is counted (``ringwatch_metrics_series_dropped``)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import zlib
@@ -25,13 +32,16 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 
-from agents.groups import split_member
+from agents.groups import is_node_name, split_member
+from agents.nccl_log import TRANSPORTS
+from agents.nic_counters import THRESHOLDS
 from services.analyzer.hysteresis import DEGRADED, OK
 from services.config import TOKEN_EXPIRY_WARN_S
 from services.monitor.stored_verdict import excluded_nodes
 from services.store import health as health_store
 from services.store import measurements as measurement_store
 from services.store import metrics as store
+from services.store.measurements import SHIPPER_HOSTS_PER_TOKEN
 from services.store.preflight import LATENCY_BOUNDS
 from services.store.tokens import ROLES
 
@@ -39,6 +49,60 @@ from services.store.tokens import ROLES
 BYTES_PER_GB = 1e9
 PREFLIGHT_STATUSES = ("pending", "running", "done", "failed")
 SHIPPER_STATES = ("pending", "failed", "rejected")
+
+# The cause families' vocabularies (docs/transport.md): the counters the NIC reader judges
+# (and "state", a port that left ACTIVE), NCCL's transport classes as its log parser names
+# them, an RDMA device's name as the kernel gives it (mlx5_0, efa_3, rocep1s0f0: at most
+# IB_DEVICE_NAME_MAX less its NUL), an IB port number (a u8) and a GPU's index on its node.
+NIC_COUNTERS = frozenset(t.counter for t in THRESHOLDS) | {"state"}
+NIC_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+MAX_PORT = 255
+MAX_GPU_INDEX = 4095
+TRANSPORT_NAMES = frozenset(TRANSPORTS)
+# A shipper's host is informational (its token is its identity): cut to a hostname's length.
+MAX_HOST_LABEL = 253
+# Why a series was left out (ringwatch_metrics_series_dropped's ``reason``).
+UNLABELLED, NODE_CAP, FAMILY_CAP, TOKEN_CAP = "unlabelled", "node_cap", "family_cap", "token_cap"
+# The owner the groups across three or more nodes (labelled ``group``) count under together.
+GROUPS = ""
+
+
+@dataclass(frozen=True)
+class SeriesLimits:
+    """The most series one node may have in any one family (the groups across three or
+    more nodes count together as one node), and any one family in all
+    (RINGWATCH_METRICS_MAX_SERIES_PER_NODE, RINGWATCH_METRICS_MAX_SERIES_PER_FAMILY). At
+    the defaults a 16-GPU node with every GPU pair in the window (120 pairs, two ops) and
+    its node pairs fits, and a link family of RINGWATCH_MAX_NODES nodes at some 15 series a
+    node (docs/operations.md, "Series per node") does too."""
+
+    per_node: int = 512
+    per_family: int = 262_144
+
+
+class _Budget:
+    """The series admitted so far per family and per (family, node), and those left out."""
+
+    def __init__(self, limits: SeriesLimits) -> None:
+        self.limits = limits
+        self._family: Counter[str] = Counter()
+        self._owner: Counter[tuple[str, str]] = Counter()
+        self.dropped: Counter[tuple[str, str]] = Counter()
+
+    def admit(self, family: str, owner: str) -> bool:
+        """Whether one more series of ``owner`` (a node, or GROUPS) fits in ``family``."""
+        if self._family[family] >= self.limits.per_family:
+            self.dropped[family, FAMILY_CAP] += 1
+            return False
+        if self._owner[family, owner] >= self.limits.per_node:
+            self.dropped[family, NODE_CAP] += 1
+            return False
+        self._family[family] += 1
+        self._owner[family, owner] += 1
+        return True
+
+    def left_out(self, family: str, reason: str = UNLABELLED, n: int = 1) -> None:
+        self.dropped[family, reason] += n
 
 
 @dataclass(frozen=True)
@@ -51,7 +115,7 @@ class Snapshot:
     excluded: frozenset[str]
     open_findings: list[store.FindingCount]
     node_findings: list[store.NodeFindingCount]
-    shippers: dict[str, dict[str, Any]]
+    shippers: list[measurement_store.ShipperSpool]
     backlog: store.Backlog
     preflight: dict[str, int]
     preflight_latency: dict[str, store.LatencyCounts]
@@ -96,15 +160,57 @@ def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _index(value: Any, most: int) -> int | None:
+    """``value`` where it is an integer from 0 to ``most`` (ASCII digits, if text)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 6:
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most:
+        return value
+    return None
+
+
+def _count(value: Any) -> int | float:
+    """A spool's count as stored (a number the schema bounded; 0 where a row lacks it)."""
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else 0
+
+
+def _nic_labels(node: str, e: dict[str, Any]) -> list[str] | None:
+    """``node``, ``device``, ``port`` and ``counter`` of one counter record, or None where
+    one of them is outside its vocabulary."""
+    device, counter, port = e.get("device"), e.get("counter"), _index(e.get("port"), MAX_PORT)
+    if (not isinstance(device, str) or NIC_DEVICE.fullmatch(device) is None
+            or counter not in NIC_COUNTERS or port is None):
+        return None
+    return [node, device, str(port), str(counter)]
+
+
+def _fallback_labels(node: str, detail: dict[str, Any]) -> list[str] | None:
+    """``node``, ``transport``, ``expected`` and ``gpus`` (a pair, or empty for the node's
+    inter-node traffic) of a transport_fallback, or None where one is outside its
+    vocabulary."""
+    seen, expected = detail.get("transport"), detail.get("expected_transport")
+    if seen not in TRANSPORT_NAMES or expected not in TRANSPORT_NAMES:
+        return None
+    gpus = _listed(detail.get("gpus"))
+    pair = [_index(g, MAX_GPU_INDEX) for g in gpus]
+    if gpus and (len(pair) != 2 or None in pair):
+        return None
+    return [node, str(seen), str(expected), ",".join(str(g) for g in pair)]
+
+
 def link_labels(row: store.LinkRow) -> dict[str, str]:
     """A link's series labels beside ``scope`` and ``op``: ``node`` for a group on one node,
     ``node`` and ``peer_node`` for one on two (in name order), ``gpu`` and ``peer_gpu`` (with
     ``peer_node``, the same node for a GPU pair) for a group of two ranks, and ``group``, its
-    key as /v1/series takes it, for a group across more nodes (a world group)."""
+    key as /v1/series takes it, for a group across more nodes (a world group). ValueError
+    for a row whose node or member names the rule refuses (stored before it)."""
     labels = {"scope": row.scope, "op": row.op}
     if not row.nodes:
         labels["group"] = row.group_key
         return labels
+    bad = [n for n in row.nodes if not is_node_name(n)]
+    if bad:
+        raise ValueError(f"node {bad[0]!r} is not a node name")
     labels["node"] = row.nodes[0]
     if len(row.nodes) == 2:
         labels["peer_node"] = row.nodes[1]
@@ -130,10 +236,13 @@ def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | 
 class FleetCollector(Collector):
     """The families of one snapshot; pure, so it renders without a database."""
 
-    def __init__(self, snap: Snapshot) -> None:
+    def __init__(self, snap: Snapshot, limits: SeriesLimits | None = None) -> None:
         self.snap = snap
+        self.limits = limits or SeriesLimits()
+        self._budget = _Budget(self.limits)
 
     def collect(self) -> Iterator[Metric]:
+        self._budget = _Budget(self.limits)  # each rendering counts afresh
         yield from self._links()
         yield from self._findings()
         yield from self._nodes()
@@ -144,6 +253,20 @@ class FleetCollector(Collector):
         yield _gauge("ringwatch_metrics_collect_seconds",
                      "Seconds the queries behind this scrape took (cached between scrapes).",
                      self.snap.collect_s, unit="seconds")
+        dropped = _gauge("ringwatch_metrics_series_dropped", "Series this scrape left out, by "
+                         "family and why: unlabelled (a name the node-name rule refuses, or a "
+                         "value outside the label's closed vocabulary), node_cap (past "
+                         "RINGWATCH_METRICS_MAX_SERIES_PER_NODE for one node), family_cap "
+                         "(past RINGWATCH_METRICS_MAX_SERIES_PER_FAMILY), token_cap (a "
+                         f"shipper's hosts past the newest {SHIPPER_HOSTS_PER_TOKEN} of its "
+                         "token).",
+                         labels=["family", "reason"])
+        for (family, reason), n in sorted(self._budget.dropped.items()):
+            dropped.add_metric([family, reason], n)
+        yield dropped
+
+    def _admit(self, family: Metric, owner: str) -> bool:
+        return self._budget.admit(family.name, owner)
 
     def _links(self) -> Iterator[Metric]:
         by_status = Counter({OK: 0, DEGRADED: 0})
@@ -165,14 +288,25 @@ class FleetCollector(Collector):
                        "gauge")
         reported: dict[tuple[tuple[str, str], ...], tuple[dict[str, str], store.LinkRow]] = {}
         for r in self.snap.links:
-            labels = link_labels(r)
+            try:
+                labels = link_labels(r)
+            except ValueError:
+                for family in (busbw, degraded, ratio):
+                    self._budget.left_out(family.name)
+                continue
             key = tuple(sorted(labels.items()))
             known = reported.get(key)
             reported[key] = (labels, r if known is None else _worse(known[1], r))
-        for labels, r in reported.values():
+        # Past a cap the links kept are the degraded ones first, then the worst ratios.
+        for labels, r in sorted(reported.values(), key=lambda lr: (lr[1].status == OK,
+                                lr[1].ratio if lr[1].ratio is not None else float("inf"))):
+            owner = labels.get("node", GROUPS)
+            if not self._admit(busbw, owner):
+                continue
             busbw.add_sample(busbw.name, labels, r.busbw_gbs * BYTES_PER_GB)
-            degraded.add_sample(degraded.name, labels, int(r.status == DEGRADED))
-            if r.ratio is not None:
+            if self._admit(degraded, owner):
+                degraded.add_sample(degraded.name, labels, int(r.status == DEGRADED))
+            if r.ratio is not None and self._admit(ratio, owner):
                 ratio.add_sample(ratio.name, labels, r.ratio)
         yield from (busbw, degraded, ratio)
 
@@ -186,7 +320,10 @@ class FleetCollector(Collector):
                           "the node, by kind and severity (one on a path counts on both its "
                           "nodes).", labels=["node", "kind", "severity"])
         for n in self.snap.node_findings:
-            per_node.add_metric([n.node, n.kind, n.severity], n.open)
+            if not is_node_name(n.node):
+                self._budget.left_out(per_node.name)
+            elif self._admit(per_node, n.node):
+                per_node.add_metric([n.node, n.kind, n.severity], n.open)
         yield per_node
         yield from self._causes()
 
@@ -202,20 +339,38 @@ class FleetCollector(Collector):
                           "empty: the node's inter-node traffic).",
                           labels=["node", "transport", "expected", "gpus"])
         # A detail is the agent's free-form JSON: what is not in the expected shape is left
-        # out, never a failed scrape.
+        # out, never a failed scrape, and a label only ever takes a value of its vocabulary.
+        seen: set[tuple[str, ...]] = set()
         for c in self.snap.causes:
+            family = rates if c.kind == "nic_errors" else fallback
+            if not is_node_name(c.node or ""):
+                self._budget.left_out(family.name)
+                continue
             if c.kind == "nic_errors":
                 for e in _listed(c.detail.get("counters")):
-                    rate = e.get("rate_per_s") if isinstance(e, dict) else None
-                    if isinstance(rate, int | float) and not isinstance(rate, bool):
-                        rates.add_metric([c.node, str(e.get("device")), str(e.get("port")),
-                                          str(e.get("counter"))], float(rate))
+                    self._add_rate(rates, c.node, e, seen)
             else:
-                gpus = ",".join(str(g) for g in _listed(c.detail.get("gpus")))
-                fallback.add_metric([c.node, str(c.detail.get("transport")),
-                                     str(c.detail.get("expected_transport")), gpus], 1.0)
+                labels = _fallback_labels(c.node, c.detail)
+                if labels is None:
+                    self._budget.left_out(fallback.name)
+                elif (fallback.name, *labels) not in seen and self._admit(fallback, c.node):
+                    seen.add((fallback.name, *labels))
+                    fallback.add_metric(labels, 1.0)
         yield rates
         yield fallback
+
+    def _add_rate(self, rates: GaugeMetricFamily, node: str, e: Any,
+                  seen: set[tuple[str, ...]]) -> None:
+        """One counter record of a nic_errors detail, where it is well formed."""
+        rate = e.get("rate_per_s") if isinstance(e, dict) else None
+        if not isinstance(rate, int | float) or isinstance(rate, bool):
+            return  # not a counter record: nothing to label
+        labels = _nic_labels(node, e)
+        if labels is None:
+            self._budget.left_out(rates.name)
+        elif (rates.name, *labels) not in seen and self._admit(rates, node):
+            seen.add((rates.name, *labels))
+            rates.add_metric(labels, float(rate))
 
     def _nodes(self) -> Iterator[Metric]:
         yield _gauge("ringwatch_nodes", "Nodes seen.", len(self.snap.nodes))
@@ -232,6 +387,9 @@ class FleetCollector(Collector):
                       "health is its last results'); job empty where the source names none, "
                       "source the workload manager.", labels=["node", "source", "job"])
         for n in self.snap.nodes:
+            if not is_node_name(n.name):
+                self._budget.left_out(healthy.name)
+                continue
             healthy.add_metric([n.name], int(n.name not in self.snap.excluded))
             if n.duty_cycle is not None:
                 duty.add_metric([n.name], n.duty_cycle)
@@ -280,10 +438,21 @@ class FleetCollector(Collector):
                      (self.snap.now - last).total_seconds() if last else None, unit="seconds")
         shipper = _gauge("ringwatch_shipper_batches", "Batches in each scheduler's spool as "
                          "its last batch reported: pending, failed (moved aside after repeated "
-                         "5xx), rejected (4xx).", labels=["host", "state"])
-        for host, state in sorted(self.snap.shippers.items()):
+                         "5xx), rejected (4xx); per token that sent it (its id, as ringwatch "
+                         "token list shows it) and the host that batch named.",
+                         labels=["token", "host", "state"])
+        seen: set[tuple[str, str]] = set()
+        for spool in self.snap.shippers:
+            token, host = str(spool.token_id), spool.host[:MAX_HOST_LABEL]
+            if (token, host) in seen:
+                continue
+            seen.add((token, host))
             for key in SHIPPER_STATES:
-                shipper.add_metric([host, key], int(state.get(key, 0)))
+                shipper.add_metric([token, host, key], _count(spool.state.get(key)))
+        left_out = sum(max(0, s.hosts - SHIPPER_HOSTS_PER_TOKEN) for s in
+                       {s.token_id: s for s in self.snap.shippers}.values())
+        if left_out:
+            self._budget.left_out(shipper.name, TOKEN_CAP, left_out * len(SHIPPER_STATES))
         yield shipper
 
     def _notifier(self) -> Iterator[Metric]:
@@ -373,9 +542,11 @@ class ScrapeCache:
     a time, and those arriving meanwhile wait for its result instead of scanning again. The
     API process's own families (``own``) are rendered at each scrape and follow them."""
 
-    def __init__(self, ttl_s: float, link_max_age_s: float = 0.0) -> None:
+    def __init__(self, ttl_s: float, link_max_age_s: float = 0.0,
+                 limits: SeriesLimits | None = None) -> None:
         self.ttl_s = ttl_s
         self.link_max_age_s = link_max_age_s
+        self.limits = limits or SeriesLimits()
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
         self._taken = 0.0
@@ -392,7 +563,8 @@ class ScrapeCache:
                 self._rendered = {}
             fleet = self._rendered.get(content_type)
             if fleet is None:
-                body = encoder(FleetCollector(self._snap)).removesuffix(OPENMETRICS_EOF)
+                body = encoder(FleetCollector(self._snap, self.limits)
+                               ).removesuffix(OPENMETRICS_EOF)
                 fleet = self._rendered[content_type] = _Rendered(body)
             if gzip_ok:
                 return Scrape(fleet.gzipped(tail), content_type, True)

@@ -2,6 +2,10 @@
 
 A channel is a small plugin: ``render(event_type, sequence, payload) -> dict``. ``json``
 is the generic webhook of docs/webhooks.md; ``slack`` is shaped for Slack incoming webhooks.
+Slack renders what it is sent as mrkdwn, where an agent's free text (a headline, a cause,
+evidence) could mention ``<!channel>`` or carry a labelled link: every text a Slack body
+holds is escaped and cut to Slack's limit (``slack_text``). A ``json`` body is data for a
+program, sent as stored; its receiver escapes for wherever it shows the text.
 
 ``X-Ringwatch-Signature`` is ``t=<unix seconds>,v1=<hex>``: HMAC-SHA256 with the webhook's
 secret over ``f"{t}.{delivery_id}."`` and the raw body. The time bounds a replay to the
@@ -76,6 +80,39 @@ def _parse(header: str) -> tuple[int | None, list[str]]:
 # The documented body, as the events module shapes it.
 render_json: Render = events.body
 
+# Slack's documented limits (api.slack.com/reference/block-kit/blocks): a section's text
+# 3000 characters (a longer one is refused with a 400), a header's 150. The top-level
+# ``text``, the notification's fallback, is held to a section's too.
+SLACK_SECTION_MAX = 3000
+SLACK_HEADER_MAX = 150
+SLACK_TEXT_MAX = 3000
+# What ends a text that was cut.
+CUT = "…"
+# The three characters Slack asks to be escaped (api.slack.com/reference/surfaces/formatting):
+# with them escaped, no <!channel>, <@U…> or <url|label> in an agent's text acts.
+_SLACK_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;"})
+
+
+def slack_escape(text: str) -> str:
+    return text.translate(_SLACK_ESCAPES)
+
+
+def slack_cut(escaped: str, limit: int) -> str:
+    """``escaped`` (already escaped) within ``limit`` characters, CUT at its end where it was
+    longer; never cut inside an escape (every & of an escaped text starts one)."""
+    if len(escaped) <= limit:
+        return escaped
+    kept = escaped[: limit - len(CUT)]
+    amp = kept.rfind("&")
+    if amp >= 0 and ";" not in kept[amp:]:
+        kept = kept[:amp]
+    return kept + CUT
+
+
+def slack_text(text: str, limit: int = SLACK_SECTION_MAX) -> str:
+    """Free text fit for a Slack mrkdwn field of ``limit`` characters."""
+    return slack_cut(slack_escape(text), limit)
+
 
 def _summary(event_type: str, payload: dict[str, Any]) -> str:
     """One line: the event, the fault's kind and place, and its headline (the figure every
@@ -89,16 +126,24 @@ def _summary(event_type: str, payload: dict[str, Any]) -> str:
     return line
 
 
+def _field(key: str, value: Any) -> str:
+    """``*key*: value``, escaped: the asterisks are ringwatch's bold, the rest is data."""
+    shown = value.get("text", value) if key == "headline" and isinstance(value, dict) else value
+    return f"*{slack_escape(str(key))}*: {slack_escape(str(shown))}"
+
+
 def render_slack(event_type: str, sequence: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Only Slack's own fields; the sequence travels in ``X-Ringwatch-Sequence``."""
     finding = payload.get("finding") or {}
-    fields = [f"*{k}*: {v.get('text', v) if k == 'headline' and isinstance(v, dict) else v}"
-              for k, v in finding.items() if v not in (None, [], {})]
+    fields = [_field(k, v) for k, v in finding.items() if v not in (None, [], {})]
+    summary = _summary(event_type, payload)
     return {
-        "text": _summary(event_type, payload),
+        "text": slack_text(summary, SLACK_TEXT_MAX),
         "blocks": [
-            {"type": "section", "text": {"type": "mrkdwn", "text": _summary(event_type, payload)}},
-            {"type": "section", "text": {"type": "mrkdwn", "text": "\n".join(fields) or " "}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": slack_text(summary)}},
+            {"type": "section", "text": {"type": "mrkdwn",
+                                         "text": slack_cut("\n".join(fields), SLACK_SECTION_MAX)
+                                         or " "}},
         ],
     }
 

@@ -4,6 +4,11 @@ deliver (its key set, its database reachable and at this code's migrations).
 
 A database outage makes it unready, never dead: restarting a notifier brings no database
 back, and its loop carries on through the outage by itself.
+
+It listens on loopback unless told otherwise (``--health-host``; in a pod, the manifest
+names 0.0.0.0, as a kubelet probes the pod's address). Whoever reaches it cannot hold a
+thread per idle connection: each connection has READ_TIMEOUT_S to send its request, and past
+MAX_CONNECTIONS open at once the oldest is dropped, so idle ones never lock a probe out.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Protocol
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from services.health_port import READ_TIMEOUT_S, BoundedServer
 from services.store import db
 
 # The loop is alive while it came round within this many poll intervals, and never less than
@@ -70,14 +76,15 @@ class NotifierHealth:
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
         """Answer on ``host:port`` from a thread of its own; ``shutdown()`` the returned
         server to stop."""
-        server = ThreadingHTTPServer((host, port), _handler(self))
-        server.daemon_threads = True
+        server = BoundedServer((host, port), _handler(self))
         threading.Thread(target=server.serve_forever, daemon=True, name="notifier-health").start()
         return server
 
 
 def _handler(health: NotifierHealth) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # per connection: a silent one is closed, its thread ends
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]
             if path not in PATHS:

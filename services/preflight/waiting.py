@@ -9,6 +9,7 @@ which of all the waited-for requests are still unanswered, and wakes the rest.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from anyio import to_thread
@@ -45,10 +46,13 @@ class PreflightWaiters:
                 "server holds (RINGWATCH_MAX_WAITING_PREFLIGHTS); ask without ?wait= and poll "
                 "GET /v1/preflight/{id}", retry_after_s=5.0)
 
-    async def wait(self, body: dict[str, Any], wait_s: float) -> dict[str, Any]:
+    async def wait(self, body: dict[str, Any], wait_s: float,
+                   hung_up: Callable[[], Awaitable[object]] | None = None) -> dict[str, Any]:
         """``body`` once its request is answered, or as it stands after ``wait_s``. The
         request exists by now: when the waiting places filled while it was written, it is
-        answered as it stands (202 with its id), not refused."""
+        answered as it stands (202 with its id), not refused. ``hung_up``: returns once the
+        caller has gone; its place is then freed at once, not when ``wait_s`` runs out (a
+        caller that hangs up and asks again would otherwise hold a place per try)."""
         if (body["status"] not in ("pending", "running") or wait_s <= 0
                 or self._waiting >= self.capacity):
             return body
@@ -56,13 +60,19 @@ class PreflightWaiters:
         self._events.setdefault(body["id"], []).append(event)
         self._waiting += 1
         self._ensure_poller()
+        answered = asyncio.ensure_future(event.wait())
+        gone = asyncio.ensure_future(hung_up()) if hung_up is not None else None
         try:
-            await asyncio.wait_for(event.wait(), timeout=wait_s)
-        except TimeoutError:
-            pass
+            await asyncio.wait([t for t in (answered, gone) if t is not None],
+                               timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (answered, gone):
+                if task is not None and not task.done():
+                    task.cancel()
             self._waiting -= 1
             self._forget(body["id"], event)
+        if gone is not None and gone.done() and not gone.cancelled() and not answered.done():
+            return body  # nobody is left to read the answer
         return await to_thread.run_sync(self._read, body["id"])
 
     def _read(self, request_id: str) -> dict[str, Any]:

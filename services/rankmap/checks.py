@@ -7,18 +7,18 @@ adds the host checks on top of them.
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any
 
+from agents.groups import is_node_name
 from agents.spec import Finding
 from services.errors import BadInput
 
-# A host is named as in the fleet's node names: no whitespace, '/' or ','.
-HOST_PATTERN = re.compile(r"[^/\s,]{1,255}")
+# A host is named by the fleet's node-name rule (agents.groups.NODE_NAME), as the API
+# takes a rank table's hosts.
 MAX_RANKS = 262_144
 MAX_INDEX = 2**31 - 1
 MAX_SLOTS = 4096
@@ -98,8 +98,9 @@ def _entry(e: Any, i: int) -> RankEntry:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INDEX:
             raise BadInput(f"{where}: {name} must be a whole number >= 0, got {v!r}")
     host = e["host"]
-    if not isinstance(host, str) or not HOST_PATTERN.fullmatch(host):
-        raise BadInput(f"{where}: host must be a host name (no spaces, '/' or ','), got {host!r}")
+    if not isinstance(host, str) or not is_node_name(host):
+        raise BadInput(f"{where}: host must be a node name (hostname-like ASCII, not ending "
+                       f"with '.'), got {host!r}")
     uuid = e.get("gpu_uuid")
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= 64):
         raise BadInput(f"{where}: gpu_uuid must be a string of 1 to 64 characters, got {uuid!r}")
@@ -143,8 +144,9 @@ def _hostfile_line(line: str, lineno: int) -> tuple[str, int]:
             slots = _slots(value, lineno)
         elif key not in ("max_slots", "max-slots"):  # Open MPI's cap: no rank placement in it
             raise BadInput(f"line {lineno}: unknown option {key!r} (expected slots=N)")
-    if not HOST_PATTERN.fullmatch(host):
-        raise BadInput(f"line {lineno}: {host!r} is not a host name")
+    if not is_node_name(host):
+        raise BadInput(f"line {lineno}: {host!r} is not a node name (hostname-like ASCII, not "
+                       "ending with '.')")
     return host, slots
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from services.health_port import READ_TIMEOUT_S, BoundedServer
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # However short the interval, a loop that came round within this many seconds is alive: a
 # cycle of a large fleet may take minutes.
@@ -200,8 +202,7 @@ class SchedulerWatch:
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
         """Serve ``/healthz`` and ``/metrics`` on ``host``:``port`` (0: any free port, read
         back from ``server.server_address``) from daemon threads; ``shutdown()`` stops it."""
-        server = ThreadingHTTPServer((host, port), _handler(self))
-        server.daemon_threads = True
+        server = BoundedServer((host, port), _handler(self))
         threading.Thread(target=server.serve_forever, name="scheduler-watch",
                          daemon=True).start()
         return server
@@ -209,6 +210,8 @@ class SchedulerWatch:
 
 def _handler(watch: SchedulerWatch) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # per connection: a silent one is closed, its thread ends
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.spec import TIMING_CUDA_GRAPH, Finding
+from services.cli.output import visible
 from services.scheduler.probe_table import format_table
 from services.selftest import nccl_tests
 from services.selftest.runner import SelftestOptions, SelftestResult
@@ -60,7 +61,7 @@ def compare(options: SelftestOptions, result: SelftestResult, binaries: dict[str
 
 def _gpu_line(g: dict[str, Any]) -> str:
     if not g.get("available"):
-        return f"  NVML unavailable: {g.get('reason')}"
+        return f"  NVML unavailable: {visible(str(g.get('reason')))}"
     links = g.get("nvlinks", [])
     errors = sum(v or 0 for link in links for v in link.get("errors", {}).values())
     return (f"  GPU {g['local_index']}: {g['name']}  {g['uuid']}  pci {g['pci_bus_id']}  "
@@ -94,15 +95,17 @@ def format_text(result: SelftestResult, comparison: list[Comparison] | None,
         parts.append("## ringwatch / nccl-tests (time ratio < 1: ringwatch faster)\n"
                      + format_comparison(comparison))
     elif nccl_tests_note:
-        parts.append(f"## nccl-tests: {nccl_tests_note}")
+        parts.append(f"## nccl-tests: {visible(nccl_tests_note)}")
     findings = result.findings
     wrong = sum(m.wrong for m in result.measurements)
     verdict = "FAILED" if findings or wrong else "PASSED"
     parts.append(f"{verdict}: {len(result.measurements)} measurement(s), {wrong} wrong element(s), "
                  f"{len(findings)} finding(s)")
     for f in findings:
-        parts.append(f"  {f.kind:<16} {f.node} gpu {f.gpu}: {_finding_detail(f)}")
-    return "\n\n".join(parts)
+        parts.append(f"  {f.kind:<16} {f.node} gpu {f.gpu}: {visible(_finding_detail(f))}")
+    # A GPU's name, a node's, an error's text: shown, never acted on by a terminal (a field
+    # that may hold a newline is made visible above, so it cannot pass for a line of its own).
+    return "\n".join(visible(line) for line in "\n\n".join(parts).split("\n"))
 
 
 def _finding_detail(f: Finding) -> str:

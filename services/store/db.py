@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, make_url, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,15 @@ log = logging.getLogger(__name__)
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 # pg_advisory_lock key of migrations ("rwdb"): one upgrade at a time, whoever runs it.
 MIGRATION_LOCK = 0x72776462
+# Seconds an upgrade waits for another's migration lock before it gives up
+# (RINGWATCH_MIGRATION_LOCK_TIMEOUT_S; `ringwatch db upgrade --lock-timeout`).
+MIGRATION_LOCK_WAIT_S = 300.0
+# Postgres' lock_not_available: lock_timeout ran out.
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+class MigrationLockBusy(Exception):
+    """Another session held the migration lock for longer than an upgrade would wait."""
 
 
 def normalize_url(url: str) -> str:
@@ -147,20 +156,45 @@ def known_revision(revision: str) -> bool:
     return revision in {script.revision for script in _scripts().walk_revisions()}
 
 
-def upgrade(url: str, revision: str = "head") -> None:
+def upgrade(url: str, revision: str = "head", *, lock_wait_s: float = MIGRATION_LOCK_WAIT_S,
+            say: Callable[[str], None] | None = None) -> None:
     """Apply migrations up to ``revision``. Two upgrades at once take turns: migrations/env.py
     holds ``migration_lock`` while it migrates, so the second finds the database where the
-    first left it."""
+    first left it; one that waits says so through ``say`` and gives up after
+    ``lock_wait_s`` (MigrationLockBusy)."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    cfg = alembic_config(url)
+    cfg.attributes["migration_lock_wait_s"] = lock_wait_s
+    cfg.attributes["say"] = say
+    command.upgrade(cfg, revision)
 
 
 @contextmanager
-def migration_lock(conn: Connection) -> Iterator[None]:
-    """Hold the migrations' advisory lock on ``conn``, waiting for it while another process
-    migrates. Session-level, so it outlives the transactions alembic commits on ``conn``."""
-    conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+def migration_lock(conn: Connection, wait_s: float = MIGRATION_LOCK_WAIT_S,
+                   say: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold the migrations' advisory lock on ``conn``. Where another session holds it, say
+    so once (naming the holder where pg_stat_activity shows it) and wait at most ``wait_s``
+    seconds, then raise MigrationLockBusy. Session-level, so it outlives the transactions
+    alembic commits on ``conn``."""
+    if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK}).scalar():
+        holder = lock_holder(conn)
+        (say or log.warning)(f"waiting for the migration lock (pg_advisory_lock {MIGRATION_LOCK}) "
+                             f"held by {holder}; giving up after {wait_s:g} s")
+        # Local to this transaction: alembic's own statements keep the server's lock_timeout.
+        conn.execute(text("SELECT set_config('lock_timeout', :t, true)"),
+                     {"t": f"{max(1, round(wait_s * 1000))}ms"})
+        try:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                raise
+            conn.rollback()
+            raise MigrationLockBusy(
+                f"the migration lock (pg_advisory_lock {MIGRATION_LOCK}) is still held by "
+                f"{lock_holder(conn)} after {wait_s:g} s: another `ringwatch db upgrade` (a "
+                "migration Job) is running, or a session kept the lock; nothing was "
+                "migrated") from None
     conn.commit()
     try:
         yield
@@ -170,6 +204,24 @@ def migration_lock(conn: Connection) -> Iterator[None]:
             conn.rollback()
             conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
             conn.commit()
+
+
+def lock_holder(conn: Connection) -> str:
+    """Who holds the migration lock, as pg_locks and pg_stat_activity show it: its pid,
+    user, application and client ("another session" where they show nothing)."""
+    row = conn.execute(text(
+        "SELECT a.pid, a.usename, a.application_name, host(a.client_addr) AS addr "
+        "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = :hi AND l.objid = :lo "
+        "AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database "
+        "WHERE datname = current_database()) LIMIT 1"),
+        {"hi": MIGRATION_LOCK >> 32, "lo": MIGRATION_LOCK & 0xFFFFFFFF}).first()
+    if row is None:
+        return "another session"
+    about = [f"user {row.usename}" if row.usename else "",
+             f"application {row.application_name!r}" if row.application_name else "",
+             f"from {row.addr}" if row.addr else ""]
+    return f"pid {row.pid}" + (f" ({', '.join(a for a in about if a)})" if any(about) else "")
 
 
 def downgrade(url: str, revision: str) -> None:

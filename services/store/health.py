@@ -3,11 +3,13 @@ are written by services.store.events, in the same transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, tuple_
+from psycopg.types.json import Jsonb
+from sqlalchemy import Integer, Text, any_, bindparam, func, insert, select, text, tuple_
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from services.store.models import FaultState, Finding, LinkHealth
@@ -23,7 +25,11 @@ def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[s
     rows = session.execute(
         select(c.id, c.group_key, c.op, c.status, c.size_bytes, c.bad_streak, c.good_streak,
                c.recent, c.recent_busbw, c.changed_at)
-        .where(c.group_key.in_(group_keys)).with_for_update()
+        # One text[] parameter: an IN list binds one a key, past Postgres' 65,535 in a
+        # batch of 200,000 measurements.
+        .where(c.group_key == any_(bindparam("group_keys", sorted(group_keys),
+                                             type_=ARRAY(Text))))
+        .with_for_update()
     ).all()
     wanted = set(keys)
     return {(r.group_key, r.op): r for r in rows if (r.group_key, r.op) in wanted}
@@ -101,23 +107,79 @@ def open_finding(session: Session, *, kind: str, group_key: str | None, op: str 
     return finding
 
 
+def get_finding(session: Session, finding_id: int) -> Finding | None:
+    return session.get(Finding, finding_id)
+
+
+# ---- a batch's faults and incidents, written in bulk ----------------------------------------
+# One batch may name thousands of faults. They are read once, stepped in Python, and written
+# back by a COPY and a statement or two per table: a round trip per fault held an ingest
+# slot for seconds at a few thousand findings. The rows read here are detached from the
+# session, so only these functions write them.
+
+
 def fault_states(session: Session) -> dict[str, FaultState]:
     """Every fault being tracked (open, or seen within its window), locked for this
-    transaction: concurrent ingests fold them one after the other."""
+    transaction: concurrent ingests fold them one after the other. Written back by
+    ``save_fault_states``."""
     rows = session.scalars(select(FaultState).order_by(FaultState.id).with_for_update()).all()
+    for r in rows:
+        session.expunge(r)
     return {r.key: r for r in rows}
 
 
-def add_fault_state(session: Session, *, key: str, kind: str, nodes: list[str],
+def new_fault_state(*, key: str, kind: str, nodes: list[str],
                     detail: dict[str, Any]) -> FaultState:
-    state = FaultState(key=key, kind=kind, nodes=nodes, detail=detail, status="ok", recent="",
-                       good_streak=0)
-    session.add(state)
-    return state
+    """A fault seen for the first time; ``save_fault_states`` writes it once its first step
+    is known (a fault that needs no row gets none)."""
+    return FaultState(key=key, kind=kind, nodes=nodes, detail=detail, status="ok", recent="",
+                      good_streak=0, finding_id=None)
 
 
-def get_finding(session: Session, finding_id: int) -> Finding | None:
-    return session.get(Finding, finding_id)
+FAULT_STATE_COLUMNS = ("status", "recent", "good_streak", "finding_id", "updated_at", "detail")
+_FAULT_STATE_TYPES = ("text", "text", "int4", "int4", "timestamptz", "jsonb")
+
+
+def save_fault_states(session: Session, new: Sequence[FaultState],
+                      changed: Sequence[FaultState], gone: Sequence[FaultState]) -> None:
+    """Insert ``new`` faults, write ``changed`` ones back and delete ``gone`` ones."""
+    _copy(session, f"fault_states (key, kind, nodes, {', '.join(FAULT_STATE_COLUMNS)})",
+          ((s.key, s.kind, s.nodes, *_values(s, FAULT_STATE_COLUMNS)) for s in new))
+    _update_by_id(session, "fault_states", FAULT_STATE_COLUMNS, _FAULT_STATE_TYPES,
+                  [(s.id, *_values(s, FAULT_STATE_COLUMNS)) for s in changed])
+    if gone:
+        session.execute(text("DELETE FROM fault_states WHERE id = ANY(:ids)"),
+                        {"ids": [s.id for s in gone]})
+
+
+FINDING_COLUMNS = ("kind", "severity", "group_key", "op", "nodes", "detail")
+
+
+def open_findings(session: Session, rows: Sequence[dict[str, Any]]) -> list[int]:
+    """``open_finding`` for many at once (each row its ``FINDING_COLUMNS``): their ids, in
+    order, drawn in one query, and the rows written by one COPY."""
+    if not rows:
+        return []
+    ids = sorted(session.scalars(text(
+        "SELECT nextval(pg_get_serial_sequence('findings', 'id')) "
+        "FROM generate_series(1, :n)"), {"n": len(rows)}))
+    _copy(session, f"findings (id, status, {', '.join(FINDING_COLUMNS)})",
+          ((finding_id, "open", *(_json(row[c]) for c in FINDING_COLUMNS))
+           for finding_id, row in zip(ids, rows, strict=True)))
+    return ids
+
+
+def findings_by_id(session: Session, ids: Iterable[int]) -> dict[int, Finding]:
+    """The incidents with these ids, in one query (an array parameter: a fleet's incidents
+    may outnumber what one statement can bind). Written back by ``save_findings``."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return {}
+    rows = session.scalars(select(Finding).where(
+        Finding.id == any_(bindparam("ids", wanted, type_=ARRAY(Integer))))).all()
+    for f in rows:
+        session.expunge(f)
+    return {f.id: f for f in rows}
 
 
 # What an incident keeps from the cycle that opened it while it stays open: its headline
@@ -125,17 +187,64 @@ def get_finding(session: Session, finding_id: int) -> Finding | None:
 OPENING_KEYS = ("headline", "measured_gbs", "expected_gbs")
 
 
-def touch_finding(session: Session, finding_id: int, at: datetime, detail: dict[str, Any]) -> None:
+def touch_finding(finding: Finding, at: datetime, detail: dict[str, Any]) -> None:
     """An open incident seen again: its latest evidence, no new event. Its headline stays
     the one it opened with, the figure its ``health.degraded`` event carried, so every
     surface shows one figure for it however many cycles see it again."""
-    finding = session.get(Finding, finding_id)
-    if finding is not None:
-        finding.last_seen_at = at
-        opened = finding.detail
-        kept = ({k: opened[k] for k in OPENING_KEYS if k in opened}
-                if "headline" in opened else {})
-        finding.detail = {**detail, **kept, "fault": opened.get("fault")}
+    finding.last_seen_at = at
+    opened = finding.detail
+    kept = ({k: opened[k] for k in OPENING_KEYS if k in opened}
+            if "headline" in opened else {})
+    finding.detail = {**detail, **kept, "fault": opened.get("fault")}
+
+
+def resolve_finding(finding: Finding, at: datetime) -> None:
+    finding.status = "resolved"
+    finding.resolved_at = at
+
+
+_FINDING_CHANGES = ("status", "resolved_at", "last_seen_at", "detail")
+
+
+def save_findings(session: Session, findings: Sequence[Finding]) -> None:
+    """Write back incidents touched or resolved (``findings_by_id``'s)."""
+    _update_by_id(session, "findings", _FINDING_CHANGES,
+                  ("text", "timestamptz", "timestamptz", "jsonb"),
+                  [(f.id, *_values(f, _FINDING_CHANGES)) for f in findings])
+
+
+def _json(value: Any) -> Any:
+    return Jsonb(value) if isinstance(value, dict) else value
+
+
+def _values(row: Any, columns: Sequence[str]) -> tuple[Any, ...]:
+    return tuple(_json(getattr(row, c)) for c in columns)
+
+
+def _copy(session: Session, target: str, rows: Iterable[tuple[Any, ...]]) -> None:
+    """``rows`` into ``target`` (a table and its columns) by one COPY."""
+    dbapi = session.connection().connection.driver_connection
+    assert dbapi is not None
+    with dbapi.cursor() as cur, cur.copy(f"COPY {target} FROM STDIN") as cp:
+        for row in rows:
+            cp.write_row(row)
+
+
+def _update_by_id(session: Session, table: str, columns: Sequence[str], types: Sequence[str],
+                  rows: Sequence[tuple[Any, ...]]) -> None:
+    """Rows (the id, then ``columns``) written by one COPY into a temporary table and one
+    UPDATE ... FROM it."""
+    if not rows:
+        return
+    temp = f"{table}_in"
+    session.execute(text(
+        f"CREATE TEMP TABLE IF NOT EXISTS {temp} (id int4, "
+        f"{', '.join(f'{c} {t}' for c, t in zip(columns, types, strict=True))}) "
+        "ON COMMIT DELETE ROWS"))
+    session.execute(text(f"TRUNCATE {temp}"))
+    _copy(session, f"{temp} (id, {', '.join(columns)})", rows)
+    session.execute(text(f"UPDATE {table} t SET {', '.join(f'{c} = i.{c}' for c in columns)} "
+                         f"FROM {temp} i WHERE t.id = i.id"))
 
 
 def open_findings_on(session: Session, nodes: Sequence[str] | None) -> list[Finding]:
@@ -153,11 +262,6 @@ def pending_faults_on(session: Session, nodes: Sequence[str] | None) -> list[Fau
     if nodes is not None:
         q = q.where(FaultState.nodes.overlap(list(nodes)))
     return list(session.scalars(q.order_by(FaultState.id)))
-
-
-def resolve_finding(session: Session, finding: Finding, at: datetime) -> None:
-    finding.status = "resolved"
-    finding.resolved_at = at
 
 
 def list_findings(session: Session, status: str | None = None, limit: int = 500,
@@ -183,7 +287,7 @@ def open_findings_count(session: Session) -> int:
 
 
 def node_health(session: Session) -> list[Any]:
-    """Per node (all of them, by name), over the links that touch it, the world group aside:
+    """Per node of the fleet (all of them, by name), over the links that touch it, the world group aside:
     how many and how many degraded, the worst ratio of its own NVLink groups (intra_node,
     gpu_pair), the median ratio of its node pairs (a pair's ratio is shared with the other
     node, so one slow partner must not paint a node), and its open findings."""
@@ -206,6 +310,7 @@ def node_health(session: Session) -> list[Any]:
                coalesce(l.links, 0) AS links, coalesce(l.degraded, 0) AS degraded,
                l.nvlink_ratio, l.net_ratio, coalesce(o.open_findings, 0) AS open_findings
         FROM nodes n LEFT JOIN links l ON l.node = n.name LEFT JOIN open o ON o.node = n.name
+        WHERE n.retired_at IS NULL
         ORDER BY n.name""")))
 
 

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, text, tuple_
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import Integer, Text, any_, func, literal, select, text, tuple_
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.orm import Session
 
 from agents.groups import group_nodes, series_key, split_member
 from agents.spec import series_op
 from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun
+
+
+def _names(values: Any) -> Any:
+    """``= ANY(...)`` of one text[] parameter: an IN list binds one parameter a name, and
+    Postgres takes at most 65,535 (a preflight may name 100,000 nodes)."""
+    return any_(literal(sorted(set(values)), ARRAY(Text)))
 
 
 def claim_batch(session: Session, batch_id: str, backend: str, *, digest: str | None = None,
@@ -53,11 +59,13 @@ def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: 
                  probed: dict[str, datetime] | None = None,
                  duty_cycle: dict[str, float] | None = None,
                  skipped: dict[str, str] | None = None,
-                 occupied: dict[str, dict[str, Any] | None] | None = None) -> None:
+                 occupied: dict[str, dict[str, Any] | None] | None = None,
+                 token_id: int | None = None) -> None:
     """Create or touch nodes in one statement: ``probed`` maps a measured node to its own
     newest measurement time; each node's duty cycle, and why it was skipped (cleared once
     it is probed); ``occupied``: what holds each node named (None: idle), its ``since``
-    kept while the same job holds it."""
+    kept while the same job holds it. A node created, or named again after its retirement
+    (back in the fleet), is added now by ``token_id`` (the new-node quota's count)."""
     if not names:
         return
     from psycopg.types.json import Jsonb
@@ -73,16 +81,22 @@ def upsert_nodes(session: Session, names: Sequence[str], backend: str, seen_at: 
                     "occupied jsonb, set_occupied bool",
                     ("text", "text", "timestamptz", "timestamptz", "float8", "text", "bool",
                      "jsonb", "bool"), rows)
-    # greatest() skips NULLs: a node only mentioned keeps its last probe time.
+    # greatest() skips NULLs: a node only mentioned keeps its last probe time. (SET reads
+    # the row as it was, so the CASEs see retired_at before it is cleared.)
     session.execute(text("""
         INSERT INTO nodes (name, backend, last_seen_at, last_probed_at, duty_cycle,
-                           skipped_reason)
-        SELECT name, backend, seen_at, probed_at, duty_cycle, skipped FROM nodes_in
+                           skipped_reason, added_by_token_id)
+        SELECT name, backend, seen_at, probed_at, duty_cycle, skipped, CAST(:token AS integer)
+        FROM nodes_in
         ON CONFLICT (name) DO UPDATE SET
           last_seen_at = greatest(nodes.last_seen_at, excluded.last_seen_at),
           last_probed_at = greatest(nodes.last_probed_at, excluded.last_probed_at),
           backend = excluded.backend,
-          duty_cycle = coalesce(excluded.duty_cycle, nodes.duty_cycle)"""))
+          duty_cycle = coalesce(excluded.duty_cycle, nodes.duty_cycle),
+          added_at = CASE WHEN nodes.retired_at IS NULL THEN nodes.added_at ELSE now() END,
+          added_by_token_id = CASE WHEN nodes.retired_at IS NULL THEN nodes.added_by_token_id
+                                   ELSE excluded.added_by_token_id END,
+          retired_at = NULL"""), {"token": token_id})
     session.execute(text("""
         UPDATE nodes SET skipped_reason = i.skipped FROM nodes_in i
         WHERE i.set_skip AND nodes.name = i.name
@@ -136,7 +150,8 @@ def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dic
     if not groups:
         return {}
     keys = list(groups)
-    ids = {k: i for k, i in session.execute(select(Group.key, Group.id).where(Group.key.in_(keys)))}
+    ids = {k: i for k, i in session.execute(
+        select(Group.key, Group.id).where(Group.key == _names(keys)))}
     new = [k for k in keys if k not in ids]
     if new:
         rows = [{"key": k, "scope": groups[k][0], "members": sorted(groups[k][1]),
@@ -144,7 +159,7 @@ def group_ids(session: Session, groups: dict[str, tuple[str, list[str]]]) -> dic
         session.execute(insert(Group).on_conflict_do_nothing(index_elements=["key"]), rows)
         # Those a concurrent ingest created first are read back like the rest.
         ids.update({k: i for k, i in session.execute(
-            select(Group.key, Group.id).where(Group.key.in_(new)))})
+            select(Group.key, Group.id).where(Group.key == _names(new)))})
     return ids
 
 
@@ -184,26 +199,34 @@ def add_measurements(session: Session, run: ProbeRun, rows: Sequence[dict[str, A
     return len(rows)
 
 
-def known_nodes(session: Session, names: Sequence[str]) -> set[str]:
-    return set(session.scalars(select(Node.name).where(Node.name.in_(set(names)))).all())
+def known_nodes(session: Session, names: Sequence[str], *,
+                include_retired: bool = False) -> set[str]:
+    """Which of ``names`` are nodes of the fleet (``include_retired``: or were, their
+    history kept)."""
+    q = select(Node.name).where(Node.name == _names(names))
+    if not include_retired:
+        q = q.where(Node.retired_at.is_(None))
+    return set(session.scalars(q).all())
 
 
 def gpu_counts(session: Session, names: Sequence[str]) -> dict[str, int]:
     """How many GPUs (ranks) each of ``names`` reported; nodes with none are left out."""
     rows = session.execute(
         select(Node.name, func.count(Gpu.local_index)).join(Gpu, Gpu.node_id == Node.id)
-        .where(Node.name.in_(set(names))).group_by(Node.name)).tuples()
+        .where(Node.name == _names(names)).group_by(Node.name)).tuples()
     return {name: count for name, count in rows}
 
 
 def list_nodes(session: Session, *, after: str | None = None,
                limit: int | None = None) -> list[tuple[Node, list[Gpu]]]:
-    """Nodes by name (from just past ``after``, at most ``limit``) with their GPUs."""
-    q = select(Node).order_by(Node.name)
+    """The fleet's nodes by name (from just past ``after``, at most ``limit``) with their
+    GPUs."""
+    q = select(Node).where(Node.retired_at.is_(None)).order_by(Node.name)
     if after is not None:
         q = q.where(Node.name > after)
     nodes = session.scalars(q.limit(limit)).all()
-    gpus = session.scalars(select(Gpu).where(Gpu.node_id.in_([n.id for n in nodes]))
+    node_ids = literal([n.id for n in nodes], ARRAY(Integer))  # one parameter, as _names
+    gpus = session.scalars(select(Gpu).where(Gpu.node_id == any_(node_ids))
                            .order_by(Gpu.node_id, Gpu.local_index)).all()
     by_node: dict[int, list[Gpu]] = {}
     for g in gpus:
@@ -212,7 +235,9 @@ def list_nodes(session: Session, *, after: str | None = None,
 
 
 def node_count(session: Session) -> int:
-    return session.scalar(select(func.count()).select_from(Node)) or 0
+    """Nodes in the fleet (retired ones left out)."""
+    return session.scalar(select(func.count()).select_from(Node)
+                          .where(Node.retired_at.is_(None))) or 0
 
 
 def group_by_key(session: Session, key: str) -> Group | None:
@@ -222,14 +247,14 @@ def group_by_key(session: Session, key: str) -> Group | None:
 def latest_backend(session: Session, nodes: Sequence[str]) -> str | None:
     """The backend of the most recently probed of ``nodes``."""
     return session.scalar(select(Node.backend)
-                          .where(Node.name.in_(list(nodes)), Node.last_probed_at.is_not(None))
+                          .where(Node.name == _names(nodes), Node.last_probed_at.is_not(None))
                           .order_by(Node.last_probed_at.desc()).limit(1))
 
 
 def probed_nodes(session: Session, nodes: Sequence[str], since: datetime) -> set[str]:
     """Which of ``nodes`` appear in a measurement taken since ``since``."""
     return set(session.scalars(select(Node.name).where(
-        Node.name.in_(list(nodes)), Node.last_probed_at >= since)))
+        Node.name == _names(nodes), Node.last_probed_at >= since)))
 
 
 def storage_bytes(session: Session) -> dict[str, int]:
@@ -242,13 +267,41 @@ def storage_bytes(session: Session) -> dict[str, int]:
     return out
 
 
-def shipper_states(session: Session) -> dict[str, dict[str, Any]]:
-    """Each host's spool state from its newest batch received in the last day."""
-    rows = session.execute(text(
-        "SELECT DISTINCT ON (shipper->>'host') shipper->>'host', shipper FROM probe_runs "
-        "WHERE shipper IS NOT NULL AND received_at > now() - interval '1 day' "
-        "ORDER BY shipper->>'host', received_at DESC"))
-    return {host or "": state for host, state in rows}
+# The hosts one token's spool state is kept for: a scheduler and its standbys, not every
+# name a batch may claim (docs/security.md, "The shipper's identity").
+SHIPPER_HOSTS_PER_TOKEN = 8
+
+
+class ShipperSpool(NamedTuple):
+    """One sender's spool as its newest batch of the last day reported it: the token that
+    sent it (its identity), the host it named (informational), its state, and how many
+    hosts that token named in all (only the newest ``SHIPPER_HOSTS_PER_TOKEN`` are kept)."""
+
+    token_id: int
+    host: str
+    state: dict[str, Any]
+    hosts: int
+
+
+def shipper_states(session: Session,
+                   hosts_per_token: int = SHIPPER_HOSTS_PER_TOKEN) -> list[ShipperSpool]:
+    """Each active token's spools, per host it named, from its newest batch of the last day:
+    a token speaks for its own spool only, so a batch naming another scheduler's host
+    neither raises nor hides that scheduler's counts; a revoked or expired token's spool
+    (one rotated away) is no longer shown."""
+    rows = session.execute(text("""
+        SELECT token_id, host, shipper, hosts FROM (
+            SELECT token_id, host, shipper,
+                   row_number() OVER (PARTITION BY token_id ORDER BY received_at DESC, host) nth,
+                   count(*) OVER (PARTITION BY token_id) hosts
+            FROM (SELECT DISTINCT ON (r.token_id, r.shipper->>'host') r.token_id,
+                         coalesce(r.shipper->>'host', '') host, r.shipper, r.received_at
+                  FROM probe_runs r JOIN api_tokens t ON t.id = r.token_id
+                  WHERE r.shipper IS NOT NULL AND r.received_at > now() - interval '1 day'
+                    AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > now())
+                  ORDER BY r.token_id, r.shipper->>'host', r.received_at DESC) newest) ranked
+        WHERE nth <= :hosts ORDER BY token_id, host"""), {"hosts": hosts_per_token})
+    return [ShipperSpool(*r) for r in rows]
 
 
 def add_counters(session: Session, snapshots: Sequence[dict[str, Any]], at: datetime) -> None:
@@ -275,7 +328,7 @@ def counters_of(session: Session, members: Sequence[str], since: datetime | None
 
 
 def get_node(session: Session, name: str) -> tuple[Node, list[Gpu]] | None:
-    """One node with its GPUs (their telemetry too), or None."""
+    """One node with its GPUs (their telemetry too), retired or not, or None."""
     node = session.scalar(select(Node).where(Node.name == name))
     if node is None:
         return None
@@ -291,4 +344,6 @@ def node_counters(session: Session, node: str, limit: int = 100) -> list[GpuCoun
 
 
 def node_names(session: Session) -> list[str]:
-    return list(session.scalars(select(Node.name).order_by(Node.name)))
+    """The fleet's node names, in name order."""
+    return list(session.scalars(select(Node.name).where(Node.retired_at.is_(None))
+                                .order_by(Node.name)))

@@ -53,6 +53,12 @@ class Backlog(NamedTuple):
     failed: int
 
 
+# Retired nodes (services.store.nodes): out of the fleet, so out of the per-node and
+# per-link families even where an incident on them is still open (it stays counted in
+# ringwatch_open_findings) or a link of theirs is not ok.
+_RETIRED = "SELECT name::text FROM nodes WHERE retired_at IS NOT NULL"
+
+
 def link_rows(session: Session, max_age_s: float = 0.0) -> list[LinkRow]:
     """The current reading of every link read within ``max_age_s`` (0: of every link) and of
     every link that is not ok however old, in one pass."""
@@ -63,13 +69,14 @@ def link_rows(session: Session, max_age_s: float = 0.0) -> list[LinkRow]:
     if max_age_s > 0:
         q = q.where(or_(c.updated_at >= func.now() - timedelta(seconds=max_age_s),
                         c.status != "ok"))
+    q = q.where(text(f"NOT (link_health.nodes && ARRAY({_RETIRED}))"))
     return [LinkRow(*r) for r in session.execute(q.order_by(c.scope, c.group_key, c.op))]
 
 
 def node_rows(session: Session) -> list[NodeRow]:
     rows = session.execute(
         select(Node.name, Node.duty_cycle, Node.last_probed_at, Node.occupied)
-        .order_by(Node.name)).tuples()
+        .where(Node.retired_at.is_(None)).order_by(Node.name)).tuples()
     return [NodeRow(*r) for r in rows]
 
 
@@ -99,7 +106,8 @@ def open_findings_per_node(session: Session) -> list[NodeFindingCount]:
     counts on both its nodes)."""
     rows = session.execute(text(
         "SELECT node, kind, severity, count(*) FROM findings, unnest(nodes) AS node "
-        "WHERE status = 'open' GROUP BY node, kind, severity ORDER BY node, kind, severity"))
+        f"WHERE status = 'open' AND node NOT IN ({_RETIRED}) "
+        "GROUP BY node, kind, severity ORDER BY node, kind, severity"))
     return [NodeFindingCount(*r) for r in rows]
 
 
@@ -116,7 +124,8 @@ def open_causes(session: Session) -> list[CauseRow]:
     the latest cycle that saw them left them."""
     rows = session.execute(text(
         "SELECT nodes[1], kind, detail FROM findings WHERE status = 'open' "
-        "AND kind IN ('nic_errors', 'transport_fallback') ORDER BY nodes[1], kind, id"))
+        f"AND kind IN ('nic_errors', 'transport_fallback') AND nodes[1] NOT IN ({_RETIRED}) "
+        "ORDER BY nodes[1], kind, id"))
     return [CauseRow(*r) for r in rows]
 
 

@@ -50,6 +50,8 @@ class Base(DeclarativeBase):
 
 class Node(Base):
     __tablename__ = "nodes"
+    # The new-node quota counts a token's nodes added within its window.
+    __table_args__ = (Index("ix_nodes_added_by", "added_by_token_id", "added_at"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
@@ -68,6 +70,13 @@ class Node(Base):
     last_probed_at: Mapped[datetime | None] = mapped_column(TZ)
     # Its hardware profile (agents.profiles), as its agents detected or were told.
     profile: Mapped[str | None] = mapped_column(String(64))
+    # When it joined the fleet (created, or back from retirement) and with which token: what
+    # RINGWATCH_MAX_NEW_NODES_PER_TOKEN counts.
+    added_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+    added_by_token_id: Mapped[int | None] = mapped_column(Integer)
+    # Taken out of the fleet (by an admin, or not seen for RINGWATCH_NODE_RETENTION_DAYS):
+    # left out of the fleet's lists, counts and map, its history kept; None while in it.
+    retired_at: Mapped[datetime | None] = mapped_column(TZ)
 
     gpus: Mapped[list[Gpu]] = relationship(back_populates="node", lazy="raise")
 
@@ -474,3 +483,19 @@ class Fleet(Base):
     slots: Mapped[list[str | None]] = mapped_column(JSONB, default=list,
                                                     server_default=text("'[]'::jsonb"))
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+
+class QuarantinedName(Base):
+    """A node name, group member or group key stored before the strict name rule, and the
+    name migration 0017 gave it (``quarantined-...``): the history reads on under the new
+    name, and the downgrade puts the old one back."""
+
+    __tablename__ = "quarantined_names"
+
+    # "node", "member" or "key".
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)
+    was: Mapped[str] = mapped_column(Text, primary_key=True)
+    name: Mapped[str] = mapped_column(Text)
+    quarantined_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
+
+    __table_args__ = (UniqueConstraint("kind", "name"),)

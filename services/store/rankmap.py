@@ -9,28 +9,37 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import Text, any_, literal, or_, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from services.store.models import Finding, Gpu, LinkHealth, Node
 
 
+def _any_of(values: Collection[str]) -> Any:
+    """``= ANY(...)`` of one text[] parameter: an IN list binds one parameter a value, and
+    Postgres takes at most 65,535 (a rank map may name 262,144 hosts and GPUs)."""
+    return any_(literal(sorted(set(values)), ARRAY(Text)))
+
+
 def nodes_for_hosts(session: Session, hosts: Collection[str]) -> list[tuple[str, str | None]]:
-    """(name, hostname) of every node whose name or hostname is one of ``hosts``."""
+    """(name, hostname) of every node of the fleet whose name or hostname is one of
+    ``hosts`` (a retired node is no host a job can run on)."""
     if not hosts:
         return []
     q = select(Node.name, Node.hostname).where(
-        or_(Node.name.in_(set(hosts)), Node.hostname.in_(set(hosts)))).order_by(Node.name)
+        or_(Node.name == _any_of(hosts), Node.hostname == _any_of(hosts)),
+        Node.retired_at.is_(None)).order_by(Node.name)
     return [(name, hostname) for name, hostname in session.execute(q).tuples()]
 
 
 def gpus_by_uuid(session: Session, uuids: Collection[str]) -> list[tuple[str, str, int]]:
-    """(uuid, node name, local index) of every known GPU with one of ``uuids``."""
+    """(uuid, node name, local index) of every GPU of the fleet with one of ``uuids``."""
     if not uuids:
         return []
     q = (select(Gpu.uuid, Node.name, Gpu.local_index)
          .join(Node, Gpu.node_id == Node.id)
-         .where(Gpu.uuid.in_(set(uuids))))
+         .where(Gpu.uuid == _any_of(uuids), Node.retired_at.is_(None)))
     return [(uuid or "", name, index) for uuid, name, index in session.execute(q).tuples()]
 
 

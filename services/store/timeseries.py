@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from services.store import nodes
 from services.store.models import is_partition, measurements, series_1d, series_1h
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,13 @@ RESOLUTIONS = ("raw", "1h", "1d")
 
 @dataclass(frozen=True)
 class Retention:
-    """Days each resolution is kept."""
+    """Days each resolution is kept; and days a node no batch names stays in the fleet
+    (0: for good; services.store.nodes.retire_unseen)."""
 
     raw_days: float = 14.0
     hourly_days: float = 90.0
     daily_days: float = 730.0
+    node_days: float = 0.0
 
 
 def day_of(t: datetime) -> datetime:
@@ -182,12 +185,14 @@ class PassReport:
     daily: list[tuple[datetime, datetime]] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     deleted: dict[str, int] = field(default_factory=dict)
+    nodes_retired: int = 0
     skipped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "skipped": self.skipped, "partitions_created": self.created,
             "partitions_dropped": self.dropped, "rows_deleted": self.deleted,
+            "nodes_retired": self.nodes_retired,
             "hourly_rolled": [[a.isoformat(), b.isoformat()] for a, b in self.hourly],
             "daily_rolled": [[a.isoformat(), b.isoformat()] for a, b in self.daily],
         }
@@ -299,6 +304,7 @@ def maintain(engine: Engine, retention: Retention, now: datetime | None = None,
             report.dropped = drop_partitions_before(
                 engine, day_of(now - timedelta(days=retention.raw_days)), hourly_rolled)
             report.deleted = _delete_old(engine, retention, now, daily_rolled)
+            report.nodes_retired = nodes.retire_unseen(engine, retention.node_days)
         finally:
             lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MAINTENANCE_LOCK})
             lock_conn.commit()

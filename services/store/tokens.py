@@ -14,7 +14,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.orm import Session
 
+from agents.groups import case_twins, check_node_name
 from agents.spec import utcnow
+from services.errors import BadInput
+from services.store import nodes as node_store
 from services.store.models import ApiToken
 
 ROLES = ("agent", "reader", "admin")
@@ -46,12 +49,34 @@ def issue(session: Session, role: str, name: str = "", token: str | None = None,
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if nodes is not None and role != "agent":
         raise ValueError("only agent tokens are scoped to nodes")
+    if nodes is not None:
+        check_scope(session, nodes)
     token = token or f"rw_{secrets.token_urlsafe(32)}"
     row = ApiToken(role=role, name=name, token_hash=hash_token(token), expires_at=expires_at,
                    nodes=sorted(set(nodes)) if nodes is not None else None)
     session.add(row)
     session.flush()
     return row, token
+
+
+def check_scope(session: Session, nodes: list[str]) -> None:
+    """A token's nodes are named as the fleet names them: by the node-name rule, each host
+    in one case, and in the case of a node the fleet holds (the API and the CLI alike).
+    A 422 (BadInput) saying which name and why otherwise."""
+    for name in nodes:
+        try:
+            check_node_name(name)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+    twins = case_twins(nodes)
+    if twins:
+        raise BadInput(f"the scope names one host in more than one case (host names ignore "
+                       f"case): {'; '.join(' and '.join(t) for t in twins[:10])}")
+    known = node_store.twins_in_fleet(session, nodes)
+    if known:
+        raise BadInput("node name(s) differ only in case from a node in the fleet (host names "
+                       "ignore case; name each as the fleet does): "
+                       + ", ".join(f"{a} (the fleet's {b})" for a, b in sorted(known.items())[:10]))
 
 
 def create_token(session: Session, role: str, name: str = "", token: str | None = None, *,
