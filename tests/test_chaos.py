@@ -17,6 +17,11 @@ def test_hostile_inputs_get_a_4xx_never_a_5xx(admin_url: str) -> None:
     assert row.survived is True, row.note
 
 
+def test_one_agents_attacks_leave_the_monitor_answering(admin_url: str) -> None:
+    row = run_fault("attacks", admin_url)
+    assert row.survived is True, row.note
+
+
 def test_the_api_killed_mid_ingest_loses_no_results(admin_url: str) -> None:
     row = run_fault("kill-api", admin_url)
     assert row.survived is True, row.note

@@ -6,7 +6,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 
-from bench.chaos import inputs, processes, waiting, webhooks
+from bench.chaos import attacks, inputs, processes, waiting, webhooks
 from bench.chaos.harness import Row
 
 Fault = Callable[[str | None], Row]
@@ -15,6 +15,7 @@ FAULTS: dict[str, tuple[str, Fault]] = {
     "schemathesis": ("schemathesis (live OpenAPI)", inputs.schemathesis),
     "roles": ("role matrix over every route", inputs.role_matrix),
     "hostile": ("oversized and hostile inputs", inputs.hostile_inputs),
+    "attacks": ("one agent's attacks", attacks.agent_attacks),
     "ssrf": ("SSRF attempts on webhook URLs", webhooks.ssrf),
     "replay": ("replayed signatures", webhooks.replayed_signature),
     "notifiers": ("two notifiers, slow and dead receivers", processes.two_notifiers),
