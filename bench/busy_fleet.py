@@ -115,6 +115,11 @@ class Look:
     healthy: dict[str, float]
     last_probe: dict[str, float]
     occupied: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # /metrics as a scrape found it: its series, its size, and what its caps left out
+    # (ringwatch_metrics_series_dropped, docs/security.md): a real fleet's must be none.
+    series: int = 0
+    scrape_bytes: int = 0
+    dropped: float = 0.0
 
 
 def scheduler_once(env: dict[str, str], fabric: Path) -> tuple[float, str]:
@@ -146,7 +151,11 @@ def look(api: httpx.Client, cycle: int, wall_s: float, line: str) -> Look:
                 api.get("/v1/findings", params={"limit": 1000}).json(),
                 samples(scrape, "ringwatch_node_healthy"),
                 samples(scrape, "ringwatch_node_last_probe_timestamp_seconds"),
-                {n["name"]: n["occupied"] for n in nodes if n.get("occupied")})
+                {n["name"]: n["occupied"] for n in nodes if n.get("occupied")},
+                sum(1 for x in scrape.splitlines() if x and not x.startswith("#")),
+                len(scrape.encode()),
+                sum(float(v) for v in re.findall(
+                    r"^ringwatch_metrics_series_dropped\{[^}]*\} (\S+)$", scrape, re.M)))
 
 
 def run_fleet(env: dict[str, str], api: httpx.Client, fabric: Path,
@@ -195,11 +204,12 @@ def report(sc: dict[str, Any], looks: list[Look]) -> None:
     print(f"\n{sc['nodes']} x {GPUS}: {len(busy)} nodes in {len(sc['jobs'])} jobs over cycles "
           f"{JOB_CYCLES[0]}-{JOB_CYCLES[1]}, {len(sc['faults'])} faults, default settings")
     print(f"  {'cycle':>5}{'wall s':>8}{'skipped':>9}{'busy shown':>12}{'incidents':>11}"
-          f"{'healthy=0':>11}")
+          f"{'healthy=0':>11}{'/metrics series':>17}{'kB':>7}{'dropped':>9}")
     for x in looks:
         zero = sum(1 for n, v in x.healthy.items() if v == 0)
         print(f"  {x.cycle:>5}{x.wall_s:>8.1f}{x.skipped:>9}{len(x.occupied):>12}"
-              f"{len(x.incidents):>11}{zero:>11}")
+              f"{len(x.incidents):>11}{zero:>11}{x.series:>17}{x.scrape_bytes // 1000:>7}"
+              f"{x.dropped:>9.0f}")
     print(f"  {'fault':<32}{'where':>7}{'opened':>8}{'bound':>7}")
     for i, f in enumerate(sc["faults"]):
         where = "busy" if bound(f, sc) > IDLE_BY else "idle"
