@@ -1,15 +1,18 @@
 # syntax=docker/dockerfile:1
 # ringwatch's images, one per role (docs/operations.md, "Images"):
 #
-#   docker build --target api   -t ringwatch-api .    the API, the notifier, `ringwatch db upgrade`
-#                                                      and the client; no torch, no Ray
-#   docker build --target agent -t ringwatch-agent .  the scheduler, the Ray head and workers and
-#                                                      the GPU probe agents; CUDA, RDMA, EFA
+#   docker build --target api   -t ringwatch-api:0.2.0 .    the API, the notifier, `ringwatch db
+#                                                            upgrade` and the client; no torch, no Ray
+#   docker build --target agent -t ringwatch-agent:0.2.0 .  the scheduler, the Ray head and workers
+#                                                            and the GPU probe agents; CUDA, RDMA, EFA
 #
 # Each installs its role's lock file (requirements/<role>.lock, made by `make lock`) with
 # --no-deps and --require-hashes, so the image holds exactly the packages the lock names, then
 # ringwatch's own wheel, not editable. A plain `docker build .` makes the last stage, api.
 
+# This ringwatch's version (pyproject's; tests/test_images.py holds them equal), labelled on
+# each image as it is tagged: docker build --target api -t ringwatch-api:0.2.0 .
+ARG RINGWATCH_VERSION=0.2.0
 ARG PYTHON_IMAGE=python:3.11-slim-trixie
 # The CUDA of the agent's torch: requirements/agent.lock pins torch from PyPI, whose Linux wheel
 # is the CUDA 13.0 build (NCCL and the CUDA libraries come as its nvidia-* wheels); it needs an
@@ -59,6 +62,9 @@ RUN curl -fsSLo plugin.tar.gz "https://github.com/aws/aws-ofi-nccl/releases/down
 # own, so the torch, NCCL and CUDA libraries are the locked wheels alone, not a second copy in
 # another version. Python is Ubuntu 24.04's 3.12.
 FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04 AS agent
+ARG RINGWATCH_VERSION
+LABEL org.opencontainers.image.title="ringwatch" \
+      org.opencontainers.image.version="${RINGWATCH_VERSION}"
 # rdma-core's verbs library and providers (mlx5, efa, ...) for NCCL's InfiniBand/RoCE
 # transport and ibv_devinfo to look at the NICs; libfabric (with fi_info) and hwloc for the
 # OFI plugin; tini as PID 1 forwards signals and reaps the processes Ray leaves behind. The
@@ -98,6 +104,9 @@ CMD ["ringwatch", "selftest"]
 
 # -- api: the API, the notifier, migrations, the client -------------------------------------------
 FROM ${PYTHON_IMAGE} AS api
+ARG RINGWATCH_VERSION
+LABEL org.opencontainers.image.title="ringwatch" \
+      org.opencontainers.image.version="${RINGWATCH_VERSION}"
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
@@ -120,8 +129,10 @@ ENV RINGWATCH_STATE_DIR=/app/.ringwatch
 WORKDIR /app
 USER 10001:10001
 EXPOSE 8420
-# Healthy while the API answers and its database does (/healthz runs SELECT 1); urllib, as the
-# slim image has no curl.
+# Healthy while the API process answers (/healthz, liveness: it asks no database, so an
+# orchestrator that restarts unhealthy containers does not restart them all for a database
+# outage; docker-compose.yml gates its dependents on /readyz instead). urllib, as the slim
+# image has no curl.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8420/healthz', timeout=4)"]
 ENTRYPOINT ["/usr/bin/tini", "--"]

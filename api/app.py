@@ -24,6 +24,7 @@ from api import errors
 from api.auth import PUBLIC_PATHS, Authenticate
 from api.headers import SecurityHeaders
 from api.limits import BodyLimit, BodyPace, IngestSlots
+from api.request_id import RequestLog
 from api.request_metrics import ApiMetrics, RequestMetrics, RouteTemplates
 from api.routers import (
     docs,
@@ -38,11 +39,14 @@ from api.routers import (
     webhooks,
 )
 from api.schemas import ErrorOut, MeasurementBatch
+from services import logs
 from services.errors import RingwatchError
+from services.preflight import service as preflight_service
 from services.preflight.waiting import PreflightWaiters
 from services.settings import Settings
 from services.store import db
 from services.store import tokens as token_store
+from services.version import ringwatch_version
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 def create_app(settings: Settings, session_factory: sessionmaker[Session] | None = None) -> FastAPI:
     # /docs is served from this API's own files (api/routers/docs.py), not FastAPI's page
     # from a CDN; there is no /redoc.
-    app = FastAPI(title="ringwatch", version="0.1.0", responses=ERROR_RESPONSES,
+    app = FastAPI(title="ringwatch", version=ringwatch_version(), responses=ERROR_RESPONSES,
                   description="Health of the communication fabric of GPU training clusters.",
                   docs_url=None, redoc_url=None)
     if session_factory is None:
@@ -68,6 +72,9 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     app.state.body_pace = BodyPace(settings.ingest_body_timeout_s,
                                    settings.ingest_body_min_bytes_per_s)
     app.state.preflight_waiters = PreflightWaiters(session_factory, settings.max_waiting_preflights)
+    # Preflight requests that arrive together are written together (a big job's prologs).
+    app.state.preflight_submissions = preflight_service.submissions(session_factory,
+                                                                    settings.api_url)
     _bootstrap_admin(settings, session_factory)
     for r in (meta.router, measurements.router, fleet.router, preflight.router,
               rankmaps.router, webhooks.router, tokens.router, scheduler.router):
@@ -87,6 +94,9 @@ def create_app(settings: Settings, session_factory: sessionmaker[Session] | None
     app.state.api_metrics = ApiMetrics()
     app.add_middleware(RequestMetrics, metrics=app.state.api_metrics,
                        templates=RouteTemplates(app))
+    # Around that: each request's id (X-Request-ID) on its log lines and answer, and its
+    # access line (api/request_id.py).
+    app.add_middleware(RequestLog, templates=RouteTemplates(app))
     return app
 
 
@@ -175,8 +185,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         # the traceback in the server log, never a plain-text 500.
         reference = uuid.uuid4().hex[:12]
         log.error("unexpected error (reference %s)", reference, exc_info=exc)
-        return _error(500, "internal", f"unexpected server error (reference {reference}); "
-                                       "the server log has the details")
+        answer = _error(500, "internal", f"unexpected server error (reference {reference}); "
+                                         "the server log has the details")
+        # Answered outside RequestLog (Starlette's outermost layer): the id is put on here.
+        if (rid := logs.request_id.get()) is not None:
+            answer.headers["X-Request-ID"] = rid
+        return answer
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -3,8 +3,9 @@
 FastAPI parses and validates a body before it runs an endpoint's dependencies, so a
 token checked in a dependency comes too late: a client with no token could make the API
 read and parse whatever it sent, and learn from a 422 what the schema wants. This ASGI
-middleware looks the bearer token up first (in a short transaction of its own, so no
-database connection is held while the endpoint works or waits) and answers 401 at once;
+middleware looks the bearer token up first (in a short transaction shared with the tokens
+presented beside it, services.store.batches, so no database connection is held while the
+endpoint works or waits) and answers 401 at once;
 the endpoint's role check then reads the principal it left in the request's state.
 """
 
@@ -12,22 +13,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import errors
 from services.errors import Unauthorized
-from services.store import db, tokens
+from services.store import tokens
+from services.store.batches import Batches
 from services.store.tokens import Principal
 
 # The API's description, browsable (api/routers/docs.py), and the Swagger UI files it loads.
 DOCS_PATH = "/docs"
 DOCS_ASSETS_PREFIX = "/docs/assets"
-# Paths anyone may read without a token (liveness, the API's own description, and
-# /metrics unless RINGWATCH_METRICS_TOKEN_REQUIRED; that check is the route's own).
-PUBLIC_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json", DOCS_PATH})
+# Paths anyone may read without a token (liveness and readiness, the API's own description,
+# and /metrics unless RINGWATCH_METRICS_TOKEN_REQUIRED; that check is the route's own).
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", DOCS_PATH})
 # The web page's static shell (api/routers/ui.py): it holds no data, only the code that
 # asks the API for it with the user's token.
 UI_PREFIX = "/ui"
@@ -54,7 +55,9 @@ class Authenticate:
 
     def __init__(self, app: Any, session_factory: sessionmaker[Session]) -> None:
         self.app = app
-        self.factory = session_factory
+        # Tokens presented together are looked up together (a big job's prologs ask at once).
+        self.lookup: Batches[str, Principal | str] = Batches(session_factory,
+                                                             tokens.authenticate_many)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -68,7 +71,7 @@ class Authenticate:
             await _refuse(send, MISSING_TOKEN)
             return
         try:
-            found = await anyio.to_thread.run_sync(self._lookup, token)
+            found = await self.lookup(token)
         except (PoolTimeout, OperationalError) as exc:
             await errors.send(send, errors.unavailable(exc))
             return
@@ -77,10 +80,6 @@ class Authenticate:
             return
         scope.setdefault("state", {})[STATE_KEY] = found
         await self.app(scope, receive, send)
-
-    def _lookup(self, token: str) -> Principal | str:
-        with db.transaction(self.factory) as s:
-            return tokens.authenticate(s, token)
 
 
 async def _refuse(send: Any, reason: str) -> None:

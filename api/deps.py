@@ -31,7 +31,10 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_settings(request: Request) -> Settings:
+# The dependencies that only read the request are coroutines: FastAPI runs a plain function
+# in its worker threads, and a hop there and back for each of them per request queued behind
+# every database call (a big job's prologs, a thousand requests at once).
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -58,6 +61,16 @@ def require(roles: frozenset[str]):
     return check
 
 
-ReaderDep = Annotated[Principal, Depends(require(READ_ROLES))]
-AgentDep = Annotated[Principal, Depends(require(WRITE_ROLES))]
-AdminDep = Annotated[Principal, Depends(require(ADMIN_ROLES))]
+def _requiring(roles: frozenset[str]):
+    """``require(roles)`` as a dependency that runs on the event loop (see get_settings)."""
+    check = require(roles)
+
+    async def checked(request: Request) -> Principal:
+        return check(request)
+
+    return checked
+
+
+ReaderDep = Annotated[Principal, Depends(_requiring(READ_ROLES))]
+AgentDep = Annotated[Principal, Depends(_requiring(WRITE_ROLES))]
+AdminDep = Annotated[Principal, Depends(_requiring(ADMIN_ROLES))]

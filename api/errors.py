@@ -4,7 +4,6 @@ ASGI middlewares that answer before any route (body limit, authentication)."""
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -12,8 +11,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from services.errors import Busy, DatabaseUnavailable, RetryLater, RingwatchError
-
-log = logging.getLogger(__name__)
+from services.store import db
 
 
 def body(code: str, message: str, detail: list | None = None) -> dict[str, Any]:
@@ -40,7 +38,7 @@ def unavailable(exc: PoolTimeout | OperationalError) -> RetryLater:
         # Every database connection is busy: back off, do not pile on.
         return Busy("the database is busy (no free connection); retry later", retry_after_s=5)
     reason = str(exc.orig).splitlines()[0] if exc.orig else "unavailable"
-    log.warning("database unavailable: %s", reason)
+    db.OUTAGE.failed(reason)  # a line when the outage starts and one a minute, not per request
     return DatabaseUnavailable(f"the database is unavailable or too slow ({reason}); "
                                "retry later", retry_after_s=10)
 

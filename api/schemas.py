@@ -219,6 +219,10 @@ class ShipperState(Strict):
     pending: Count = 0
     failed: Count = 0
     rejected: Count = 0
+    # Seconds the sender plans between its batches now: its cycle and the wait after it
+    # (the probe interval, or longer where the duty cycle stretches it). A scheduled cycle's
+    # batch says it; RingwatchIngestStalled waits three of them (docs/operations.md).
+    interval_s: float | None = Field(default=None, gt=0, le=30 * 86400)
 
 
 class CounterSnapshotIn(Strict):

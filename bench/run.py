@@ -15,7 +15,7 @@ import time
 BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
               "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why",
               "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage", "spool_size",
-              "ingest_findings")
+              "ingest_findings", "launch_gate")
 
 
 def main(argv: list[str]) -> int:

@@ -81,6 +81,13 @@ class DatabaseUnavailable(RetryLater):
     code = "database_unavailable"
 
 
+class NotReady(RingwatchError):
+    """This process cannot serve now: its database is unreachable or at another migration."""
+
+    status_code = 503
+    code = "not_ready"
+
+
 class NotConfigured(RingwatchError):
     """The operator has not set what this needs (a setting named in the message)."""
 

@@ -32,13 +32,16 @@ from services.scheduler.occupancy import OccupancySetting
 
 if TYPE_CHECKING:
     from services.analyzer.assess import Thresholds
-    from services.monitor.metrics import SeriesLimits
+    from services.monitor.metrics import AlertBounds, SeriesLimits
 
 # What a server of this machine alone (``Settings.local``) delivers webhooks to: receivers
 # on this machine, which the URL policy otherwise refuses.
 LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
 # The key its webhook secrets are encrypted with, generated once under the state dir.
 LOCAL_KEY_FILE = "webhook-secret.key"
+# Seconds a process stopped by SIGTERM gives the work under way (RINGWATCH_SHUTDOWN_TIMEOUT_S):
+# with a 5 s preStop pause it ends well inside Kubernetes' 30 s grace.
+SHUTDOWN_TIMEOUT_S = 8.0
 
 
 class Settings(BaseSettings):
@@ -49,6 +52,17 @@ class Settings(BaseSettings):
     # Seconds `ringwatch db upgrade` waits for another upgrade's migration lock, then exits 2
     # (unset: services.store.db.MIGRATION_LOCK_WAIT_S, 300).
     migration_lock_timeout_s: float | None = Field(default=None, gt=0)
+    # Each process's connections (services.store.db.make_engine): kept open, opened beyond
+    # those at a busy moment, and how long a request waits for a free one (then a 503 with
+    # Retry-After). Two API replicas and two notifiers at these stay under Postgres' default
+    # max_connections of 100 (docs/operations.md, "Database connections").
+    db_pool_size: int = Field(default=10, ge=1, le=1000)
+    db_max_overflow: int = Field(default=10, ge=0, le=1000)
+    db_pool_timeout_s: float = Field(default=30.0, gt=0)
+    # How long a connection attempt may take, and any one statement (0: no bound): a
+    # vanished database or a stuck query frees its connection and its request.
+    db_connect_timeout_s: float = Field(default=10.0, ge=1)
+    db_statement_timeout_ms: int = Field(default=60_000, ge=0)
     api_url: str = "http://127.0.0.1:8420"
     # Token the scheduler and CLI present to the API.
     token: str = ""
@@ -84,6 +98,11 @@ class Settings(BaseSettings):
     webhook_max_age_s: float = Field(default=24 * 3600.0, gt=0)
     webhook_timeout_s: float = Field(default=5.0, gt=0)
     notifier_poll_s: float = Field(default=1.0, gt=0)
+    # On SIGTERM a process gives the work under way this long: the API its requests in
+    # flight (waiting preflights are answered at once), the notifier its deliveries (those
+    # still going are then cut and released to the next notifier). docs/operations.md,
+    # "Stopping and rollouts".
+    shutdown_timeout_s: float = Field(default=SHUTDOWN_TIMEOUT_S, gt=0, le=300)
     # Analyzer: busbw below this fraction of its expectation is degraded. Unset: the
     # analyzer's default for the backend (services.analyzer.assess.thresholds_for), the
     # same for monitoring and preflight.
@@ -157,12 +176,17 @@ class Settings(BaseSettings):
     max_clock_skew_s: float = Field(default=MAX_CLOCK_SKEW_S, gt=0)
     # Preflight requests one token may have waiting for a scheduler at once (429 beyond).
     max_pending_preflights_per_token: int = Field(default=16, ge=1)
+    # ... and of one node's own gate (one node, no workload: a prolog, an epilog, an NHC
+    # check): as many as the largest job's nodes, since a job's prologs share one token and a
+    # 429 there lets a node in unchecked (fail-open).
+    max_pending_gate_preflights_per_token: int = Field(default=4096, ge=1)
     # The budget of one check (preflight or monitoring cycle); docs/analysis.md, "Budget".
     check_max_rounds: int = Field(default=CHECK_MAX_ROUNDS, ge=1)
     check_max_fabric_s: float = Field(default=CHECK_MAX_FABRIC_S, gt=0)
     check_max_wall_s: float = Field(default=CHECK_MAX_WALL_S, gt=0)
     # Callers waiting on ?wait= at once, across all tokens (each is an asyncio event, not a thread).
-    max_waiting_preflights: int = Field(default=1024, ge=1)
+    # Enough for a 4096-node job's prologs waiting at once beside other callers.
+    max_waiting_preflights: int = Field(default=8192, ge=1)
     # /metrics: seconds one rendered scrape is served again (many scrapers, one scan; 0:
     # every scrape reads the database), and whether it needs a token (any valid one).
     metrics_cache_s: float = Field(default=10.0, ge=0)
@@ -175,6 +199,16 @@ class Settings(BaseSettings):
     # in ringwatch_metrics_series_dropped (services.monitor.metrics.SeriesLimits).
     metrics_max_series_per_node: int = Field(default=512, ge=1)
     metrics_max_series_per_family: int = Field(default=262_144, ge=1)
+    # The alerts (docs/operations.md, "Alerts"): the share of the fleet's nodes excluded past
+    # which RingwatchFleetUnhealthy fires, and the database's size past which
+    # RingwatchDatabaseSize does (0: never; a 1024 x 8 fleet settles at 108 GB at the
+    # default retention, docs/scale.md), both on /metrics for the rules to read; and the page
+    # the alerts' runbook links point into: docs/operations.md where your documentation
+    # serves it (empty: the links name the repository's path).
+    fleet_unhealthy_share: float = Field(default=0.02, gt=0, lt=1)
+    database_size_alert_bytes: int = Field(default=150 << 30, ge=0)
+    runbook_url: str = Field(default="", max_length=1024,
+                             pattern=r'^(https?://[^\x00-\x20\x7f#"\\]+)?$')
     # GET /v1/fleet/pairs sends the whole node-pair map up to this many nodes (n(n-1)/2
     # bytes: 8 MiB at 4096), beyond it 422 and the map in tiles of at most this many rows
     # by as many columns (docs/scale.md, "Node-pair map bounds").
@@ -187,6 +221,22 @@ class Settings(BaseSettings):
     secret_key: SecretStr = SecretStr("")
     webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     webhook_concurrency: int = Field(default=8, ge=1, le=256)
+    # How every process logs: services.logs reads these two before any setting is read (a
+    # command on defaults never loads pydantic); declared here so a bad value is refused
+    # with the rest. Text or json; the level (unset: info for json and with -v, else warning).
+    log_format: str = "text"
+    log_level: str = ""
+
+    @field_validator("log_format", "log_level")
+    @classmethod
+    def _log_vocabulary(cls, value: str, info: Any) -> str:
+        from services.logs import FORMATS, LEVELS
+
+        value = value.strip().lower()
+        allowed = FORMATS if info.field_name == "log_format" else ("", *LEVELS)
+        if value not in allowed:
+            raise ValueError(f"one of {', '.join(a for a in allowed if a)}")
+        return value
 
     @field_validator("webhook_allowed_networks", mode="before")
     @classmethod
@@ -213,6 +263,12 @@ class Settings(BaseSettings):
         from services.monitor.metrics import SeriesLimits
 
         return SeriesLimits(self.metrics_max_series_per_node, self.metrics_max_series_per_family)
+
+    def alert_bounds(self) -> AlertBounds:
+        from services.monitor.metrics import AlertBounds
+
+        return AlertBounds(self.fleet_unhealthy_share, self.database_size_alert_bytes,
+                           self.runbook_url, self.probe_interval_s)
 
     def hysteresis(self) -> Policy:
         return Policy(self.hysteresis_k_bad, self.hysteresis_n_window, self.hysteresis_m_good)

@@ -1,8 +1,11 @@
 """The alert rules ringwatch ships (deploy/prometheus/ringwatch-rules.yml): promtool checks
 them and runs their unit tests (tests/data/prometheus); each has its `for:`, severity,
-summary and a runbook that exists in docs/operations.md; the PrometheusRule carries the same
-groups, and the ServiceMonitor selects the API's Service. Last, a real Prometheus scrapes a
-real API and fires the node alert for the node a preflight would exclude, and no other."""
+summary and a runbook that exists in docs/operations.md, linked through the one
+RINGWATCH_RUNBOOK_URL; the PrometheusRule carries the same groups, the ServiceMonitor
+selects the API's Service, and the Alertmanager example in docs/operations.md groups the
+node alerts and lets the fleet's page inhibit them. Last, a real Prometheus scrapes a real
+API and fires the node alert (a warning) for the node a preflight would exclude and no
+other, and the fleet's page for a fleet past its share, each with a full runbook URL."""
 
 from __future__ import annotations
 
@@ -33,7 +36,16 @@ OPERATIONS = ROOT / "docs/operations.md"
 ALERTS = {"RingwatchNodeUnhealthy", "RingwatchFleetBelowRated", "RingwatchIngestStalled",
           "RingwatchWebhookBacklog", "RingwatchShipperFailures", "RingwatchAPIDown",
           "RingwatchOccupancyUnknown", "RingwatchSchedulerNoCycle",
-          "RingwatchSchedulerSpoolGrowing", "RingwatchSchedulerIngestRefused"}
+          "RingwatchSchedulerSpoolGrowing", "RingwatchSchedulerIngestRefused",
+          "RingwatchFleetUnhealthy", "RingwatchDatabaseDown", "RingwatchNotifierNotLooping",
+          "RingwatchAPIErrorRate", "RingwatchMaintenanceFailed", "RingwatchDatabaseSize"}
+# The recording rules: the page the runbook links point into.
+RECORDS = {"ringwatch:runbook_url:info"}
+# Every runbook_url: RINGWATCH_RUNBOOK_URL as the API replicas export it, else the
+# repository's path, and the alert's anchor.
+RUNBOOK_URL = ('{{ with query "ringwatch:runbook_url:info" }}{{ (. | first).Labels.url }}'
+               '{{ else }}docs/operations.md{{ end }}#')
+RUNBOOK_BASE = "https://docs.example/ringwatch/v1/docs/operations.md"
 ADMIN = "rw_alerts_admin_token_for_tests"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
@@ -45,7 +57,12 @@ def rule_groups() -> list[dict[str, Any]]:
 
 
 def rules() -> list[dict[str, Any]]:
-    return [r for g in rule_groups() for r in g["rules"]]
+    """The alerting rules."""
+    return [r for g in rule_groups() for r in g["rules"] if "alert" in r]
+
+
+def records() -> list[dict[str, Any]]:
+    return [r for g in rule_groups() for r in g["rules"] if "record" in r]
 
 
 def documents(path: Path) -> list[dict[str, Any]]:
@@ -74,7 +91,7 @@ def promtool(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess
 def test_promtool_checks_the_rules_and_runs_their_unit_tests() -> None:
     checked = promtool("check", "rules", RULES)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert f"SUCCESS: {len(ALERTS)} rules found" in checked.stdout
+    assert f"SUCCESS: {len(ALERTS) + len(RECORDS)} rules found" in checked.stdout
     tested = promtool("test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
     assert tested.returncode == 0, tested.stdout + tested.stderr
     # Every alert has a case that waits out its `for:` and sees it fire.
@@ -98,15 +115,15 @@ def test_compose_prometheus_loads_the_rules() -> None:
 def test_every_alert_waits_is_graded_says_what_and_links_its_runbook() -> None:
     documented = anchors(OPERATIONS.read_text())
     assert {r["alert"] for r in rules()} == ALERTS
+    assert {r["record"] for r in records()} == RECORDS
     for rule in rules():
         name = rule["alert"]
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("critical", "warning"), name
         notes = rule["annotations"]
         assert notes["summary"] and notes["description"], name
-        page, _, anchor = notes["runbook_url"].partition("#")
-        assert page == "docs/operations.md" and anchor == name.lower(), name
-        assert anchor in documented, f"{name}: docs/operations.md has no #{anchor}"
+        assert notes["runbook_url"] == RUNBOOK_URL + name.lower(), name
+        assert name.lower() in documented, f"{name}: docs/operations.md has no #{name.lower()}"
     by_name = {r["alert"]: r for r in rules()}
     # An alert about one node, or one scheduler, names it where a pager shows it first.
     assert "{{ $labels.node }}" in by_name["RingwatchNodeUnhealthy"]["annotations"]["summary"]
@@ -115,6 +132,80 @@ def test_every_alert_waits_is_graded_says_what_and_links_its_runbook() -> None:
     for name in ("RingwatchSchedulerSpoolGrowing", "RingwatchSchedulerIngestRefused"):
         assert "{{ $labels.host }}" in by_name[name]["annotations"]["summary"], name
     assert "runbook" in anchors(OPERATIONS.read_text())
+    # A node to drain is a warning; many at once, the fleet's page. Thresholds that are
+    # settings are read from /metrics, never written into a rule.
+    assert by_name["RingwatchNodeUnhealthy"]["labels"]["severity"] == "warning"
+    for name in ("RingwatchFleetUnhealthy", "RingwatchDatabaseDown", "RingwatchAPIErrorRate"):
+        assert by_name[name]["labels"]["severity"] == "critical", name
+    assert "ringwatch_fleet_unhealthy_share_threshold" in by_name["RingwatchFleetUnhealthy"]["expr"]
+    stalled = by_name["RingwatchIngestStalled"]["expr"]
+    assert "ringwatch_expected_ingest_interval_seconds" in stalled
+    assert not re.search(r">\s*\d+\s*$", stalled), stalled  # no fixed figure of seconds
+    assert "ringwatch_database_size_alert_bytes" in by_name["RingwatchDatabaseSize"]["expr"]
+
+
+# -- routing ------------------------------------------------------------------------------
+
+
+def alertmanager_example() -> dict[str, Any]:
+    """The Alertmanager configuration docs/operations.md shows under "Routing"."""
+    text = OPERATIONS.read_text()
+    section = text[text.index("\n### Routing\n"):]
+    start = section.index("```yaml\n") + len("```yaml\n")
+    return yaml.safe_load(section[start:section.index("\n```", start)])
+
+
+def matches(matchers: list[str], labels: dict[str, str]) -> bool:
+    """Whether ``labels`` satisfy every Alertmanager matcher (``name="v"``, ``=~``, ``!=``)."""
+    for matcher in matchers:
+        found = re.fullmatch(r'(\w+)\s*(=~|!~|!=|=)\s*"(.*)"', matcher)
+        assert found, matcher
+        name, op, want = found.groups()
+        got = labels.get(name, "")
+        hit = re.fullmatch(want, got) is not None if "~" in op else got == want
+        if hit == op.startswith("!"):
+            return False
+    return True
+
+
+def route_for(route: dict[str, Any], labels: dict[str, str],
+              inherited: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings of the route an alert with ``labels`` lands on (the first matching child,
+    depth first, inheriting what it does not set), as Alertmanager walks its tree."""
+    here = {**(inherited or {}), **{k: v for k, v in route.items() if k != "routes"}}
+    for child in route.get("routes", []):
+        if matches(child.get("matchers", []), labels):
+            return route_for(child, labels, here)
+    return here
+
+
+def alert_labels(name: str) -> dict[str, str]:
+    rule = {r["alert"]: r for r in rules()}[name]
+    return {"alertname": name, "job": "ringwatch", **rule["labels"]}
+
+
+def test_the_alertmanager_example_groups_node_alerts_and_the_fleet_page_inhibits_them() -> None:
+    config = alertmanager_example()
+    node = {**alert_labels("RingwatchNodeUnhealthy"), "node": "node-002"}
+    fleet = alert_labels("RingwatchFleetUnhealthy")
+    # Many excluded nodes are one notification, not one each; the fleet's page pages.
+    routed = route_for(config["route"], node)
+    assert routed["group_by"] == ["alertname"], routed
+    assert route_for(config["route"], fleet)["receiver"] != routed["receiver"]
+    receivers = {r["name"] for r in config["receivers"]}
+    for labels in (node, fleet, alert_labels("RingwatchDatabaseDown")):
+        assert route_for(config["route"], labels)["receiver"] in receivers
+    # While the fleet's page fires, the node warnings under it are inhibited.
+    inhibits = [r for r in config["inhibit_rules"]
+                if matches(r["source_matchers"], fleet) and matches(r["target_matchers"], node)]
+    assert inhibits and all(set(r.get("equal", [])) <= fleet.keys() & node.keys()
+                            for r in inhibits)
+    assert not any(matches(r["source_matchers"], node) and matches(r["target_matchers"], fleet)
+                   for r in config["inhibit_rules"])
+    # Every alert named in a matcher is one the rules have.
+    named = {n for r in config["inhibit_rules"] for m in r["source_matchers"] + r["target_matchers"]
+             for n in re.findall(r"Ringwatch\w+", m)}
+    assert named and named <= ALERTS, named - ALERTS
 
 
 # -- Kubernetes ---------------------------------------------------------------------------
@@ -184,7 +275,8 @@ def short_rules(to: Path) -> Path:
     groups = rule_groups()
     for group in groups:
         for rule in group["rules"]:
-            rule["for"] = "1s"
+            if "alert" in rule:
+                rule["for"] = "1s"
     to.write_text(yaml.safe_dump({"groups": groups}))
     return to
 
@@ -197,12 +289,15 @@ def test_a_real_prometheus_fires_the_node_alert_for_the_degraded_node(
     scraping it every second with a reader token from a file, as
     deploy/prometheus/prometheus.yml says to, and loading the shipped rules with each
     `for:` rewritten to 1s (short_rules). Two monitoring cycles with node-002 slow: the node
-    alert fires for node-002 alone, as Prometheus' /api/v1/alerts reports it."""
+    alert (a warning) fires for node-002 alone, as Prometheus' /api/v1/alerts reports it,
+    and, one node in four being past the fleet's 2 %, the fleet's page fires too; both link
+    their runbook on the page RINGWATCH_RUNBOOK_URL names."""
     api_url = f"http://127.0.0.1:{free_port()}"
     server = start_server({
         **os.environ, "RINGWATCH_DATABASE_URL": database_url, "RINGWATCH_API_URL": api_url,
         "RINGWATCH_BOOTSTRAP_ADMIN_TOKEN": ADMIN, "RINGWATCH_STATE_DIR": str(tmp_path / "state"),
-        "RINGWATCH_METRICS_CACHE_S": "0", "RINGWATCH_METRICS_TOKEN_REQUIRED": "true"})
+        "RINGWATCH_METRICS_CACHE_S": "0", "RINGWATCH_METRICS_TOKEN_REQUIRED": "true",
+        "RINGWATCH_RUNBOOK_URL": RUNBOOK_BASE})
     prometheus = None
     try:
         admin = {"Authorization": f"Bearer {ADMIN}"}
@@ -231,10 +326,12 @@ def test_a_real_prometheus_fires_the_node_alert_for_the_degraded_node(
                 stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{prom_port}"
 
-        def node_alerts() -> list[dict[str, Any]]:
+        def alerts(name: str) -> list[dict[str, Any]]:
             resp = httpx.get(f"{base}/api/v1/alerts", timeout=5).raise_for_status()
-            alerts = resp.json()["data"]["alerts"]
-            return [a for a in alerts if a["labels"]["alertname"] == "RingwatchNodeUnhealthy"]
+            return [a for a in resp.json()["data"]["alerts"] if a["labels"]["alertname"] == name]
+
+        def node_alerts() -> list[dict[str, Any]]:
+            return alerts("RingwatchNodeUnhealthy")
 
         # Until its storage is open Prometheus answers 503 in plain text.
         wait_for("Prometheus to be ready",
@@ -247,10 +344,16 @@ def test_a_real_prometheus_fires_the_node_alert_for_the_degraded_node(
         # Exactly the degraded node, pending or firing, and its summary names it.
         assert [a["labels"]["node"] for a in node_alerts()] == ["node-002"]
         [alert] = firing
-        assert alert["labels"]["severity"] == "critical"
+        assert alert["labels"]["severity"] == "warning"
         assert "node-002" in alert["annotations"]["summary"]
-        assert alert["annotations"]["runbook_url"] == "docs/operations.md#ringwatchnodeunhealthy"
+        assert alert["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}#ringwatchnodeunhealthy"
         assert float(alert["value"]) == 0
+        [page] = wait_for("the fleet's page to fire", lambda: [
+            a for a in alerts("RingwatchFleetUnhealthy") if a["state"] == "firing"])
+        assert page["labels"]["severity"] == "critical"
+        assert float(page["value"]) == 0.25  # one node of four
+        assert page["annotations"]["summary"] == "ringwatch excludes 25% of the fleet's nodes"
+        assert page["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}#ringwatchfleetunhealthy"
     finally:
         if prometheus is not None:
             prometheus.terminate()

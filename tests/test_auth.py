@@ -147,6 +147,27 @@ def test_the_bootstrap_token_is_stored_only_into_an_empty_table(clean_db) -> Non
 # -- preflight: caps and claims --------------------------------------------------------
 
 
+def test_a_nodes_own_gate_has_a_cap_of_its_own(clean_db) -> None:
+    """A big job's prologs share one token: single-node requests are capped apart from the
+    token's other requests, so a job of more nodes than RINGWATCH_MAX_PENDING_PREFLIGHTS_
+    PER_TOKEN does not see its nodes let in unchecked by a 429."""
+    settings = {"max_pending_preflights_per_token": 2, "max_pending_gate_preflights_per_token": 3}
+    with api_client(clean_db, settings) as api:
+        _stale(api)
+        codes = [api.post("/v1/preflight", json={"nodes": [n], "max_age_s": 60},
+                          headers=api.h["reader"]).status_code for n in NODES]
+        assert codes == [202, 202, 202, 429]
+        r = api.post("/v1/preflight", json={"nodes": ["node-000"], "max_age_s": 60},
+                     headers=api.h["reader"])
+        assert "RINGWATCH_MAX_PENDING_GATE_PREFLIGHTS_PER_TOKEN" in r.json()["message"]
+        # The token's other requests keep their own share.
+        for _ in range(2):
+            assert api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60},
+                            headers=api.h["reader"]).status_code == 202
+        assert api.post("/v1/preflight", json={"nodes": NODES, "max_age_s": 60},
+                        headers=api.h["reader"]).status_code == 429
+
+
 def test_each_token_has_a_cap_on_waiting_preflights(clean_db) -> None:
     with api_client(clean_db, {"max_pending_preflights_per_token": 2}) as api:
         _stale(api)

@@ -107,7 +107,9 @@ def test_bash_completion_offers_the_commands_and_flags_the_cli_takes(tmp_path: P
                             capture_output=True, text=True, check=True).stdout
     assert _complete(script, "ringwatch pre") == ["preflight"]
     assert _complete(script, "ringwatch st") == ["status"]
-    assert _complete(script, "ringwatch db ") == ["--help", "maintain", "stop", "upgrade", "wait"]
+    assert _complete(script, "ringwatch db ") == ["--help", "downgrade", "maintain", "stop",
+                                                  "upgrade", "wait"]
+    assert "--version" in _complete(script, "ringwatch --")
     assert _complete(script, "ringwatch preflight --pro") == ["--profile"]
     assert _complete(script, "ringwatch preflight --profile ") == ["ddp", "fsdp", "moe",
                                                                    "pipeline"]

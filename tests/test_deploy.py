@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from services.version import ringwatch_version
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kubernetes"
 BASE = DEPLOY / "base"
@@ -27,6 +29,9 @@ EXCLUSIVE = DEPLOY / "overlays" / "exclusive-gpus"
 INFINIBAND = DEPLOY / "overlays" / "rdma-infiniband"
 EFA = DEPLOY / "overlays" / "efa"
 KUSTOMIZATIONS = (BASE, EXCLUSIVE, INFINIBAND, EFA)
+# The migration Job: a name per ringwatch version, so applying the next version's makes a
+# new Job instead of changing a finished one's pod template (which Kubernetes refuses).
+MIGRATE_JOB = "ringwatch-migrate-" + ringwatch_version().replace(".", "-")
 # The node label (and taint key) that sets a node aside for workers that hold its devices.
 SET_ASIDE = "ringwatch.io/set-aside"
 EXAMPLE = ROOT / "examples" / "k8s-init-container.yaml"
@@ -596,8 +601,8 @@ def test_the_migration_job_alone_runs_migrations() -> None:
         migrating = {(d["kind"], d["metadata"]["name"], c["name"]) for d in docs
                      for c in _containers(d) for argv in _ringwatch_argvs(c)
                      if _parse(argv).command == "db" and _parse(argv).db_command == "upgrade"}
-        assert migrating == {("Job", "ringwatch-migrate", "migrate")}, directory
-    job = find(manifests(), "Job", "ringwatch-migrate")
+        assert migrating == {("Job", MIGRATE_JOB, "migrate")}, directory
+    job = find(manifests(), "Job", MIGRATE_JOB)
     # Retried until the database answers, and gone a while after it is done (a Job's pod
     # template cannot change, so the next image's Job is a new one).
     assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
@@ -724,7 +729,7 @@ def test_network_policies_hold_every_pod_to_the_traffic_it_needs() -> None:
         reaches = any(not r.get("to") for r in egress(workload, ("TCP", 5432)))
         assert reaches == (workload in ("Deployment/ringwatch-api",
                                         "Deployment/ringwatch-notifier",
-                                        "Job/ringwatch-migrate")), workload
+                                        f"Job/{MIGRATE_JOB}")), workload
     # The API takes the scheduler's calls, and those of client namespaces you label.
     (rule,) = policy("Deployment/ringwatch-api")["ingress"]
     assert _rule_ports(rule) == {("TCP", api_port)} and _peers_admit(rule["from"], head)

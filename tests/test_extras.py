@@ -99,7 +99,7 @@ def _needs(dist: str, seen: set[str] | None = None) -> set[str]:
 def test_the_plain_install_is_the_client_without_torch_ray_or_a_server() -> None:
     base = {re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0].lower()
             for r in _pyproject()["project"]["dependencies"]}
-    assert base == {"httpx", "pydantic", "pydantic-settings", "rich"}
+    assert base == {"httpx", "pydantic", "pydantic-settings", "python-json-logger", "rich"}
     for dist in base:  # nor does anything the client pulls in bring them
         assert not _needs(dist) & {"torch", "ray", "numpy", "fastapi", "sqlalchemy", "pgserver"}
 

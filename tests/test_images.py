@@ -435,3 +435,33 @@ def test_each_role_image_leaves_root_for_the_state_dirs_owner(role: str) -> None
     assert re.search(r"useradd .*--uid 10001 .* ringwatch(\s|$)", runs)
     state = dict(e.split("=", 1) for e in steps(role, "ENV"))["RINGWATCH_STATE_DIR"]
     assert re.search(rf"chown ringwatch:ringwatch [^&]*{re.escape(state)}(\s|$)", runs)
+
+
+# -- versions --------------------------------------------------------------------------------
+
+
+def test_every_image_and_the_migration_job_carry_this_ringwatchs_version_never_latest() -> None:
+    """What a node pulls is the code these manifests were written for: each ringwatch image
+    is tagged with pyproject's version (what `ringwatch --version` says), in compose, in every
+    kustomization's rendering and in the example, and the Dockerfile labels it so."""
+    from services.version import ringwatch_version
+    from tests.test_deploy import EXAMPLE, MIGRATE_JOB
+
+    version = ringwatch_version()
+    assert version == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    refs = [svc["image"] for svc in compose().values() if role_of(svc.get("image", ""))]
+    for directory in KUSTOMIZATIONS:
+        refs += [c["image"] for doc in render(directory) for c in _containers(doc)
+                 if role_of(c["image"])]
+    refs += [c["image"] for doc in yaml.safe_load_all(EXAMPLE.read_text()) if doc
+             for c in _containers(doc) if role_of(c["image"])]
+    assert refs and {ref.rsplit(":", 1)[-1] for ref in refs} == {version}, refs
+    base = yaml.safe_load((KUSTOMIZATIONS[0] / "kustomization.yaml").read_text())
+    assert {i["newTag"] for i in base["images"]} == {version}
+    args, _ = dockerfile()
+    assert args["RINGWATCH_VERSION"] == version
+    for role in roles():
+        assert "RINGWATCH_VERSION" in steps(role, "ARG")
+        assert 'org.opencontainers.image.version="${RINGWATCH_VERSION}"' in " ".join(
+            steps(role, "LABEL")), role
+    assert find(render(KUSTOMIZATIONS[0]), "Job", MIGRATE_JOB)["spec"]["ttlSecondsAfterFinished"] > 0

@@ -529,7 +529,7 @@ def test_resume_returns_ringwatchs_node_once_healthy_and_leaves_another_reason_a
 def test_no_verdict_in_time_and_a_429_past_the_bound_let_the_node_through(
         database_url, clean_db, tmp_path: Path) -> None:
     # One waiting request per token: the second ask is a 429 with Retry-After 30.
-    proc, api = _serve(database_url, tmp_path, RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN="1")
+    proc, api = _serve(database_url, tmp_path, RINGWATCH_MAX_PENDING_GATE_PREFLIGHTS_PER_TOKEN="1")
     try:
         api.post_cycle()
         time.sleep(0.1)  # results older than --max-age wait for a scheduler; none runs
@@ -543,7 +543,8 @@ def test_no_verdict_in_time_and_a_429_past_the_bound_let_the_node_through(
         assert "is a scheduler probing?); nothing more within the bound of 3 s" in first.stderr
         second = cli("slurm", "check", "--node", "node-000", "--env-file", str(env_file), env=env)
         assert second.returncode == 0, second.stderr
-        assert "API answered 429: this token has 1 preflight request(s) waiting" in second.stderr
+        assert ("API answered 429: this token has 1 single-node preflight request(s) waiting"
+                in second.stderr)
         closed = cli("slurm", "check", "--node", "node-000", "--env-file", str(env_file),
                      "--on-error", "closed", env=env)
         assert closed.returncode == 1

@@ -1,11 +1,9 @@
 """Preflight: may a job launch on these nodes? Durable requests that a scheduler completes."""
 
 import asyncio
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.orm import Session, sessionmaker
+from fastapi import APIRouter, Query, Request, Response, status
 
 from agents.workloads import JobLayout
 from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
@@ -14,31 +12,30 @@ from services.preflight import service
 from services.preflight.waiting import POLL_S, PreflightWaiters
 
 router = APIRouter(prefix="/v1/preflight", tags=["preflight"])
-
-
-def get_factory(request: Request) -> sessionmaker[Session]:
-    return request.app.state.session_factory
-
-
-FactoryDep = Annotated[sessionmaker[Session], Depends(get_factory)]
+# A 202's Retry-After: seconds before a caller looks at its waiting request again.
+RETRY_AFTER_S = "1"
 
 
 def _code(body: dict, response: Response) -> dict:
     if body["status"] in ("pending", "running"):
         response.status_code = status.HTTP_202_ACCEPTED
+        # When to look again (GET /v1/preflight/{id}); a server that is stopping answers its
+        # waiting callers so at once, and the next look reaches another replica.
+        response.headers["Retry-After"] = RETRY_AFTER_S
     return body
 
 
 # A request that waits for a scheduler is answered 202 with the same body, its status
 # pending or running.
 WAITING: dict[int | str, dict[str, Any]] = {202: {"model": PreflightOut,
-                 "description": "waiting for a scheduler: poll GET /v1/preflight/{id}"}}
+                 "description": "waiting for a scheduler: poll GET /v1/preflight/{id} after "
+                                "Retry-After"}}
 
 
 @router.post("", response_model=PreflightOut, response_model_exclude_unset=True,
              responses=WAITING)
-async def create_preflight(body: PreflightIn, request: Request, factory: FactoryDep,
-                           settings: SettingsDep, who: ReaderDep, response: Response,
+async def create_preflight(body: PreflightIn, request: Request, settings: SettingsDep,
+                           who: ReaderDep, response: Response,
                            wait: float = Query(default=0.0, ge=0, le=600,
                                                description="seconds to wait for a probing "
                                                            "scheduler")) -> dict:
@@ -50,17 +47,20 @@ async def create_preflight(body: PreflightIn, request: Request, factory: Factory
     ``dp``), a scheduler always probes: the fabric check with the profile's ops, then the
     job's own communicators at its sizes; the verdict's ``workload`` section says how they
     ran (docs/workloads.md). A layout that cannot fit the nodes' GPUs is a 422.
-    A token may have RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN requests waiting at once
-    (429 with Retry-After beyond); a caller that waits holds no worker thread, and at most
-    RINGWATCH_MAX_WAITING_PREFLIGHTS callers wait at once (429 beyond)."""
+    A token may have RINGWATCH_MAX_PENDING_PREFLIGHTS_PER_TOKEN requests waiting at once,
+    and RINGWATCH_MAX_PENDING_GATE_PREFLIGHTS_PER_TOKEN single-node ones (a node's own gate:
+    a job's prologs share a token) (429 with Retry-After beyond); a caller that waits holds no worker thread, and at most
+    RINGWATCH_MAX_WAITING_PREFLIGHTS callers wait at once (429 beyond). A 202 carries
+    Retry-After; a server that is stopping answers its waiting callers so at once."""
     waiters: PreflightWaiters = request.app.state.preflight_waiters
     if wait > 0:
         waiters.check_room()
     job = JobLayout.from_dict(body.model_dump(include={"tp", "pp", "dp"}))
-    out = await run_in_threadpool(
-        service.submit_committed, factory, list(body.nodes), body.max_age_s, settings.api_url,
-        confirm=body.confirm, token_id=who.token_id,
-        max_waiting=settings.max_pending_preflights_per_token, profile=body.profile, job=job)
+    submissions: service.Submissions = request.app.state.preflight_submissions
+    out = await submissions(service.Ask(
+        list(body.nodes), body.max_age_s, confirm=body.confirm, token_id=who.token_id,
+        max_waiting=settings.max_pending_preflights_per_token, profile=body.profile, job=job,
+        max_gate_waiting=settings.max_pending_gate_preflights_per_token))
     return _code(await waiters.wait(out, wait, hung_up=lambda: _hung_up(request)), response)
 
 
@@ -80,8 +80,10 @@ def get_preflight(request_id: str, session: SessionDep, _: ReaderDep, response: 
 
 @router.post("/claim", response_model=None)
 def claim_preflight(body: ClaimIn, session: SessionDep, who: AgentDep) -> Response | dict:
-    """A scheduler takes the oldest waiting request (204 when there is none); a token scoped
-    to some nodes is given only requests for those nodes."""
+    """A scheduler takes the next waiting request (204 when there is none): one naming a
+    single node and no workload (a node's prolog asking about itself) before any other, and
+    in each lane the askers' tokens in turn, each one's oldest first. A token scoped to some
+    nodes is given only requests for those nodes."""
     claimed = service.claim(session, body.worker, body.lease_s, token_id=who.token_id,
                             within=who.nodes)
     return claimed if claimed is not None else Response(status_code=status.HTTP_204_NO_CONTENT)

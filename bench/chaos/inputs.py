@@ -22,7 +22,7 @@ from tests.api_fixtures import fleet_batch, measurement, pair
 
 # Who may call what; admin may do everything. A route the live OpenAPI lists that this table
 # does not place is itself a failure: the matrix must be told about every new route.
-PUBLIC = frozenset({"/healthz", "/metrics"})
+PUBLIC = frozenset({"/healthz", "/readyz", "/metrics"})
 ADMIN_PREFIXES = ("/v1/tokens", "/v1/webhooks")
 ADMIN_ROUTES = frozenset({("POST", "/v1/nodes/retire")})
 AGENT_ROUTES = frozenset({("POST", "/v1/measurements"), ("POST", "/v1/preflight/claim"),

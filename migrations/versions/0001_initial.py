@@ -13,6 +13,9 @@ down_revision = None
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: it makes the schema.
+ADDITIVE = False
+
 
 def upgrade() -> None:
     op.create_table('api_tokens',

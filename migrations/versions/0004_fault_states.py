@@ -14,6 +14,9 @@ down_revision = "0003"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: it resolves the open incidents, which the code before it would open again its own way.
+ADDITIVE = False
+
 
 def upgrade() -> None:
     op.add_column("measurements", sa.Column("preset_gbs", sa.Float(), nullable=True))

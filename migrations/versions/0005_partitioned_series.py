@@ -18,6 +18,9 @@ down_revision = "0004"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: it moves the measurements into a new layout.
+ADDITIVE = False
+
 TZ = sa.TIMESTAMP(timezone=True)
 # The series key of a group too long to index as text (agents.groups.series_key).
 HASHED_KEY = ("CASE WHEN length({c}) > 512 THEN 'sha256:' || "

@@ -14,6 +14,9 @@ down_revision = "0006"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: the code before it would take tokens it refuses (expired, or scoped to other nodes).
+ADDITIVE = False
+
 
 def upgrade() -> None:
     op.add_column("api_tokens", sa.Column("expires_at", sa.TIMESTAMP(timezone=True), nullable=True))

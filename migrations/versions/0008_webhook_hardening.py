@@ -18,6 +18,9 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: secrets it encrypts at rest are unreadable to the code before it.
+ADDITIVE = False
+
 
 def upgrade() -> None:
     op.add_column("webhooks", sa.Column("previous_secret", sa.Text(), nullable=True))

@@ -16,6 +16,10 @@ down_revision = "0008"
 branch_labels = None
 depends_on = None
 
+# Only adds to the schema (expand/contract): the ringwatch before it serves on as it did
+# (services.store.db.judge_ahead; docs/operations.md, "Upgrades and rollbacks").
+ADDITIVE = True
+
 
 def upgrade() -> None:
     op.create_table(

@@ -19,6 +19,9 @@ down_revision = "0010"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: the code before it would delete probe runs without counting them, and the ingest counters would go down.
+ADDITIVE = False
+
 # The bucket bounds (seconds) of services.store.preflight.LATENCY_BOUNDS at this revision.
 BOUNDS = "{0.1,0.5,1,2.5,5,10,30,60,120,300,600,1800}"
 

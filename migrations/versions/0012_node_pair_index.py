@@ -15,6 +15,10 @@ down_revision = "0011"
 branch_labels = None
 depends_on = None
 
+# Only adds to the schema (expand/contract): the ringwatch before it serves on as it did
+# (services.store.db.judge_ahead; docs/operations.md, "Upgrades and rollbacks").
+ADDITIVE = True
+
 
 def upgrade() -> None:
     op.execute("CREATE INDEX ix_link_health_pair ON link_health ((nodes[1]), (nodes[2])) "

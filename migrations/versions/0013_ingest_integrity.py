@@ -25,6 +25,9 @@ down_revision = "0012"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: the code before it would store again the JSON it trims.
+ADDITIVE = False
+
 MAX_DEPTH = 8
 REMOVED = "(removed: nested too deep)"
 # Columns of JSON that agents sent, with the filter that finds rows worth reading.

@@ -16,6 +16,10 @@ down_revision = "0013"
 branch_labels = None
 depends_on = None
 
+# Only adds to the schema (expand/contract): the ringwatch before it serves on as it did
+# (services.store.db.judge_ahead; docs/operations.md, "Upgrades and rollbacks").
+ADDITIVE = True
+
 
 def upgrade() -> None:
     # Nullable: rows stored before this revision, and gloo probes, do not say.

@@ -19,6 +19,10 @@ down_revision = "0014"
 branch_labels = None
 depends_on = None
 
+# Only adds to the schema (expand/contract): the ringwatch before it serves on as it did
+# (services.store.db.judge_ahead; docs/operations.md, "Upgrades and rollbacks").
+ADDITIVE = True
+
 
 def upgrade() -> None:
     op.add_column("measurements", sa.Column("contended", sa.Text(), nullable=True))

@@ -31,6 +31,9 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
+# Does more than add to the schema: it renames nodes, which the code before it would create again under the old names.
+ADDITIVE = False
+
 # The rule as it stands at this revision (agents.groups.NODE_NAME and LOCAL_INDEX), frozen
 # here: a later change to the rule is a migration of its own. Postgres' ``$`` is the end of
 # the text (no trailing newline slips through as with Python's).

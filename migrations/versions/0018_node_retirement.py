@@ -20,6 +20,10 @@ down_revision = "0017"
 branch_labels = None
 depends_on = None
 
+# Only adds to the schema (expand/contract): the ringwatch before it serves on as it did
+# (services.store.db.judge_ahead; docs/operations.md, "Upgrades and rollbacks").
+ADDITIVE = True
+
 
 def upgrade() -> None:
     op.add_column("nodes", sa.Column("added_at", sa.TIMESTAMP(timezone=True),

@@ -18,12 +18,15 @@ from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
 from agents.groups import node_order
+from services import logs
 from services.cli.backends import has_backend, make_backend, parse_injected
 from services.cli.errors import CliError
 from services.cli.output import print_json, print_tokens, print_verdict, say, visible
 from services.config import settings_in_environment
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import httpx
 
     from services.analyzer.assess import Thresholds
@@ -49,6 +52,9 @@ class _Progress:
     def __call__(self, message: str) -> None:
         stream = sys.stderr
         message = visible(message)  # it may quote an API's or a node's text
+        if logs.is_json():  # a record with its own time, like every line of the process
+            logs.say(message, logger="ringwatch.progress")
+            return
         if stream.isatty() and _TRANSIENT.match(message):
             elapsed = time.monotonic() - self.started
             stream.write(f"\r\x1b[K  .. [{elapsed:6.1f} s] {message}")
@@ -152,7 +158,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     if args.db_command == "maintain":
         from services.store import timeseries
 
-        engine = db.make_engine(url)
+        engine = db.make_maintenance_engine(url)
         try:
             print_json(timeseries.maintain(engine, settings.retention()).to_dict())
         finally:
@@ -165,6 +171,13 @@ def cmd_db(args: argparse.Namespace) -> int:
     if not wait_s > 0:
         raise CliError("--lock-timeout must be more than 0 seconds")
     before = db.current_revision(url)
+    if args.db_command == "downgrade":
+        return _downgrade(url, before, args.to, wait_s)
+    if before is not None and not db.known_revision(before):
+        # A newer ringwatch migrated it (this image's Job run again after a rollback): left
+        # as it is where this code may serve on it.
+        _serve_ahead(url, before)
+        return 0
     try:
         db.upgrade(url, lock_wait_s=wait_s, say=progress)
     except db.MigrationLockBusy as exc:
@@ -175,10 +188,64 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _downgrade(url: str, at: str | None, to: str, wait_s: float) -> int:
+    """Undo migrations down to ``to`` (a migration, or a release's version for its
+    migration), one release back at most (services.store.db.RELEASES)."""
+    from services.store import db
+
+    where, head = db.describe_url(url), db.head_revision()
+    floor_release, floor = db.downgrade_floor()
+    target = dict(db.RELEASES).get(to, to)
+    if at is None:
+        raise CliError(f"the database {where} does not answer, or holds no ringwatch schema: "
+                       "nothing to downgrade")
+    if not db.known_revision(at):
+        raise CliError(f"the database {where} is at migration {at}, which this ringwatch does "
+                       f"not have (its newest is {head}): downgrade with the ringwatch that "
+                       "migrated it")
+    if not db.known_revision(target):
+        raise CliError(f"--to {to}: no such migration or release; this ringwatch goes "
+                       f"back to {floor} (release {floor_release}) at most")
+    if target == at:
+        print(f"database {where}: already at {at}")
+        return 0
+    undone = db.revisions_between(at, target)
+    if not undone:
+        raise CliError(f"--to {to}: migration {target} is not below the database's {at} "
+                       "(`ringwatch db upgrade` goes up)")
+    if db.revisions_between(floor, target):
+        raise CliError(f"--to {to}: a downgrade goes back one release at most, to {floor} "
+                       f"(release {floor_release}); an older schema is that release's "
+                       "ringwatch's to downgrade")
+    try:
+        db.downgrade(url, target, lock_wait_s=wait_s, say=progress)
+    except db.MigrationLockBusy as exc:
+        raise CliError(str(exc)) from None
+    print(f"database {where}: downgraded from {at} to {target}, undoing {', '.join(undone)} "
+          "(docs/operations.md, \"Upgrades and rollbacks\", says what each gives up)")
+    return 0
+
+
+def _serve_ahead(url: str, at: str) -> None:
+    """Leave a database a newer ringwatch migrated as it is where this code may serve on it
+    (every migration past this code's only adds); else one line, exit 2."""
+    from services.store import db
+
+    engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        state = db.schema_state(engine)
+    finally:
+        engine.dispose()
+    if not state.ok:
+        raise CliError(state.why)
+    print(f"database {db.describe_url(url)}: at {at}, ahead of this ringwatch's "
+          f"{db.head_revision()} by migrations that only add; left as it is")
+
+
 def _wait_for_schema(url: str, timeout_s: float) -> int:
     """Until the database is at this code's migration head, which another step brings it to
-    (on Kubernetes the migration Job, while the API's init container runs this); past
-    ``timeout_s``, one line saying where it stands."""
+    (on Kubernetes the migration Job, while the API's init container runs this), or ahead of
+    it by migrations that only add; past ``timeout_s``, one line saying where it stands."""
     from sqlalchemy import create_engine
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -200,9 +267,14 @@ def _wait_for_schema(url: str, timeout_s: float) -> int:
                 print(f"database {where}: at {head} (head)")
                 return 0
             if at is not None and not db.known_revision(at):
-                raise CliError(f"the database {where} is at migration {at}, which this ringwatch "
-                               f"does not have (its newest is {head}): run the ringwatch that "
-                               "migrated it")
+                # A newer ringwatch's (a rolling upgrade, or a rollback): whether this code
+                # may serve on it does not change by waiting.
+                ahead = db.schema_state(engine)
+                if not ahead.ok:
+                    raise CliError(ahead.why)
+                print(f"database {where}: at {at}, ahead of this code's {head} by migrations "
+                      "that only add")
+                return 0
             if time.monotonic() >= deadline:
                 raise CliError(f"the database {where} is still {state} after {timeout_s:g} s: "
                                "is `ringwatch db upgrade` (the migration Job) running?")
@@ -333,17 +405,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _schema_ready(settings, url)
     app = create_app(settings, db.make_session_factory(db.make_engine(url)))
     stop = threading.Event()
+    delivering = None
     if not args.no_notifier:
         notifier = _notifier(settings)
-        threading.Thread(target=notifier.run_forever, args=(settings.notifier_poll_s, stop),
-                         daemon=True, name="notifier").start()
+        delivering = threading.Thread(target=notifier.run_forever, daemon=True, name="notifier",
+                                      args=(settings.notifier_poll_s, stop))
+        delivering.start()
     if settings.maintenance_interval_s > 0:
         threading.Thread(target=_maintain_forever, args=(settings, stop), daemon=True,
                          name="maintenance").start()
+
+    def stopping() -> None:
+        # On SIGTERM, before the requests in flight are drained: the waiting preflights are
+        # answered as they stand and the notifier finishes its deliveries alongside.
+        app.state.preflight_waiters.stop_waiting()
+        stop.set()
+        if delivering is not None:
+            notifier.wake()
+
     try:
-        _listen(app, args, _serve_banner(settings, args, db.describe_url(url)))
+        _listen(app, args, _serve_banner(settings, args, db.describe_url(url)),
+                grace_s=settings.shutdown_timeout_s, on_stop=stopping)
     finally:
         stop.set()
+        if delivering is not None:  # its own bound: shutdown_timeout_s, then cut and released
+            delivering.join(settings.shutdown_timeout_s + 1)
     return 0
 
 
@@ -387,20 +473,42 @@ def _serve_banner(settings: Settings, args: argparse.Namespace, database: str) -
     return line
 
 
-def _listen(app: Any, args: argparse.Namespace, banner: str) -> None:
+def _listen(app: Any, args: argparse.Namespace, banner: str, *, grace_s: float,
+            on_stop: Callable[[], None] | None = None) -> None:
     """Run uvicorn; ``banner`` goes to standard error, whole, once the port is bound, after
-    (with -v) uvicorn's own start-up lines and never before a bind that fails."""
+    (with -v) uvicorn's own start-up lines and never before a bind that fails.
+
+    SIGTERM (or SIGINT) stops taking connections, calls ``on_stop``, gives the requests in
+    flight ``grace_s`` and cancels the rest; then this returns (uvicorn would otherwise
+    raise the signal again once done, ending the process before the caller's own clean-up)."""
+    import math
+    import signal
+
     import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
-                sys.stderr.write(banner + "\n")
-                sys.stderr.flush()
+                logs.say(banner, logger="ringwatch.serve")
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                   log_level="info" if args.verbose else "warning"))
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            for listening in self.servers:  # no new connection meets the answers below
+                listening.close()
+            if on_stop is not None:
+                on_stop()
+            await super().shutdown(sockets)
+
+    # uvicorn logs through ringwatch's handler at its level (services/logs.py); its access
+    # log is off: api/request_id.py writes ringwatch.access, with the request id, instead.
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                   log_level=None, access_log=False,
+                                   timeout_graceful_shutdown=math.ceil(grace_s)))
     with contextlib.suppress(KeyboardInterrupt, SystemExit):  # uvicorn exits where it cannot start
         server.run()
     if not server.started:
@@ -417,11 +525,16 @@ def _schema_ready(settings: Settings, url: str) -> None:
     at, head = db.current_revision(url), db.head_revision()
     if at == head:
         return
-    if not settings.database_url:  # the embedded server: ours to migrate
-        db.upgrade(url)
+    if not settings.database_url and (at is None or db.known_revision(at)):
+        db.upgrade(url)  # the embedded server: ours to migrate
         return
-    raise CliError(f"the database {db.describe_url(url)} is at migration {at or '(none)'}, not "
-                   f"{head}: run `ringwatch db upgrade` first")
+    engine = db.make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        ok, why = db.schema_state(engine)  # ahead by migrations that only add: served on
+    finally:
+        engine.dispose()
+    if not ok:
+        raise CliError(f"{why} first" if why.endswith("`ringwatch db upgrade`") else why)
 
 
 def _maintain_forever(settings, stop: threading.Event) -> None:
@@ -432,12 +545,15 @@ def _maintain_forever(settings, stop: threading.Event) -> None:
     from services.store import db, timeseries
 
     log = logging.getLogger("ringwatch.maintenance")
-    engine = db.make_engine(_database_url(settings))
+    engine = db.make_maintenance_engine(_database_url(settings))
     while not stop.is_set():
         try:
             report = timeseries.maintain(engine, settings.retention())
+            db.OUTAGE.ok()
             if report.dropped or report.created:
                 log.info("maintenance: %s", report.to_dict())
+        except db.UNAVAILABLE as exc:  # said with the API's own outage lines, not each pass
+            db.OUTAGE.failed(exc)
         except Exception:  # the API keeps serving; the next pass tries again
             log.exception("maintenance pass failed")
         stop.wait(settings.maintenance_interval_s)
@@ -462,10 +578,13 @@ def cmd_notifier(args: argparse.Namespace) -> int:
                            f"{args.health_port}: {exc.strerror or exc}") from None
         line = (f"; health at http://{args.health_host}:{health.server_address[1]} "
                 f"({', '.join(PATHS)})")
-    print(f"ringwatch notifier: delivering webhooks from the outbox of "
-          f"{db.describe_url(_database_url(settings))}, polling every "
-          f"{settings.notifier_poll_s:g} s{line}", file=sys.stderr, flush=True)
+    logs.say(f"ringwatch notifier: delivering webhooks from the outbox of "
+             f"{db.describe_url(_database_url(settings))}, polling every "
+             f"{settings.notifier_poll_s:g} s{line}", logger="ringwatch.notifier")
     stop = threading.Event()
+    # SIGTERM: the deliveries in flight are finished (or, past RINGWATCH_SHUTDOWN_TIMEOUT_S,
+    # released to the next notifier) and the process exits 0: a rollout sends nothing twice.
+    _stop_on_signals(stop, "notifier", then=notifier.wake)
     try:
         notifier.run_forever(settings.notifier_poll_s, stop)
     finally:
@@ -529,7 +648,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         raise CliError(f"fleet {settings.fleet} is led by another scheduler: --once ran no "
                        "cycle (RINGWATCH_FLEET names the fleet)")
     if stop.is_set():
-        print("ringwatch scheduler: stopped", file=sys.stderr)
+        logs.say("ringwatch scheduler: stopped", logger="ringwatch.scheduler")
     return 0
 
 
@@ -551,17 +670,21 @@ def _scheduler_watch(args: argparse.Namespace, fleet: str, holder: str,
     return watch, served
 
 
-def _stop_on_signals(stop: threading.Event) -> None:
-    """SIGTERM (and SIGINT) ask the scheduler to stop: the cycle or preflight under way
-    finishes and is shipped, Ray is shut down, the process exits 0."""
+def _stop_on_signals(stop: threading.Event, who: str = "scheduler",
+                     then: Callable[[], None] | None = None) -> None:
+    """SIGTERM (and SIGINT) ask the scheduler (or ``who``) to stop: the work under way
+    finishes (the scheduler's cycle or preflight is shipped, Ray shut down), the process
+    exits 0. ``then`` wakes a loop that waits on something other than ``stop``."""
     import signal
 
     def handle(signum: int, _frame: Any) -> None:
         first = not stop.is_set()
         stop.set()
+        if then is not None:
+            then()
         if first:
-            print(f"ringwatch scheduler: {signal.Signals(signum).name} received; stopping after "
-                  "the work under way", file=sys.stderr, flush=True)
+            logs.say(f"ringwatch {who}: {signal.Signals(signum).name} received; stopping "
+                     "after the work under way", logger=f"ringwatch.{who}")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)

@@ -12,11 +12,13 @@ import sys
 import warnings
 
 from agents.spec import OPS, REDOPS, ProbeSetupError
+from services import logs
 from services.cli import commands, nodes, slurm
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
 from services.cli.extras import missing_extra
 from services.cli.output import visible
+from services.version import ringwatch_version
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -126,6 +128,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ringwatch", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"ringwatch {ringwatch_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("demo", help="the whole path on a local 3x2 gloo cluster, with a verdict")
@@ -240,9 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lock-timeout", type=float, metavar="SECONDS",
                    help="give up (exit 2) when another upgrade holds the migration lock this "
                         "long (default RINGWATCH_MIGRATION_LOCK_TIMEOUT_S, 300)")
+    p = dsub.add_parser("downgrade", help="undo migrations down to --to, one release back at "
+                                          "most (docs/operations.md says what each step gives "
+                                          "up); run it with the ringwatch that migrated up")
+    p.add_argument("--to", required=True, metavar="REV",
+                   help="the migration to go back to (e.g. 0016), or a release's version for "
+                        "its migration (e.g. 0.1.0)")
+    p.add_argument("--lock-timeout", type=float, metavar="SECONDS",
+                   help="give up (exit 2) when an upgrade holds the migration lock this long "
+                        "(default RINGWATCH_MIGRATION_LOCK_TIMEOUT_S, 300)")
     p = dsub.add_parser("wait", help="wait until another step (`db upgrade`, a migration Job) "
-                                     "has brought the database to this ringwatch's migrations; "
-                                     "exit 2 past --timeout")
+                                     "has brought the database to this ringwatch's migrations "
+                                     "(or past them by migrations that only add); exit 2 past "
+                                     "--timeout")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up after this long (default 300)")
     dsub.add_parser("maintain", help="one maintenance pass: partitions ahead, rollups, "
@@ -257,8 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # RINGWATCH_LOG_FORMAT and RINGWATCH_LOG_LEVEL (docs/operations.md, "Logs")
+        logs.configure(verbose=args.verbose)
+    except logs.LogSettingError as exc:
+        print(f"ringwatch {args.command}: {visible(str(exc))}", file=sys.stderr)
+        return 2
     handler = getattr(commands, "cmd_" + args.command.replace("-", "_"))
     if getattr(args, "api", None):  # read where every other setting is, before the first read
         os.environ["RINGWATCH_API_URL"] = args.api
@@ -269,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ProbeSetupError) as exc:
         commands.progress.end()
         # One line, whatever an API's or a node's text inside it holds.
-        print(f"ringwatch {args.command}: {visible(str(exc))}", file=sys.stderr)
+        logs.say(f"ringwatch {args.command}: {visible(str(exc))}", level=logging.ERROR,
+                 logger="ringwatch.cli")
         return 2
     except KeyboardInterrupt:
         commands.progress.end()
@@ -280,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             logging.exception("failed")
         # A role's extra not installed here is named with the install that gives it.
         line = missing_extra(exc, args.command) if isinstance(exc, ModuleNotFoundError) else None
-        print(f"ringwatch {args.command}: {visible(line or f'{type(exc).__name__}: {exc}')}",
-              file=sys.stderr)
+        logs.say(f"ringwatch {args.command}: {visible(line or f'{type(exc).__name__}: {exc}')}",
+                 level=logging.ERROR, logger="ringwatch.cli")
         return 2
 
 

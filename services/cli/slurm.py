@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import email.utils
 import errno
+import logging
 import os
 import re
 import shutil
@@ -32,7 +33,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services import logs
 from services.cli.errors import CliError
 from services.cli.output import visible, with_cause
 
@@ -227,7 +228,7 @@ class DecisionLog:
         # The API's answer and scontrol's output are quoted: one line, nothing a terminal
         # or a log viewer acts on.
         text = visible(f"ringwatch slurm {self.command}: {line}")
-        print(text, file=sys.stderr, flush=True)
+        logs.say(text, level=logging.WARNING, logger="ringwatch.slurm")
         syslog.openlog("ringwatch", syslog.LOG_PID, syslog.LOG_DAEMON)
         syslog.syslog(syslog.LOG_WARNING, text)
         if self.path:
@@ -235,8 +236,8 @@ class DecisionLog:
             try:
                 append_line(self.path, f"{stamp} {text}\n")
             except OSError as exc:
-                print(visible(f"ringwatch slurm: cannot write {self.path}: {exc.strerror}"),
-                      file=sys.stderr)
+                logs.say(visible(f"ringwatch slurm: cannot write {self.path}: {exc.strerror}"),
+                         level=logging.WARNING, logger="ringwatch.slurm")
 
 
 def append_line(path: str, line: str) -> None:

@@ -26,11 +26,12 @@ from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from agents.groups import is_node_name, split_member
 from agents.nccl_log import TRANSPORTS
@@ -38,9 +39,11 @@ from agents.nic_counters import THRESHOLDS
 from services.analyzer.hysteresis import DEGRADED, OK
 from services.config import TOKEN_EXPIRY_WARN_S
 from services.monitor.stored_verdict import excluded_nodes
+from services.store import db
 from services.store import health as health_store
 from services.store import measurements as measurement_store
 from services.store import metrics as store
+from services.store.heartbeats import LOOPS, HeartbeatRow, heartbeats
 from services.store.measurements import SHIPPER_HOSTS_PER_TOKEN
 from services.store.preflight import LATENCY_BOUNDS
 from services.store.tokens import ROLES
@@ -78,6 +81,37 @@ class SeriesLimits:
 
     per_node: int = 512
     per_family: int = 262_144
+
+
+@dataclass(frozen=True)
+class AlertBounds:
+    """What the alert rules compare with, from the settings (Settings.alert_bounds): the
+    share of the fleet's nodes excluded past which RingwatchFleetUnhealthy fires
+    (RINGWATCH_FLEET_UNHEALTHY_SHARE), the database size past which RingwatchDatabaseSize
+    does (RINGWATCH_DATABASE_SIZE_ALERT_BYTES; 0: never), the page the runbook links point
+    into (RINGWATCH_RUNBOOK_URL; empty: none exported), and the interval between batches
+    assumed until a scheduler's batch says its own (RINGWATCH_PROBE_INTERVAL_S). Rendered
+    whether or not the database answers: a rule's threshold, or a runbook link, must not
+    vanish with it."""
+
+    fleet_unhealthy_share: float = 0.02
+    database_size_alert_bytes: int = 150 << 30
+    runbook_url: str = ""
+    probe_interval_s: float = 300.0
+
+    def families(self) -> Iterator[Metric]:
+        yield _gauge("ringwatch_fleet_unhealthy_share_threshold", "The share of the fleet's "
+                     "nodes excluded past which RingwatchFleetUnhealthy fires "
+                     "(RINGWATCH_FLEET_UNHEALTHY_SHARE).", self.fleet_unhealthy_share)
+        if self.database_size_alert_bytes:
+            yield _gauge("ringwatch_database_size_alert_bytes", "The database size past which "
+                         "RingwatchDatabaseSize fires (RINGWATCH_DATABASE_SIZE_ALERT_BYTES).",
+                         self.database_size_alert_bytes, unit="bytes")
+        if self.runbook_url:
+            info = InfoMetricFamily("ringwatch_runbook", "The page the alerts' runbook links "
+                                    "point into (RINGWATCH_RUNBOOK_URL).", labels=["url"])
+            info.add_metric([self.runbook_url], {})
+            yield info
 
 
 class _Budget:
@@ -129,6 +163,12 @@ class Snapshot:
     occupancy: dict[str, Any] | None = None
     # Active tokens that expire, soonest first.
     tokens: list[store.TokenExpiry] = field(default_factory=list)
+    # The background loops' heartbeats (services.store.heartbeats), the database's size on
+    # disk, and the seconds between batches the newest scheduler's batch planned (None: no
+    # batch said).
+    heartbeats: list[HeartbeatRow] = field(default_factory=list)
+    database_size_bytes: int | None = None
+    planned_interval_s: float | None = None
 
 
 def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
@@ -149,10 +189,13 @@ def snapshot(session: Session, link_max_age_s: float = 0.0) -> Snapshot:
     causes = store.open_causes(session)
     occupancy = store.latest_occupancy(session)
     expiring = store.token_expiries(session)
+    beats, size = heartbeats(session), store.database_size(session)
+    planned = store.planned_ingest_interval(session)
     return Snapshot(link_counts, links, nodes, excluded, findings, per_node, shippers, backlog,
                     preflight, latency, ingested, last_ingest_at, now,
                     collect_s=time.perf_counter() - started, causes=causes,
-                    occupancy=occupancy, tokens=expiring)
+                    occupancy=occupancy, tokens=expiring, heartbeats=beats,
+                    database_size_bytes=size, planned_interval_s=planned)
 
 
 def _listed(value: Any) -> list[Any]:
@@ -236,9 +279,11 @@ def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | 
 class FleetCollector(Collector):
     """The families of one snapshot; pure, so it renders without a database."""
 
-    def __init__(self, snap: Snapshot, limits: SeriesLimits | None = None) -> None:
+    def __init__(self, snap: Snapshot, limits: SeriesLimits | None = None,
+                 bounds: AlertBounds | None = None) -> None:
         self.snap = snap
         self.limits = limits or SeriesLimits()
+        self.bounds = bounds or AlertBounds()
         self._budget = _Budget(self.limits)
 
     def collect(self) -> Iterator[Metric]:
@@ -250,6 +295,10 @@ class FleetCollector(Collector):
         yield from self._notifier()
         yield from self._preflight()
         yield from self._tokens()
+        yield from self._loops()
+        if self.snap.database_size_bytes is not None:
+            yield _gauge("ringwatch_database_size_bytes", "Bytes the database takes on disk "
+                         "(pg_database_size).", self.snap.database_size_bytes, unit="bytes")
         yield _gauge("ringwatch_metrics_collect_seconds",
                      "Seconds the queries behind this scrape took (cached between scrapes).",
                      self.snap.collect_s, unit="seconds")
@@ -386,6 +435,10 @@ class FleetCollector(Collector):
                       "occupancy source last said (scheduled probes leave it alone; its "
                       "health is its last results'); job empty where the source names none, "
                       "source the workload manager.", labels=["node", "source", "job"])
+        yield _gauge("ringwatch_nodes_unhealthy", "Nodes a preflight would exclude "
+                     "(ringwatch_node_healthy 0): over ringwatch_nodes, the share "
+                     "RingwatchFleetUnhealthy reads.",
+                     sum(n.name in self.snap.excluded for n in self.snap.nodes))
         for n in self.snap.nodes:
             if not is_node_name(n.name):
                 self._budget.left_out(healthy.name)
@@ -436,6 +489,13 @@ class FleetCollector(Collector):
         yield _gauge("ringwatch_ingest_lag_seconds",
                      "Seconds since the newest measurement batch was stored, as of the scrape.",
                      (self.snap.now - last).total_seconds() if last else None, unit="seconds")
+        planned = self.snap.planned_interval_s
+        yield _gauge("ringwatch_expected_ingest_interval_seconds", "Seconds expected between "
+                     "batches: what the newest scheduler's batch planned (its cycle and the "
+                     "wait after it, stretched for RINGWATCH_MAX_DUTY_CYCLE), else "
+                     "RINGWATCH_PROBE_INTERVAL_S. RingwatchIngestStalled fires past three.",
+                     planned if planned is not None else self.bounds.probe_interval_s,
+                     unit="seconds")
         shipper = _gauge("ringwatch_shipper_batches", "Batches in each scheduler's spool as "
                          "its last batch reported: pending, failed (moved aside after repeated "
                          "5xx), rejected (4xx); per token that sent it (its id, as ringwatch "
@@ -507,6 +567,28 @@ class FleetCollector(Collector):
         yield expiring
 
 
+    def _loops(self) -> Iterator[Metric]:
+        """The background loops' heartbeats: the notifier's delivery loop, the maintenance
+        pass (a loop that never beat has no series)."""
+        at = _gauge("ringwatch_loop_last_success_timestamp_seconds", "Unix time the loop last "
+                    "succeeded: notifier (a delivery pass, by any notifier), maintenance (a "
+                    "pass, by any replica or `ringwatch db maintain`).", labels=["loop"],
+                    unit="seconds")
+        since = _gauge("ringwatch_loop_success_age_seconds", "Seconds since the loop last "
+                       "succeeded, as of the collection.", labels=["loop"], unit="seconds")
+        failures = _gauge("ringwatch_loop_failures", "The loop's failed passes in a row since "
+                          "it last succeeded (0 once it does).", labels=["loop"])
+        for beat in self.snap.heartbeats:
+            if beat.name not in LOOPS:  # a row written by hand
+                self._budget.left_out(failures.name)
+                continue
+            if beat.ok_at is not None and beat.since_ok_s is not None:
+                at.add_metric([beat.name], beat.ok_at.timestamp())
+                since.add_metric([beat.name], beat.since_ok_s)
+            failures.add_metric([beat.name], beat.failures)
+        yield from (at, since, failures)
+
+
 class Scrape(NamedTuple):
     body: bytes
     content_type: str
@@ -536,36 +618,71 @@ class _Rendered:
         return self._zipped + rest.compress(tail) + rest.flush()
 
 
+class Collected(Collector):
+    """What one collection renders: ``ringwatch_database_up``, and the fleet's families when
+    the database answered (``snap``), none of them when it did not."""
+
+    def __init__(self, snap: Snapshot | None, limits: SeriesLimits,
+                 bounds: AlertBounds | None = None) -> None:
+        self.snap = snap
+        self.limits = limits
+        self.bounds = bounds or AlertBounds()
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("ringwatch_database_up", "1 when this API process's latest collection of "
+                     "the fleet's families read the database, 0 when it could not (unreachable, "
+                     "too slow, or no free connection): those families are then left out.",
+                     float(self.snap is not None))
+        yield from self.bounds.families()
+        if self.snap is not None:
+            yield from FleetCollector(self.snap, self.limits, self.bounds).collect()
+
+
 class ScrapeCache:
     """Rendered scrapes kept for ``ttl_s``: within the window every scraper gets the fleet
     families of one collection (in whichever format and encoding it asked); one collects at
     a time, and those arriving meanwhile wait for its result instead of scanning again. The
-    API process's own families (``own``) are rendered at each scrape and follow them."""
+    API process's own families (``own``) are rendered at each scrape and follow them.
+
+    A collection the database cannot serve is no failed scrape: it renders
+    ``ringwatch_database_up 0`` without the fleet's families (kept, like any collection,
+    for ``ttl_s``), and the process's own families follow as always."""
 
     def __init__(self, ttl_s: float, link_max_age_s: float = 0.0,
-                 limits: SeriesLimits | None = None) -> None:
+                 limits: SeriesLimits | None = None, bounds: AlertBounds | None = None) -> None:
         self.ttl_s = ttl_s
         self.link_max_age_s = link_max_age_s
         self.limits = limits or SeriesLimits()
+        self.bounds = bounds or AlertBounds()
         self._lock = threading.Lock()
         self._snap: Snapshot | None = None
-        self._taken = 0.0
+        self._taken: float | None = None  # time.monotonic() of the latest collection
         self._rendered: dict[str, _Rendered] = {}
 
-    def get(self, session: Session, accept: str = "", gzip_ok: bool = False,
+    def get(self, factory: sessionmaker[Session], accept: str = "", gzip_ok: bool = False,
             own: Collector | None = None) -> Scrape:
+        """A scrape of the fleet's families, read through ``factory`` in a transaction of
+        their own when the cached collection is older than ``ttl_s``, and ``own``'s."""
         encoder, content_type = choose_encoder(accept)
         tail = encoder(own if own is not None else CollectorRegistry())
         with self._lock:
-            if self._snap is None or time.monotonic() - self._taken >= self.ttl_s:
-                self._snap = snapshot(session, self.link_max_age_s)
+            if self._taken is None or time.monotonic() - self._taken >= self.ttl_s:
+                self._snap = self._collect(factory)
                 self._taken = time.monotonic()
                 self._rendered = {}
             fleet = self._rendered.get(content_type)
             if fleet is None:
-                body = encoder(FleetCollector(self._snap, self.limits)
+                body = encoder(Collected(self._snap, self.limits, self.bounds)
                                ).removesuffix(OPENMETRICS_EOF)
                 fleet = self._rendered[content_type] = _Rendered(body)
             if gzip_ok:
                 return Scrape(fleet.gzipped(tail), content_type, True)
         return Scrape(fleet.body + tail, content_type, False)
+
+    def _collect(self, factory: sessionmaker[Session]) -> Snapshot | None:
+        """The fleet's snapshot, or None where the database cannot serve it now."""
+        try:
+            with db.transaction(factory) as session:
+                return snapshot(session, self.link_max_age_s)
+        except db.UNAVAILABLE:  # unreachable, too slow, or no free connection
+            return None

@@ -14,7 +14,8 @@ make the verdict unhealthy.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -23,19 +24,52 @@ from agents.groups import node_order
 from agents.spec import Finding, utcnow
 from services.analyzer.faults import FLEET_KIND
 from services.analyzer.verdict import build_verdict, exclude_of
+from services.errors import NodeNotFound
 from services.monitor.fleet import require_nodes
 from services.store import health as health_store
-from services.store import measurements as store
+from services.store import preflight as preflight_store
 
 
 def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> dict[str, Any]:
-    require_nodes(session, nodes)
-    wanted = sorted(set(nodes))
-    since = utcnow() - timedelta(seconds=max_age_s)
-    findings, earlier = _judged(session, set(wanted))
+    """The verdict for ``nodes`` from results younger than ``max_age_s`` (404: a node the
+    fleet does not hold)."""
+    verdict = verdicts_from_store(session, [(nodes, max_age_s)])[0]
+    if isinstance(verdict, NodeNotFound):
+        raise verdict
+    return verdict
+
+
+def verdicts_from_store(session: Session, asks: Sequence[tuple[Sequence[str], float]],
+                        ) -> list[dict[str, Any] | NodeNotFound]:
+    """Each ask's verdict (its nodes, its max age), or the 404 naming its nodes the fleet
+    does not hold. The store is read once for all of them, in three statements: a big job's
+    prologs, a thousand asks of one node each, cost what one ask of a thousand nodes does."""
+    union = sorted({n for nodes, _ in asks for n in nodes})
+    probes = preflight_store.node_probes(session, union)
+    findings, earlier = _judged(session, set(union))
+    on, before = _by_node(findings), _by_node(earlier)
+    now = utcnow()
+    out: list[dict[str, Any] | NodeNotFound] = []
+    for nodes, max_age_s in asks:
+        wanted = sorted(set(nodes))
+        if not probes.keys() >= set(wanted):
+            out.append(_not_found(session, wanted))
+            continue
+        out.append(_verdict(wanted, max_age_s, now, probes, _concerning(findings, on, wanted),
+                            _concerning(earlier, before, wanted)))
+    return out
+
+
+def _verdict(wanted: list[str], max_age_s: float, now: datetime,
+             probes: Mapping[str, preflight_store.NodeProbe], findings: list[Finding],
+             earlier: list[Finding]) -> dict[str, Any]:
+    since = now - timedelta(seconds=max_age_s)
     suspects = sorted(set(exclude_of(earlier)) - set(exclude_of(findings)), key=node_order)
-    unprobed = sorted(set(wanted) - store.probed_nodes(session, wanted, since), key=node_order)
-    backend = store.latest_backend(session, wanted)
+    probed = [(p.last_probed_at, p.backend) for n in wanted
+              if (p := probes[n]).last_probed_at is not None]
+    unprobed = sorted((n for n in wanted
+                       if (at := probes[n].last_probed_at) is None or at < since), key=node_order)
+    backend = max(probed, key=lambda x: x[0])[1] if probed else None
     verdict = build_verdict(
         backend=backend or "unknown", nodes=wanted, findings=findings, rounds=0, duration_s=0.0,
         extra={"source": "stored", "max_age_s": max_age_s, "unprobed": unprobed,
@@ -44,6 +78,33 @@ def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> 
     if unprobed:
         verdict["healthy"] = False
     return verdict
+
+
+def _not_found(session: Session, wanted: list[str]) -> NodeNotFound:
+    """The 404 ``require_nodes`` gives for ``wanted`` (known to hold a node the fleet does
+    not): the one wording for it."""
+    try:
+        require_nodes(session, wanted)
+    except NodeNotFound as exc:
+        return exc
+    return NodeNotFound(f"unknown or retired node(s) among {len(wanted)}")  # retired meanwhile
+
+
+def _by_node(findings: list[Finding]) -> dict[str, list[int]]:
+    """Each node's findings (their places in ``findings``): those that name it."""
+    index: dict[str, list[int]] = {}
+    for i, f in enumerate(findings):
+        for n in {f.node, *(f.nodes or ())} - {None}:
+            index.setdefault(str(n), []).append(i)
+    return index
+
+
+def _concerning(findings: list[Finding], index: Mapping[str, list[int]],
+                wanted: list[str]) -> list[Finding]:
+    """The findings that concern a job on ``wanted``, in their order."""
+    places = sorted({i for n in wanted for i in index.get(n, ())})
+    names = set(wanted)
+    return [findings[i] for i in places if _inside(findings[i], names)]
 
 
 def excluded_nodes(session: Session) -> set[str]:

@@ -20,7 +20,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 
 from services.health_port import READ_TIMEOUT_S, BoundedServer
 from services.store import db
@@ -49,7 +48,6 @@ class NotifierHealth:
         self.notifier = notifier
         self.engine = engine
         self.stale_after_s = max(LIVE_POLLS * poll_s, LIVE_FLOOR_S)
-        self.head = db.head_revision()  # the code does not change while it runs
 
     def dead(self, now: float | None = None) -> str:
         """Why the loop counts as dead ('' while it is alive)."""
@@ -63,15 +61,7 @@ class NotifierHealth:
         """Why the notifier could not deliver now ('' when it could)."""
         if self.notifier.box is None:
             return "RINGWATCH_SECRET_KEY is unset: stored webhook secrets cannot be read"
-        try:
-            at = db.revision_at(self.engine)
-        except SQLAlchemyError as exc:
-            cause = getattr(exc, "orig", None) or exc
-            return f"the database is unreachable ({type(cause).__name__})"
-        if at != self.head:
-            return (f"the database is at migration {at or '(none)'}, not {self.head}: "
-                    "run `ringwatch db upgrade`")
-        return ""
+        return db.schema_state(self.engine).why
 
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
         """Answer on ``host:port`` from a thread of its own; ``shutdown()`` the returned

@@ -4,7 +4,8 @@ Deliveries go out from a small thread pool, at most ``per_webhook`` at once to o
 so a receiver that stalls holds up only its own deliveries, and each attempt ends within
 ``timeout_s`` of its start however slowly the receiver answers (services/notifier/deadline.py).
 Each notifier claims under its own id and renews its claims while it sends; only the holder of
-a claim records the outcome.
+a claim records the outcome. A notifier told to stop finishes its deliveries in flight within
+``shutdown_s``, then cuts those still going and releases their claims to the next notifier.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from agents.spec import utcnow
+from services.logs import OutageLog
 from services.notifier import url_policy
 from services.notifier.channels import CHANNELS, signature_header
-from services.notifier.deadline import attempt_pool
+from services.notifier.deadline import Cut, attempt_pool
 from services.notifier.secret_box import (
     SEALED_PREFIX,
     SecretBox,
@@ -39,8 +41,8 @@ from services.notifier.secret_box import (
     box_from_settings,
     open_secret,
 )
-from services.settings import Settings
-from services.store import db
+from services.settings import SHUTDOWN_TIMEOUT_S, Settings
+from services.store import db, heartbeats
 from services.store import webhooks as store
 from services.store.events import OUTBOX_CHANNEL
 from services.store.models import OutboxEvent, Webhook, WebhookDelivery
@@ -49,6 +51,18 @@ log = logging.getLogger(__name__)
 
 # Deliveries in flight to one webhook at once, over all notifiers.
 PER_WEBHOOK = 2
+# Seconds between the delivery loop's heartbeats in the database (RingwatchNotifierNotLooping
+# fires after five minutes without one).
+BEAT_S = 15.0
+# Once its LISTEN connection is lost (a database restart or failover), the notifier tries to
+# LISTEN again this often, waking from its poll to do so; the pass after it succeeds picks up
+# what was committed meanwhile. Each try gives up after LISTEN_CONNECT_TIMEOUT_S (a vanished
+# host would otherwise hold the loop for the kernel's SYN retries), and TCP keepalives find a
+# connection that died without a word (LISTEN_KEEPALIVE: idle, interval, count; about a
+# minute in all).
+LISTEN_RETRY_S = 1.0
+LISTEN_CONNECT_TIMEOUT_S = 5
+LISTEN_KEEPALIVE = (30, 10, 3)
 
 
 @dataclass(frozen=True)
@@ -93,7 +107,8 @@ class Notifier:
     def __init__(self, factory: sessionmaker[Session], *, timeout_s: float = 5.0,
                  policy: RetryPolicy | None = None, batch: int = 50, box: SecretBox | None = None,
                  allowed_networks: Sequence[str] = (), concurrency: int = 8,
-                 per_webhook: int = PER_WEBHOOK) -> None:
+                 per_webhook: int = PER_WEBHOOK,
+                 shutdown_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         self.factory = factory
         self.policy = policy or RetryPolicy()
         self.batch = batch
@@ -102,6 +117,7 @@ class Notifier:
         self.allowed_networks = url_policy.parse_networks(allowed_networks)
         self.concurrency = concurrency
         self.per_webhook = per_webhook
+        self.shutdown_s = shutdown_s
         self.holder = uuid.uuid4()
         # Renewed every third of it while a delivery is in flight, so it covers the work
         # however long that takes, and runs out soon after a notifier dies.
@@ -112,6 +128,9 @@ class Notifier:
         self.ssl_context = httpx.create_ssl_context(trust_env=False)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="notifier")
         self._in_flight: dict[Future[None], int] = {}
+        # Deliveries given up while stopping: their attempts are cut, their outcome not recorded.
+        self._cut = Cut()
+        self._released: set[int] = set()
         self._renew_at = 0.0
         self._sealed = False
         # A finished delivery writes a byte here, so the loop waiting on LISTEN wakes at once.
@@ -119,8 +138,17 @@ class Notifier:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._listener: Any = None
-        # When the delivery loop last came round (services/notifier/health.py reads it).
+        # When LISTEN was lost (None: listening, or never tried), and when to try it again.
+        self._listen_lost_at: float | None = None
+        self._listen_retry_at = 0.0
+        # When the delivery loop last came round (services/notifier/health.py reads it), and
+        # when its next heartbeat is due in the database (the API's /metrics reports it).
         self.came_round = time.monotonic()
+        self._beat_due = 0.0
+        # A pass that fails on a fault of its own (not the database) says so with its
+        # traceback once, then once a minute, not every pass.
+        self._pass_failing = OutageLog(log, "notifier pass", state="failing", back="works again",
+                                       settle_s=0)
         if box is None:
             log.warning("RINGWATCH_SECRET_KEY is unset: webhook secrets stored encrypted cannot be "
                         "decrypted, so their deliveries wait (and are retried) until it is set")
@@ -130,7 +158,8 @@ class Notifier:
         return cls(factory, timeout_s=settings.webhook_timeout_s,
                    policy=RetryPolicy(max_age_s=settings.webhook_max_age_s),
                    box=box_from_settings(settings), allowed_networks=settings.webhook_allowed_networks,
-                   concurrency=settings.webhook_concurrency)
+                   concurrency=settings.webhook_concurrency,
+                   shutdown_s=settings.shutdown_timeout_s)
 
     # -- passes ---------------------------------------------------------------------------
 
@@ -153,8 +182,9 @@ class Notifier:
 
     def run_forever(self, poll_s: float, stop: threading.Event) -> None:
         """Deliver until ``stop``; wake on the outbox's NOTIFY, when a delivery finishes, or
-        every ``poll_s`` for retries."""
-        self._listener = self._listen()
+        every ``poll_s`` for retries. Once stopped, the deliveries in flight are finished or,
+        past ``shutdown_s``, released (``_settle``): a rollout sends nothing twice."""
+        self._listen()
         while not stop.is_set():
             self.came_round = time.monotonic()
             try:
@@ -163,15 +193,29 @@ class Notifier:
                 self._renew_claims()
                 with db.transaction(self.factory) as s:
                     store.dispatch_outbox(s)
+                    self._beat(s)
                 started = self._start_due()
-            except Exception:  # a database blip must not end the loop
-                log.exception("notifier pass failed")
+            except db.UNAVAILABLE as exc:  # a database blip must not end the loop
+                db.OUTAGE.failed(exc)
                 started = 0
+            except Exception as exc:  # nor a fault of one pass
+                self._pass_failing.failed(exc, traceback=True)
+                started = 0
+            else:
+                self._pass_failing.ok()
             if not started or len(self._in_flight) >= self.concurrency:
                 self._wait(poll_s)
-        self._settle()
+        self._settle(self.shutdown_s)
         if self._listener is not None:
             self._listener.close()
+
+    def _beat(self, session: Session) -> None:
+        """In the pass's transaction, at most every BEAT_S: the ``notifier`` heartbeat
+        (services.store.heartbeats), what RingwatchNotifierNotLooping reads."""
+        now = time.monotonic()
+        if now >= self._beat_due:
+            heartbeats.beat(session, heartbeats.NOTIFIER)
+            self._beat_due = now + BEAT_S
 
     def _start_due(self, due_by: datetime | None = None) -> int:
         free = self.concurrency - len(self._in_flight)
@@ -238,7 +282,7 @@ class Notifier:
         within one deadline of ``timeout_s``."""
         error = "no address"
         timeouts = dict.fromkeys(("connect", "read", "write", "pool"), self.timeout_s)
-        with attempt_pool(self.timeout_s, self.ssl_context) as pool:
+        with attempt_pool(self.timeout_s, self.ssl_context, self._cut) as pool:
             for address in target.addresses:
                 url, host, extensions = target.pinned(address)
                 try:
@@ -261,6 +305,8 @@ class Notifier:
         return Outcome(None, error)
 
     def _record(self, job: Job, outcome: Outcome) -> None:
+        if job.pk in self._released:  # cut while stopping; the next notifier sends it
+            return
         now = utcnow()
         with db.transaction(self.factory) as s:
             if not outcome.error:
@@ -298,16 +344,43 @@ class Notifier:
             log.warning("delivery %s: claim lost while sending (another notifier took it, or the "
                         "webhook was deleted)", pk)
 
-    def _wait_for_one(self) -> None:
-        wait(list(self._in_flight), timeout=self.lease_s / 3, return_when=FIRST_COMPLETED)
+    def _wait_for_one(self, timeout_s: float | None = None) -> None:
+        limit = self.lease_s / 3 if timeout_s is None else min(timeout_s, self.lease_s / 3)
+        wait(list(self._in_flight), timeout=limit, return_when=FIRST_COMPLETED)
         self._prune()
         self._renew_claims()
 
-    def _settle(self) -> None:
-        """Wait for every delivery in flight, renewing their claims meanwhile."""
+    def _settle(self, within_s: float | None = None) -> None:
+        """Wait for every delivery in flight, renewing their claims meanwhile; past
+        ``within_s``, release those still going and cut their connections."""
         self._prune()
+        end = None if within_s is None else time.monotonic() + within_s
         while self._in_flight:
-            self._wait_for_one()
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                self._release_in_flight()
+                return
+            self._wait_for_one(left)
+
+    def _release_in_flight(self) -> None:
+        """Give the claims of the deliveries in flight up (due again at once for the next
+        notifier, not after their lease), then cut their attempts so their threads end. A
+        receiver that had the request but not yet answered it gets it again: at least once."""
+        pks = set(self._in_flight.values())
+        self._released |= pks
+        try:
+            with db.transaction(self.factory) as s:
+                released = store.release_claims(
+                    s, self.holder, pks, f"cut after {self.shutdown_s:g} s when the notifier "
+                                         "stopped (RINGWATCH_SHUTDOWN_TIMEOUT_S); sent again")
+        except db.UNAVAILABLE as exc:  # the claims run out with their lease instead
+            log.warning("could not release %d deliveries in flight: the database is away (%s)",
+                        len(pks), type(exc).__name__)
+            released = set()
+        self._cut.now()
+        log.warning("stopping: %d deliveries still in flight after %g s were cut; %d released "
+                    "to the next notifier, the rest when their claim runs out", len(pks),
+                    self.shutdown_s, len(released))
 
     def _seal_plaintext_secrets(self) -> None:
         """Once per notifier: encrypt secrets stored in plain text before encryption existed."""
@@ -319,42 +392,89 @@ class Notifier:
             log.info("encrypted the plain-text secrets of %d webhooks", sealed)
         self._sealed = True
 
-    def _wake(self, _: Future[None]) -> None:
+    def wake(self) -> None:
+        """Wake the loop now (a stop was asked); safe in a signal handler."""
+        self._wake(None)
+
+    def _wake(self, _: Future[None] | None) -> None:
         # A full pipe has a wake-up pending anyway; a closed one has nobody to wake.
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
 
-    def _listen(self):  # -> psycopg.Connection | None
+    def _listen(self) -> bool:
+        """Open a connection of its own and LISTEN on the outbox's channel; say once when
+        that fails, and once when it works again. Whether it listens now."""
         import psycopg
 
         url = self.factory.kw["bind"].url.set(drivername="postgresql")
+        idle, interval, count = LISTEN_KEEPALIVE
         try:
-            conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True)
+            conn = psycopg.connect(url.render_as_string(hide_password=False), autocommit=True,
+                                   connect_timeout=LISTEN_CONNECT_TIMEOUT_S, keepalives=1,
+                                   keepalives_idle=idle, keepalives_interval=interval,
+                                   keepalives_count=count)
+        except psycopg.Error as exc:
+            self._listen_failed(type(exc).__name__)
+            return False
+        try:
             conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
-            return conn
-        except psycopg.Error:
-            log.warning("LISTEN unavailable; polling every pass instead")
-            return None
+        except psycopg.Error as exc:
+            conn.close()
+            self._listen_failed(type(exc).__name__)
+            return False
+        self._listener = conn
+        if self._listen_lost_at is not None:
+            log.warning("LISTEN on %s again after %.0f s without it", OUTBOX_CHANNEL,
+                     time.monotonic() - self._listen_lost_at)
+            self._listen_lost_at = None
+        return True
+
+    def _listen_failed(self, why: str) -> None:
+        if self._listen_lost_at is None:
+            self._listen_lost_at = time.monotonic()
+            log.warning("LISTEN on %s unavailable (%s): polling instead, and trying to LISTEN "
+                        "again every %g s", OUTBOX_CHANNEL, why, LISTEN_RETRY_S)
+        self._listen_retry_at = time.monotonic() + LISTEN_RETRY_S
+
+    def _unlisten(self, why: str) -> None:
+        """The LISTEN connection broke: close it, and try again from the next wait on."""
+        with contextlib.suppress(Exception):
+            self._listener.close()
+        self._listener = None
+        self._listen_failed(why)
 
     def _wait(self, poll_s: float) -> None:
-        """Until a NOTIFY, a finished delivery, ``poll_s``, or the next claim renewal."""
+        """Until a NOTIFY, a finished delivery, ``poll_s``, or the next claim renewal; while
+        not listening, until LISTEN works again too (the pass that follows catches up)."""
         timeout = poll_s
         if self._in_flight:
             timeout = max(0.0, min(poll_s, self._renew_at - time.monotonic()))
-        fds = [self._wake_r] + ([self._listener.fileno()] if self._listener is not None else [])
+        deadline = time.monotonic() + timeout
+        while self._listener is None:
+            now = time.monotonic()
+            if now >= self._listen_retry_at and self._listen():
+                return
+            step = min(deadline, self._listen_retry_at) - time.monotonic()
+            if time.monotonic() >= deadline or self._await(max(0.0, step)):
+                return
+        self._await(max(0.0, deadline - time.monotonic()), self._listener.fileno())
+
+    def _await(self, timeout: float, listening: int | None = None) -> bool:
+        """Wait up to ``timeout`` for a wake-up, or a NOTIFY on the LISTEN connection's
+        socket ``listening``; take in what came. Whether anything did."""
+        fds = [self._wake_r] if listening is None else [self._wake_r, listening]
         ready, _, _ = select.select(fds, [], [], timeout)
         if self._wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(self._wake_r, 4096):
                     pass
-        if len(fds) > 1 and fds[1] in ready:
+        if listening is not None and listening in ready:
             try:
                 for _ in self._listener.notifies(timeout=0):
                     pass
-            except Exception:
-                log.exception("LISTEN connection failed; polling every %s s instead", poll_s)
-                self._listener.close()
-                self._listener = None
+            except Exception as exc:  # the server went away (a restart, a failover)
+                self._unlisten(type(exc).__name__)
+        return bool(ready)
 
     def close(self) -> None:
         self._settle()

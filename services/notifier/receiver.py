@@ -22,6 +22,8 @@ class WebhookReceiver:
         # Seconds to stall and then drop the request unanswered (``release`` ends a stall
         # early); a stalled request is counted in ``requests`` but not recorded as received.
         self.delay_s = 0.0
+        # Seconds to pause before answering (a slow receiver that does answer, and records).
+        self.pause_s = 0.0
         self._release = threading.Event()
         self.requests = 0
         self.events: list[dict[str, Any]] = []
@@ -37,6 +39,8 @@ class WebhookReceiver:
                 if receiver.delay_s:
                     receiver._release.wait(receiver.delay_s)
                     return
+                if receiver.pause_s:
+                    time.sleep(receiver.pause_s)
                 code = receiver.status
                 if code < 300:
                     receiver._record(self.headers, raw)

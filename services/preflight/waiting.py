@@ -3,7 +3,9 @@
 A waiting caller is an asyncio event, not a sleeping worker thread: the worker threads are
 shared with token checks, ingest and every synchronous route, and 128 callers sleeping in
 them starved the whole API. One poller per event loop asks Postgres, in one short query,
-which of all the waited-for requests are still unanswered, and wakes the rest.
+which of all the waited-for requests are still unanswered, and wakes the rest. A server
+that is stopping wakes every caller at once (``stop_waiting``): each is answered with its
+request as it stands, and asks again (``GET /v1/preflight/{id}``) at another replica.
 """
 
 from __future__ import annotations
@@ -33,10 +35,19 @@ class PreflightWaiters:
         self._events: dict[str, list[asyncio.Event]] = {}
         self._waiting = 0
         self._poller: asyncio.Task[None] | None = None
+        self.stopping = False
 
     @property
     def waiting(self) -> int:
         return self._waiting
+
+    def stop_waiting(self) -> None:
+        """The server is stopping: every caller waiting now is answered at once, and one
+        that comes later is not made to wait. Call on the event loop's thread."""
+        self.stopping = True
+        for events in self._events.values():
+            for event in events:
+                event.set()
 
     def check_room(self) -> None:
         """Refuse before a request is even created when every waiting place is taken."""
@@ -54,7 +65,7 @@ class PreflightWaiters:
         caller has gone; its place is then freed at once, not when ``wait_s`` runs out (a
         caller that hangs up and asks again would otherwise hold a place per try)."""
         if (body["status"] not in ("pending", "running") or wait_s <= 0
-                or self._waiting >= self.capacity):
+                or self._waiting >= self.capacity or self.stopping):
             return body
         event = asyncio.Event()
         self._events.setdefault(body["id"], []).append(event)
@@ -73,7 +84,12 @@ class PreflightWaiters:
             self._forget(body["id"], event)
         if gone is not None and gone.done() and not gone.cancelled() and not answered.done():
             return body  # nobody is left to read the answer
-        return await to_thread.run_sync(self._read, body["id"])
+        try:
+            return await to_thread.run_sync(self._read, body["id"])
+        except db.UNAVAILABLE:
+            if not self.stopping:
+                raise
+            return body  # stopping with the database away: as it was, the caller asks again
 
     def _read(self, request_id: str) -> dict[str, Any]:
         with db.transaction(self.factory) as s:

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # After an error the loop waits this long, doubling per error in a row, up to the cap.
 ERROR_BACKOFF_S = 5.0
 ERROR_BACKOFF_MAX_S = 300.0
+# The longest period between batches a batch may say it plans (the API's schema bound).
+MAX_PLANNED_S = 30 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -579,7 +581,9 @@ def _turn(backend: ProbeBackend, shipper: Shipper, options: ProbeOptions, *,
             period = cycle.wall_time_s + max(wait, floor)
             share = held / max(period, 1e-9)
             cycle.duty_cycle = so_far or shares(cycle.busy_s, period)
-            batch = cycle.to_batch()
+            # The period it plans is what the API's ingest-stall alert waits three of.
+            batch = {**cycle.to_batch(),
+                     "shipper": {"interval_s": round(min(period, MAX_PLANNED_S), 3)}}
             left = shipper.ship(batch)
             cycles += 1
             failures = 0

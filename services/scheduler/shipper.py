@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from services.logs import OutageLog, reason_of
+
 log = logging.getLogger(__name__)
 
 
@@ -67,7 +69,9 @@ class Shipper:
         self._failures: dict[str, int] = {}
         self._not_before = 0.0
         self._refused_until = 0.0
-        self._unreachable = False
+        # The API unreachable or busy is said when it starts, once a minute and when it
+        # ends, not at every try (a scheduler tries every second between cycles).
+        self._api_away = OutageLog(log, f"the API at {api_url}", settle_s=0)
         # What the API said of each batch lately sent, by batch id.
         self.answers: dict[str, dict[str, Any]] = {}
         self.recovered = self._recover()
@@ -94,9 +98,10 @@ class Shipper:
     def ship(self, batch: dict[str, Any]) -> int:
         """Spool ``batch``, then send everything spooled; return how many batches remain.
 
-        The batch carries what the spool holds (``shipper``), so the API's ``/metrics``
+        The batch carries what the spool holds (``shipper``, beside what the batch already
+        says there of its sender: a scheduled cycle's interval), so the API's ``/metrics``
         shows batches waiting or moved aside on each host."""
-        self.spool({**batch, "shipper": self.state()})
+        self.spool({**batch, "shipper": {**(batch.get("shipper") or {}), **self.state()}})
         self._refused_until = 0.0  # each new batch asks a refusing API again
         return self.flush()
 
@@ -202,17 +207,11 @@ class Shipper:
                                     headers={"Content-Type": "application/json"})
         except httpx.HTTPError as exc:
             self.last_status = None
-            # Said once when the API goes away, not at every try (a scheduler tries every
-            # second between cycles), and once when it is back.
-            (log.debug if self._unreachable else log.warning)(
-                "API at %s unreachable (%s); batches stay spooled until it answers",
-                self.api_url, exc)
-            self._unreachable = True
+            self._api_away.failed(f"{reason_of(exc)}; batches stay spooled until it answers")
             return "busy"
-        if self._unreachable:
-            log.warning("API at %s answers again; sending the spooled batches", self.api_url)
-            self._unreachable = False
         self.last_status = resp.status_code
+        if resp.status_code not in BUSY:
+            self._api_away.ok()
         if resp.status_code < 300:
             self.refused = False
             self._answered(path, resp)
@@ -228,7 +227,8 @@ class Shipper:
             return "busy"
         if resp.status_code in BUSY:
             self._not_before = time.monotonic() + _retry_after(resp)
-            log.warning("API answered %s; %s stays spooled", resp.status_code, path.name)
+            self._api_away.failed(f"answered {resp.status_code}; batches stay spooled until "
+                                  "it takes them")
             return "busy"
         if resp.status_code >= 500:
             # A 500 may be this batch alone: the batches behind it are tried.

@@ -227,3 +227,26 @@ def token_expiries(session: Session, within_s: float | None = None) -> list[Toke
     rows = session.execute(q.order_by(t.expires_at, t.id)).tuples()
     return [TokenExpiry(i, role, name, at, float(left)) for i, role, name, at, left in rows
             if at is not None]
+
+
+def database_size(session: Session) -> int:
+    """Bytes the database takes on disk (tables, indexes, TOAST, every partition)."""
+    return int(session.scalar(text("SELECT pg_database_size(current_database())")) or 0)
+
+
+# How far back the newest batch that says its sender's interval is looked for: a scheduler's
+# every batch says it, preflight batches and `probe --ship` do not.
+INTERVAL_LOOKBACK_RUNS = 1000
+
+
+def planned_ingest_interval(session: Session) -> float | None:
+    """Seconds between its batches the sender of the newest batch that said so planned (its
+    cycle and the wait after it: the probe interval, or longer where the duty cycle
+    stretched it), among the newest ``INTERVAL_LOOKBACK_RUNS`` batches; None where none
+    said."""
+    got = session.scalar(text(
+        "SELECT (shipper->>'interval_s')::float8 FROM probe_runs "
+        "WHERE id > (SELECT coalesce(max(id), 0) FROM probe_runs) - :back "
+        "AND jsonb_typeof(shipper->'interval_s') = 'number' ORDER BY id DESC LIMIT 1"),
+        {"back": INTERVAL_LOOKBACK_RUNS})
+    return float(got) if got is not None else None

@@ -485,6 +485,19 @@ class Fleet(Base):
     updated_at: Mapped[datetime] = mapped_column(TZ, server_default=func.now())
 
 
+class Heartbeat(Base):
+    """When one background loop (``notifier``, ``maintenance``) last succeeded and failed,
+    on the database's clock, and its failures in a row since (services.store.heartbeats):
+    what /metrics reports of loops that run outside the API process, or in another replica."""
+
+    __tablename__ = "heartbeats"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    ok_at: Mapped[datetime | None] = mapped_column(TZ)
+    failed_at: Mapped[datetime | None] = mapped_column(TZ)
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
 class QuarantinedName(Base):
     """A node name, group member or group key stored before the strict name rule, and the
     name migration 0017 gave it (``quarantined-...``): the history reads on under the new

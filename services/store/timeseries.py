@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from services.store import nodes
+from services.store import heartbeats, nodes
 from services.store.models import is_partition, measurements, series_1d, series_1h
 
 log = logging.getLogger(__name__)
@@ -282,8 +282,20 @@ def _oldest_bucket(engine: Engine) -> datetime | None:
 
 def maintain(engine: Engine, retention: Retention, now: datetime | None = None,
              max_chunks: int = 200) -> PassReport:
-    """One maintenance pass; skipped when another process is running one."""
-    now = now or datetime.now(UTC)
+    """One maintenance pass; skipped when another process is running one. A pass that ran
+    beats the ``maintenance`` heartbeat, ok or failed (RingwatchMaintenanceFailed reads it);
+    a skipped one is no pass."""
+    try:
+        report = _pass(engine, retention, now or datetime.now(UTC), max_chunks)
+    except Exception:
+        heartbeats.note(engine, heartbeats.MAINTENANCE, ok=False)
+        raise
+    if not report.skipped:
+        heartbeats.note(engine, heartbeats.MAINTENANCE, ok=True)
+    return report
+
+
+def _pass(engine: Engine, retention: Retention, now: datetime, max_chunks: int) -> PassReport:
     report = PassReport()
     with engine.connect() as lock_conn:
         got = lock_conn.execute(text("SELECT pg_try_advisory_lock(:k)"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -94,18 +95,37 @@ def expiry(ttl_days: float | None, now: datetime | None = None) -> datetime | No
 
 def authenticate(session: Session, token: str) -> Principal | str:
     """The principal of a live token, or why the token is refused."""
-    row = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(token)))
-    if row is None or row.revoked_at is not None:
-        return "unknown or revoked token"
+    return authenticate_many(session, [token])[0]
+
+
+def authenticate_many(session: Session, presented: Sequence[str]) -> list[Principal | str]:
+    """``authenticate`` for each of ``presented``, in one look-up and at most one write
+    (the last-used times that are due), however many there are."""
+    hashes = [hash_token(t) for t in presented]
+    rows = {r.token_hash: r for r in session.scalars(
+        select(ApiToken).where(ApiToken.token_hash.in_(sorted(set(hashes)))))}
     now = utcnow()
-    if row.expires_at is not None and row.expires_at <= now:
-        return f"token expired at {row.expires_at.isoformat(timespec='seconds')}"
     stale = now - timedelta(seconds=LAST_USED_GRANULARITY_S)
-    session.execute(
-        update(ApiToken).where(ApiToken.id == row.id,
-                               or_(ApiToken.last_used_at.is_(None), ApiToken.last_used_at < stale))
-        .values(last_used_at=func.now()))
-    return Principal(row.id, row.role, frozenset(row.nodes) if row.nodes is not None else None)
+    out: list[Principal | str] = []
+    due: set[int] = set()
+    for h in hashes:
+        row = rows.get(h)
+        if row is None or row.revoked_at is not None:
+            out.append("unknown or revoked token")
+        elif row.expires_at is not None and row.expires_at <= now:
+            out.append(f"token expired at {row.expires_at.isoformat(timespec='seconds')}")
+        else:
+            if row.last_used_at is None or row.last_used_at < stale:
+                due.add(row.id)
+            out.append(Principal(row.id, row.role,
+                                 frozenset(row.nodes) if row.nodes is not None else None))
+    if due:
+        session.execute(
+            update(ApiToken).where(ApiToken.id.in_(sorted(due)),
+                                   or_(ApiToken.last_used_at.is_(None),
+                                       ApiToken.last_used_at < stale))
+            .values(last_used_at=func.now()))
+    return out
 
 
 def get(session: Session, token_id: int) -> ApiToken | None:

@@ -164,6 +164,19 @@ def renew_claims(session: Session, holder: uuid.UUID, delivery_pks: Iterable[int
     ))
 
 
+def release_claims(session: Session, holder: uuid.UUID, delivery_pks: Iterable[int],
+                   why: str) -> set[int]:
+    """Give ``holder``'s claims on these deliveries up, due again at once for any notifier
+    (not when the lease would have run out); return those released."""
+    return set(session.scalars(
+        update(Delivery)
+        .where(Delivery.id.in_(list(delivery_pks)), Delivery.claimed_by == holder,
+               Delivery.status == "pending")
+        .values(claimed_by=None, claim_expires_at=None, last_error=why[:2000])
+        .returning(Delivery.id)
+    ))
+
+
 def _finish(session: Session, delivery_pk: int, holder: uuid.UUID, values: dict[str, Any]) -> bool:
     """Record an outcome if ``holder`` still holds the claim; False: another notifier took it."""
     return session.scalar(
