@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench chaos serve install clean lock
+.PHONY: demo test test-fast lint bench chaos serve install clean lock wheel
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH" >&2; exit 2; }
@@ -26,9 +26,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not db and not slow and not ray and not gpu" $(PYTEST_ARGS)
 
+# ruff, mypy, and the import contract of docs/architecture.md (which room may import which).
 lint: $(STAMP)
 	$(BIN)/ruff check agents services api tests migrations bench
 	$(BIN)/mypy agents services api
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
@@ -38,6 +40,17 @@ chaos: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/ringwatch serve
+
+# ringwatch's wheel, dist/ringwatch-<version>-py3-none-any.whl: pure Python, one file for every
+# role and machine (docs/install.md installs each role from it). It needs pip alone: .venv is
+# made if absent (Debian's python3 may have no pip of its own), nothing is installed into it.
+# build/ goes first: setuptools packs whatever an earlier build left there, a module since
+# renamed or removed included.
+wheel:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -rf build
+	$(BIN)/python -m pip wheel -q --no-deps -w dist .
+	@ls -t dist/ringwatch-*.whl | head -n 1
 
 # The images' lock files (Dockerfile): every package a role installs, pinned with its hashes,
 # for the Python and platform of the role's image. uv resolves for an interpreter other than its

@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable, Iterator
 from functools import cached_property, lru_cache
 
+from agents.places import members_text
+
 # A node's name: hostname-like ASCII (letters, digits, ".", "_", "-"; a letter or digit
 # first, no "." last: "node-000." is node-000 with the DNS root spelled out). Invisible,
 # bidirectional and look-alike characters are refused by construction: five names that all
@@ -27,6 +29,8 @@ LOCAL_INDEX = r"0|[1-9][0-9]{0,5}"
 # Whole-string rules (fullmatch): `$` would also match before a final newline.
 _NODE = re.compile(NODE_NAME)
 _MEMBER = re.compile(rf"(?P<node>{NODE_NAME})/(?P<local>{LOCAL_INDEX})")
+# A group printed longer than this is printed by its size.
+MAX_PRINTED = 80
 # Postgres cannot index a btree key over about 2.7 kB (a 100-node group's member list).
 MAX_PLAIN_KEY = 512
 HASHED_KEY_PREFIX = "sha256:"
@@ -180,11 +184,13 @@ class Group:
         return iter(self.members)
 
     def __str__(self) -> str:
-        """Members as people read them: a node's ranks together (``node-003/2,5``), nodes in
-        counting order; a group of many nodes by its size."""
-        if len(self.nodes) > 8:
+        """Members as every text surface prints them (agents.places): nodes as a host list
+        with the GPUs they hold (``node-003 GPUs 2,5``, ``node-[000-015] GPUs 0-7``); a
+        group too scattered for one line by its size."""
+        text = members_text(self.members)
+        if len(text) > MAX_PRINTED:
             return f"{len(self.members)} ranks on {len(self.nodes)} nodes"
-        return " ".join(f"{n}/{','.join(map(str, self.locals_on(n)))}" for n in self.nodes)
+        return text
 
     def __repr__(self) -> str:
         return f"Group({self.key!r})"

@@ -222,6 +222,29 @@ def make_group(
     raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
 
 
+def store_server(host: str, timeout_s: float, *, listen_there_only: bool = False) -> dist.TCPStore:
+    """A group's store, hosted by this process at ``host`` (where its ranks reach it), on a
+    port the OS picks (``.port``).
+
+    torch's own server listens on every interface whatever host it is named, which ranks
+    on other machines need. ``listen_there_only`` (a local cluster's loopback) makes it
+    listen on ``host`` alone: on a socket bound here and handed to it.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not listen_there_only:
+        return dist.TCPStore(host, 0, None, True, wait_for_workers=False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, 0))
+        store = dist.TCPStore(host, sock.getsockname()[1], None, True, wait_for_workers=False,
+                              timeout=timeout, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now, and closes it when it stops
+    return store
+
+
 def leave_group(pg: Any, failed: bool) -> None:
     """Tear a group down; after a failure abort, so NCCL's threads stop waiting and gloo's
     peers see the connection close at once instead of at their timeout."""

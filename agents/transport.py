@@ -19,6 +19,7 @@ from typing import Any
 from agents.groups import split_member
 from agents.nccl_log import NET_TRANSPORTS, TransportSummary
 from agents.nic_counters import NicError, PortSnapshot, nic_errors
+from agents.places import gpus_text
 from agents.spec import Finding
 
 # How NCCL's own log names each transport class (agents.nccl_log's vocabulary).
@@ -36,8 +37,7 @@ def transport_finding(node: str, seen: str, expected: str, scope: str, *,
     """A node (or a GPU pair of it) whose traffic NCCL carried over ``seen`` where
     ``expected`` was up: it excludes the node, as a job there would crawl the same way."""
     if gpus:
-        text = (f"GPUs {gpus[0]},{gpus[1]} over {transport_name(seen)}, expected "
-                f"{transport_name(expected)}")
+        text = f"{gpus_text(gpus)} over {transport_name(seen)}, expected {transport_name(expected)}"
     else:
         up = f" ({_devices(devices)} up)" if devices else ""
         text = f"inter-node over {transport_name(seen)}, expected {transport_name(expected)}{up}"

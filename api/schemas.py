@@ -6,6 +6,7 @@ import hashlib
 import logging
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -13,6 +14,7 @@ from pydantic import (
     AfterValidator,
     AnyHttpUrl,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -25,6 +27,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails, to_json
 
 from agents.groups import NODE_NAME, check_node_name, split_member
+from agents.hostlist import TooManyHosts, expand_hostlist
 from agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
 from agents.workloads import ProfileName
 from services.config import PLACEHOLDER_SECRET
@@ -37,6 +40,44 @@ log = logging.getLogger(__name__)
 NodeName = Annotated[str, Field(min_length=1, max_length=253,
                                 json_schema_extra={"pattern": f"^{NODE_NAME}$"}),
                      AfterValidator(check_node_name)]
+# The most nodes a person's list names (a preflight, a token's scope, a retirement), counted
+# after its host lists are expanded.
+MAX_NODES_NAMED = 100_000
+
+
+def host_lists(limit: int) -> Callable[[Any], Any]:
+    """A list's items that are Slurm host lists (``node-[000-004]``, ``a[1-2],b``) replaced by
+    the names they hold, by the command line's rules (agents.hostlist), the rest kept as they
+    are for the item type to judge; more than ``limit`` names in all is refused before they
+    are built."""
+    def expand(value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        out: list[Any] = []
+        for item in value:
+            if not (isinstance(item, str) and ("[" in item or "," in item)):
+                out.append(item)
+                continue
+            try:
+                names = expand_hostlist(item, limit=limit - len(out))
+            except TooManyHosts:
+                raise ValueError(f"more than {limit} nodes named (past it at host list "
+                                 f"{item[:80]!r})") from None
+            if not names:
+                raise ValueError(f"host list {item[:80]!r} names no node")
+            out += names
+        return out
+    return expand
+
+
+def _items_may_be_host_lists(schema: dict[str, Any]) -> None:
+    schema["items"] = {"type": "string", "minLength": 1, "description":
+                       "a node name, or a Slurm host list (node-[000-004],gpu-a[1-2]b)"}
+
+
+# Node names as a person gives them: names or host lists, expanded before the names are judged.
+NodeNames = Annotated[list[NodeName], BeforeValidator(host_lists(MAX_NODES_NAMED)),
+                      Field(max_length=MAX_NODES_NAMED, json_schema_extra=_items_may_be_host_lists)]
 # What Postgres' bigint holds; a larger integer is the sender's error, not a server fault.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -464,9 +505,12 @@ class NodeDetailOut(BaseModel):
 
 
 class NodesRetireIn(Strict):
-    # Names as stored, any the table holds (one stored before today's name rule too).
-    nodes: list[Annotated[str, Field(min_length=1, max_length=255)]] = Field(
-        min_length=1, max_length=100_000)
+    # Names as stored, any the table holds (one stored before today's name rule too), or
+    # host lists of them.
+    nodes: Annotated[list[Annotated[str, Field(min_length=1, max_length=255)]],
+                     BeforeValidator(host_lists(MAX_NODES_NAMED)),
+                     Field(min_length=1, max_length=MAX_NODES_NAMED,
+                           json_schema_extra=_items_may_be_host_lists)]
 
 
 class NodesRetireOut(BaseModel):
@@ -493,6 +537,10 @@ class NodeStateOut(BaseModel):
     # busy: a job holds it and no open finding names it (its last results kept, with
     # their age in last_probed_at).
     state: Literal["degraded", "suspect", "ok", "unknown", "busy"]
+    # The kinds of the findings for which a preflight naming this node excludes it, critical
+    # first (the Slurm prolog's judgement; `ringwatch kubernetes sync` taints by it); empty:
+    # a preflight would not exclude it.
+    excluded_by: list[str] = []
 
 
 class NodeStatesOut(BaseModel):
@@ -619,7 +667,7 @@ class HealthOut(BaseModel):
 
 
 class PreflightIn(Strict):
-    nodes: list[NodeName] = Field(min_length=1, max_length=100_000)
+    nodes: NodeNames = Field(min_length=1)
     # Up to 30 days: older results are not held raw anyway (RINGWATCH_RETENTION_RAW_DAYS).
     max_age_s: float = Field(default=900.0, gt=0, le=30 * 86400)
     # When fresh results look unhealthy, have a scheduler re-probe before answering.
@@ -825,7 +873,7 @@ class TokenIn(Strict):
     # Days until it expires; None: RINGWATCH_TOKEN_TTL_DAYS; 0: never.
     expires_in_days: float | None = Field(default=None, ge=0, le=3650)
     # Agent tokens only: the nodes it may report on (None: all).
-    nodes: list[NodeName] | None = Field(default=None, min_length=1, max_length=100_000)
+    nodes: NodeNames | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _scope_is_for_agents(self) -> TokenIn:

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Slurm prolog: before a job starts on this node, ask ringwatch about this node alone
 # (SLURMD_NODENAME). Where ringwatch excludes it, the node is drained with the finding as
-# its reason (`sinfo -R`: "ringwatch: nvlink_degraded node-017 gpus 2,5 allreduce ...") and
+# its reason (`sinfo -R`: "ringwatch: nvlink_degraded node-017 GPUs 2,5 allreduce ...") and
 # the prolog exits 1, so the job does not start here; a healthy node exits 0 and is left
 # alone. When ringwatch cannot answer (API down, 429, 503, no verdict in time) the job
 # starts (RINGWATCH_SLURM_ON_ERROR=closed drains instead), within 30 s in all.

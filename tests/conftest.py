@@ -18,6 +18,8 @@ from types import CodeType
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -26,6 +28,14 @@ from services.store import db
 from services.store.models import Base
 
 os.makedirs("/tmp/ray", exist_ok=True)  # ray.cluster_utils writes its address there
+
+# Property tests assert what is true, never how fast: no deadline per example, and no health
+# check that times the data's generation, both of which a loaded CI machine fails. Loaded
+# here, before any test module, so an explicit @settings(...) inherits it.
+# HYPOTHESIS_PROFILE=default brings Hypothesis' own back.
+hypothesis_settings.register_profile("ci", deadline=None, print_blob=True,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Markers for the fast layer (``make test-fast`` deselects db, slow, ray and gpu), set here
 # so that no test has to remember them:

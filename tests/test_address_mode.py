@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def test_a_cluster_of_another_ray_version_is_refused_in_one_line(cluster, monkey
     text = str(caught.value)
     assert "\n" not in text
     assert f"runs Ray {ray.__version__}, this environment Ray 2.0.0" in text
-    assert f"pip install 'ray=={ray.__version__}'" in text
+    assert f"({sys.executable} -m pip install ray=={ray.__version__})" in text
     assert not ray.is_initialized()
 
 

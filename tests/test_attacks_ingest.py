@@ -278,5 +278,7 @@ def test_judging_a_batch_costs_statements_independent_of_its_findings(clean_db) 
             assert len(r.json()["findings"]) == 400
     finally:
         event.remove(engine, "before_cursor_execute", count)
-    # Opening 20 incidents or 400, and seeing them again, take the same statements.
-    assert seen[0] == seen[1] and seen[2] == seen[3], seen
+    # Opening 20 incidents or 400, and seeing them again, take the same statements: within
+    # two, for what else a request may do now and then (a token's last use written at most
+    # once a minute); before, 400 findings took 1 900 more than 20.
+    assert abs(seen[1] - seen[0]) <= 2 and abs(seen[3] - seen[2]) <= 2, seen

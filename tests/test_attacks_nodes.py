@@ -235,10 +235,10 @@ def test_node_retire_from_the_cli_with_a_dry_run(server) -> None:
 
     dry = cli("node", "retire", "node-001", "node-002", "--dry-run", env=server)
     assert dry.returncode == 0, dry.stderr
-    assert "would retire 2 node(s): node-001, node-002" in dry.stdout
+    assert "would retire 2 node(s): node-[001-002]" in dry.stdout
     assert listed() == ["node-000", "node-001", "node-002"]
     done = cli("node", "retire", "node-001", "node-002", env=server)
-    assert done.returncode == 0 and "retired 2 node(s): node-001, node-002" in done.stdout
+    assert done.returncode == 0 and "retired 2 node(s): node-[001-002]" in done.stdout
     assert listed() == ["node-000"]
     again = cli("node", "retire", "node-001", "--json", env=server)
     assert json.loads(again.stdout)["already_retired"] == ["node-001"]

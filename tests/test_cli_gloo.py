@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -17,14 +18,19 @@ def env(tmp_path) -> dict[str, str]:
 
 
 def test_preflight_names_the_injected_slow_node(tmp_path) -> None:
+    outer = time.monotonic()
     r = cli("preflight", "--local", "3", "--gpus-per-node", "2", "--json",
             "--inject", '{"kind": "slow", "node": "node-001", "gpu": 0, "factor": 0.3}',
             env=env(tmp_path), timeout=300)
+    elapsed = time.monotonic() - outer
     assert r.returncode == 1, r.stderr
     verdict = json.loads(r.stdout)
     assert verdict["backend"] == "gloo" and verdict["nodes_checked"] == 3
     assert verdict["exclude"] == ["node-001"]
     assert verdict["rounds"] >= 2 and verdict["duration_s"] > 0
+    # The rounds inside the command, the command (Ray's start and stop too) inside what the
+    # caller waited (docs/formats.md): one of each, never the rounds for the command.
+    assert 0 < verdict["wall_s"] < verdict["command_s"] <= elapsed
 
 
 def test_probe_reports_an_injected_hang_by_name(tmp_path) -> None:

@@ -120,6 +120,32 @@ def test_bash_completion_offers_the_commands_and_flags_the_cli_takes(tmp_path: P
     assert zsh.startswith("autoload -U +X bashcompinit") and script in zsh
 
 
+def _parsers(parser, path: tuple[str, ...] = ("ringwatch",)):
+    """Every parser of the command line, by its command path."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_no_help_text_holds_markup() -> None:
+    """Help is read on a terminal: no reST backticks or literal-block colons in any
+    command's --help (the top level's came from the module docstring)."""
+    from services.cli.main import build_parser
+
+    helps = {" ".join(path): p.format_help() for path, p in _parsers(build_parser())}
+    assert len(helps) > 30 and {"ringwatch db wait", "ringwatch slurm prolog"} <= set(helps)
+    marked = {path: [line for line in text.splitlines() if "`" in line or "::" in line]
+              for path, text in helps.items()}
+    assert {path: lines for path, lines in marked.items() if lines} == {}
+    top = subprocess.run([sys.executable, "-m", "services.cli.main", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "ringwatch: the command line. Launches the processes" in top
+
+
 def test_progress_redraws_one_line_on_a_terminal_and_keeps_lines_in_a_log(tmp_path) -> None:
     scenario = tmp_path / "fabric.json"
     scenario.write_text(json.dumps({"nodes": 16, "gpus_per_node": 8, "seed": 1, "faults": [

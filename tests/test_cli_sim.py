@@ -78,3 +78,37 @@ def test_the_cli_hands_its_settings_to_the_check(tmp_path: Path) -> None:
             env={**os.environ, "RINGWATCH_CHECK_MAX_ROUNDS": "2"})
     v = json.loads(r.stdout)
     assert v["rounds"] == 2 and v["stopped_by"] == "rounds (2)" and v["complete"] is False
+
+
+def test_command_s_is_the_whole_command_and_wall_s_the_checks_rounds(tmp_path: Path,
+                                                                       monkeypatch, capsys) -> None:
+    """A preflight that probes says how long the command took, its cluster's start and
+    teardown included (``command_s``), beside its rounds' wall time (``wall_s``, what the
+    wall budget bounds): docs/formats.md. A backend that takes a second to stop shows it."""
+    import time
+
+    from services.cli import commands
+    from services.cli.main import build_parser
+
+    made = commands.make_backend
+
+    def slow_to_stop(args, progress):
+        backend = made(args, progress)
+        stop = backend.close
+
+        def close() -> None:
+            time.sleep(1.0)
+            stop()
+
+        backend.close = close
+        return backend
+
+    monkeypatch.setattr(commands, "make_backend", slow_to_stop)
+    args = build_parser().parse_args(["preflight", "--fabric", scenario(
+        tmp_path, {"nodes": 4, "gpus_per_node": 2, "seed": 3}), "--json"])
+    args.started = outer = time.monotonic()
+    assert commands.cmd_preflight(args) == 0
+    elapsed = time.monotonic() - outer
+    v = json.loads(capsys.readouterr().out)
+    assert 0 < v["wall_s"] < v["command_s"] <= elapsed + 0.001
+    assert v["command_s"] - v["wall_s"] >= 1.0  # the teardown: the command's, not the rounds'

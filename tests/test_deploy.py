@@ -478,7 +478,7 @@ def test_every_ringwatch_command_is_one_the_cli_accepts() -> None:
             commands.add(" ".join(w for w in (args.command, getattr(args, "db_command", None)) if w))
         if c["image"].startswith("ringwatch") and c["name"] != "ray-worker":
             assert _ringwatch_argvs(c), f"{where} runs no ringwatch command"
-    assert {"db upgrade", "db wait", "serve", "notifier", "scheduler", "preflight"} <= commands
+    assert {"db upgrade", "db wait", "serve", "notifier", "scheduler", "kubernetes"} <= commands
 
 
 def test_every_ray_command_is_one_ray_accepts() -> None:
@@ -736,6 +736,15 @@ def test_network_policies_hold_every_pod_to_the_traffic_it_needs() -> None:
     assert {"ringwatch.io/api-client": "true"} in [
         p["namespaceSelector"].get("matchLabels") for p in rule["from"] if "namespaceSelector" in p]
     assert any(_peers_admit(r.get("to"), api) for r in egress("RayCluster/head", ("TCP", api_port)))
+    # The remediation loop reads the API, and reaches the Kubernetes API server on its
+    # ports; nobody calls it.
+    remediation = pods["Deployment/ringwatch-remediation"]
+    assert _peers_admit(rule["from"], remediation)
+    assert any(_peers_admit(r.get("to"), api)
+               for r in egress("Deployment/ringwatch-remediation", ("TCP", api_port)))
+    for port in (443, 6443):
+        assert egress("Deployment/ringwatch-remediation", ("TCP", port)), port
+    assert not policy("Deployment/ringwatch-remediation").get("ingress")
     # Webhooks leave the notifier on HTTPS; nothing but the kubelet calls it.
     assert any({p["ipBlock"]["cidr"] for p in r.get("to", [])} >= {"0.0.0.0/0", "::/0"}
                for r in egress("Deployment/ringwatch-notifier", ("TCP", 443)))
@@ -752,12 +761,17 @@ def test_network_policies_hold_every_pod_to_the_traffic_it_needs() -> None:
             assert {p["ipBlock"]["cidr"] for p in peers if "ipBlock" in p}, a
 
 
-def test_the_scheduler_and_the_preflight_example_reach_the_api_service() -> None:
+def test_the_scheduler_the_remediation_and_the_gate_example_reach_the_api_service() -> None:
     docs = manifests()
     namespace = yaml.safe_load((BASE / "kustomization.yaml").read_text())["namespace"]
     ray = find(docs, "RayCluster", "ringwatch")
     head = ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in head["env"]}
+    service, _ = _service_url(docs, namespace, env["RINGWATCH_API_URL"])
+    assert service["metadata"]["name"] == "ringwatch-api"
+    remediation = find(docs, "Deployment", "ringwatch-remediation")
+    (c,) = remediation["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
     service, _ = _service_url(docs, namespace, env["RINGWATCH_API_URL"])
     assert service["metadata"]["name"] == "ringwatch-api"
 
@@ -768,7 +782,8 @@ def test_the_scheduler_and_the_preflight_example_reach_the_api_service() -> None
     assert "." in urlsplit(env["RINGWATCH_API_URL"]["value"]).hostname
     _service_url(docs, namespace, env["RINGWATCH_API_URL"]["value"])
     args = _parse(_ringwatch_argvs(init)[0])
-    assert args.command == "preflight" and args.nodes == "NODE_NAME"
+    assert (args.command, args.kubernetes_command, args.node) == ("kubernetes", "check",
+                                                                  "NODE_NAME")
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
 
 
@@ -783,9 +798,12 @@ def test_the_scheduler_alone_may_list_pods_and_nodes_and_nothing_else() -> None:
         # Read only, the two resources the occupancy source lists, in the core group.
         assert role["rules"] == [{"apiGroups": [""], "resources": ["pods", "nodes"],
                                   "verbs": ["list", "watch"]}], directory
+        # The remediation's role is the one other (the next test).
         assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")
-                    or (d["kind"] == "ClusterRole" and d is not role)]
-        (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+                    or (d["kind"] == "ClusterRole" and d is not role
+                        and d["metadata"]["name"] != "ringwatch-remediation")]
+        (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"
+                      and d["roleRef"]["name"] == "ringwatch-occupancy"]
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
                                       "kind": "ClusterRole", "name": "ringwatch-occupancy"}
         account = find(docs, "ServiceAccount", "ringwatch-scheduler")
@@ -808,12 +826,55 @@ def test_the_scheduler_alone_may_list_pods_and_nodes_and_nothing_else() -> None:
         assert Settings(occupancy=env["RINGWATCH_OCCUPANCY"]).occupancy == "kubernetes"
         for doc in docs:
             for pod in _pod_specs(doc):
-                if pod is head:
+                if pod is head or doc["metadata"]["name"] == "ringwatch-remediation":
                     continue
                 where = f"{directory.name} {doc['kind']}/{doc['metadata']['name']}"
                 assert pod.get("serviceAccountName", "default") == "default", where
                 assert not any("serviceAccountToken" in src for v in pod.get("volumes", [])
                                for src in v.get("projected", {}).get("sources", [])), where
+
+
+def test_the_remediation_may_patch_nodes_and_nothing_else_and_ships_as_a_dry_run() -> None:
+    from services.kubernetes import client, remediation
+
+    namespace = yaml.safe_load((BASE / "kustomization.yaml").read_text())["namespace"]
+    for directory in KUSTOMIZATIONS:
+        docs = render(directory)
+        role = find(docs, "ClusterRole", "ringwatch-remediation")
+        # Nodes only: read them and patch the label and taint it owns; no pods, no evictions.
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"],
+                                  "verbs": ["get", "list", "patch"]}], directory
+        binding = find(docs, "ClusterRoleBinding", "ringwatch-remediation")
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                      "kind": "ClusterRole", "name": "ringwatch-remediation"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                        "name": "ringwatch-remediation",
+                                        "namespace": namespace}]
+        account = find(docs, "ServiceAccount", "ringwatch-remediation")
+        assert account["automountServiceAccountToken"] is False
+        deployment = find(docs, "Deployment", "ringwatch-remediation")
+        # One loop at a time: two would each count the cap without the other's taints.
+        assert deployment["spec"]["replicas"] == 1
+        assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "ringwatch-remediation"
+        (c,) = pod["containers"]
+        (argv,) = _ringwatch_argvs(c)
+        args = _parse(argv)
+        # As shipped it changes nothing (docs/kubernetes.md says how to add --apply), with
+        # the default cap and effect.
+        assert (args.command, args.kubernetes_command) == ("kubernetes", "sync")
+        assert not args.apply and not args.once
+        assert args.max_tainted_share == remediation.DEFAULT_MAX_TAINTED_SHARE
+        assert args.taint_effect == "NoSchedule"
+        (mount,) = c["volumeMounts"]
+        assert mount["readOnly"] is True
+        assert Path(mount["mountPath"]) == client.SERVICE_ACCOUNT_TOKEN.parent
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert any("serviceAccountToken" in src for src in volume["projected"]["sources"])
+        # A tainted node is still probed, whatever the effect: it can be found healthy again.
+        workers = _gpu_agents(directory)["spec"]["template"]["spec"]["tolerations"]
+        assert {"key": remediation.TAINT_KEY, "operator": "Exists"} in workers, directory
 
 
 def _dockerfile_env() -> dict[str, str]:

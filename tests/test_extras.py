@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -187,15 +188,20 @@ def test_the_api_url_variable_is_what_api_defaults_to(server) -> None:
     assert r.returncode == 2 and "http://127.0.0.1:9" in r.stderr
 
 
+# This checkout's own install (make's editable one) is what the hints name here; a wheel's
+# install names its wheel (tests/test_install_docs.py runs the hint it prints).
+HERE = f"{sys.executable} -m pip install -e '{ROOT}"
+
+
 @pytest.mark.parametrize(("argv", "install"), [
-    (["probe", "--local", "2"], "pip install 'ringwatch[agent,ray]'"),
-    (["scheduler", "--local", "2", "--once"], "pip install 'ringwatch[agent,ray]'"),
-    (["selftest", "--backend", "gloo"], "pip install 'ringwatch[agent]'"),
-    (["serve"], "pip install 'ringwatch[server]'"),
-    (["notifier"], "pip install 'ringwatch[server]'"),
-    (["db", "upgrade"], "pip install 'ringwatch[server]'"),
-    (["token", "list"], "pip install 'ringwatch[server]', or ask the API: --api URL"),
-    (["demo"], "pip install 'ringwatch[demo]'"),
+    (["probe", "--local", "2"], f"{HERE}[agent,ray]'"),
+    (["scheduler", "--local", "2", "--once"], f"{HERE}[agent,ray]'"),
+    (["selftest", "--backend", "gloo"], f"{HERE}[agent]'"),
+    (["serve"], f"{HERE}[server]'"),
+    (["notifier"], f"{HERE}[server]'"),
+    (["db", "upgrade"], f"{HERE}[server]'"),
+    (["token", "list"], f"{HERE}[server]', or ask the API: --api URL"),
+    (["demo"], f"{HERE}[demo]'"),
 ])
 def test_a_command_whose_extra_is_missing_names_the_install(argv, install, tmp_path) -> None:
     env = {"PATH": "/usr/bin:/bin", "RINGWATCH_STATE_DIR": str(tmp_path),
@@ -211,7 +217,66 @@ def test_no_database_url_without_the_demo_extra_says_so(tmp_path) -> None:
     env = {"PATH": "/usr/bin:/bin", "RINGWATCH_STATE_DIR": str(tmp_path)}
     r = ringwatch("serve", env=env, blocked=("pgserver",))
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "RINGWATCH_DATABASE_URL" in r.stderr and "ringwatch[demo]" in r.stderr
+    assert "RINGWATCH_DATABASE_URL" in r.stderr and f"{HERE}[demo]'" in r.stderr
+
+
+class _Installed:
+    """A ringwatch distribution as importlib.metadata finds it, with the direct_url.json pip
+    wrote for it (None: installed from an index, which records none)."""
+
+    version = "0.2.0"
+
+    def __init__(self, direct_url: dict | None) -> None:
+        self.direct_url = direct_url
+
+    def read_text(self, name: str) -> str | None:
+        assert name == "direct_url.json"
+        return None if self.direct_url is None else json.dumps(self.direct_url)
+
+
+@pytest.mark.parametrize(("direct_url", "spec"), [
+    # pip install 'dist/ringwatch-0.2.0-py3-none-any.whl[agent]', from /srv/rw
+    ({"url": "file:///srv/rw/dist/ringwatch-0.2.0-py3-none-any.whl",
+      "archive_info": {"hash": "sha256=00"}},
+     ["/srv/rw/dist/ringwatch-0.2.0-py3-none-any.whl[server]"]),
+    # pip install '.[agent]' in a checkout with a space in its path
+    ({"url": "file:///home/me/my%20rw", "dir_info": {}}, ["/home/me/my rw[server]"]),
+    ({"url": "file:///home/me/rw", "dir_info": {"editable": True}},
+     ["-e", "/home/me/rw[server]"]),
+    # pip install 'ringwatch[agent] @ git+https://git.example/rw.git'
+    ({"url": "https://git.example/rw.git",
+      "vcs_info": {"vcs": "git", "commit_id": "ab76013", "requested_revision": "main"}},
+     ["ringwatch[server] @ git+https://git.example/rw.git@ab76013"]),
+    # a wheel from an artifact store
+    ({"url": "https://artifacts.example/ringwatch-0.2.0-py3-none-any.whl",
+      "archive_info": {}},
+     ["ringwatch[server] @ https://artifacts.example/ringwatch-0.2.0-py3-none-any.whl"]),
+    # an index (a release): the same version from it
+    (None, ["ringwatch[server]==0.2.0"]),
+])
+def test_the_install_named_is_where_this_ringwatch_came_from(direct_url, spec, monkeypatch,
+                                                           tmp_path) -> None:
+    from services.cli import extras
+
+    monkeypatch.setattr(extras.metadata, "distribution", lambda name: _Installed(direct_url))
+    monkeypatch.setattr(extras, "SOURCE_ROOT", tmp_path)  # not run from a checkout
+    assert extras.install_spec(["server"]) == spec
+    command = extras.install_command(["server"])
+    assert shlex.split(command) == [sys.executable, "-m", "pip", "install", *spec]
+
+
+def test_a_checkout_run_without_an_install_names_the_checkout(monkeypatch) -> None:
+    """Run from the source tree with no ringwatch installed (or only a stale egg-info on the
+    path, which records no origin): the checkout it runs from, never a bare index name."""
+    from services.cli import extras
+
+    def absent(name: str):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(extras.metadata, "distribution", absent)
+    assert extras.install_spec(["agent", "ray"]) == ["-e", f"{ROOT}[agent,ray]"]
+    monkeypatch.setattr(extras.metadata, "distribution", lambda name: _Installed(None))
+    assert extras.install_spec(["agent"]) == ["-e", f"{ROOT}[agent]"]
 
 
 def test_every_client_command_says_where_the_api_is_and_what_token_it_sends() -> None:
@@ -226,3 +291,16 @@ def test_every_client_command_says_where_the_api_is_and_what_token_it_sends() ->
         assert "RINGWATCH_API_URL" in text and "RINGWATCH_TOKEN" in text, argv
     assert build_parser().parse_args(["status", "--api", "https://rw.example/"]).api \
         == "https://rw.example"
+
+
+def test_the_ray_version_hint_installs_into_this_environment() -> None:
+    """The scheduler's refusal to join another Ray names this interpreter's pip, so a
+    scheduler run from an environment that is not activated is told the install that fits."""
+    from services.scheduler.ray_backend import version_mismatch
+
+    refusal = ("Version mismatch: The cluster was started with:\n    Ray: 2.48.0\n"
+               "    Python: 3.11.7\nThis process on node 10.0.0.5 was started with:\n"
+               "    Ray: 2.60.0\n    Python: 3.11.7\n")
+    line = version_mismatch(refusal, "auto")
+    assert line is not None and "\n" not in line
+    assert line.endswith(f"({sys.executable} -m pip install ray==2.48.0)")

@@ -61,8 +61,11 @@ def test_nodes_and_order_follow_how_people_count() -> None:
 
 
 def test_printed_as_people_read_it() -> None:
-    assert str(Group(["node-003/5", "node-003/2"])) == "node-003/2,5"
-    assert str(Group(["node-1/0", "node-0/0"])) == "node-0/0 node-1/0"
-    many = Group(member(f"node-{n}", i) for n in range(16) for i in range(8))
-    assert str(many) == "128 ranks on 16 nodes"
+    assert str(Group(["node-003/5", "node-003/2"])) == "node-003 GPUs 2,5"
+    assert str(Group(["node-1/0", "node-0/0"])) == "node-[0-1] GPU 0"
+    assert str(Group(["node-1/0", "node-0/1"])) == "node-0 GPU 1; node-1 GPU 0"
+    whole = Group(member(f"node-{n}", i) for n in range(16) for i in range(8))
+    assert str(whole) == "node-[0-15] GPUs 0-7"
+    scattered = Group(member(f"node-{n}", n % 8) for n in range(0, 64, 3))
+    assert str(scattered) == "22 ranks on 22 nodes"
     assert repr(Group(["n/0"])) == "Group('n/0')"

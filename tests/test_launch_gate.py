@@ -262,7 +262,7 @@ def test_a_prolog_behind_other_callers_queues_drains_the_node_with_an_open_hang(
     assert prolog.returncode == 1, f"{err_prolog}\n{said}\nscheduler: {err[-1500:]}"
     update_, node, state, reason = calls.read_text().splitlines()
     assert (update_, node, state) == ("update", f"NodeName={HUNG}", "State=DRAIN")
-    assert reason.startswith(f"Reason=ringwatch: hang {HUNG} gpu 1")
+    assert reason.startswith(f"Reason=ringwatch: hang {HUNG} GPU 1")
     assert f"job 4242 on {HUNG}: drained: {reason.removeprefix('Reason=')}" in said
     # Its request was the first the scheduler served, though every reader's was older.
     (mine,) = _requests(clean_db, [HUNG])

@@ -260,7 +260,7 @@ def test_format_table_is_nccl_tests_shaped() -> None:
     blocks = text.split("\n\n")
     assert len(blocks) == 3  # allreduce on N0, alltoall on N0, allreduce on N1
     first = blocks[0].splitlines()
-    assert first[0].startswith("# allreduce  intra_node  2 ranks: node-000/0 node-000/1")
+    assert first[0] == "# allreduce  intra_node  2 ranks: node-000 GPUs 0-1"
     assert "busbw" in first[1] and "#wrong" in first[1] and "(GB/s)" in first[2]
     # Rows by size: 4096 B is 1024 float32 elements, then 1 MiB is 262144.
     assert first[3].split()[:5] == ["4096", "1024", "float32", "sum", "allreduce"]
@@ -274,7 +274,7 @@ def test_format_table_is_nccl_tests_shaped() -> None:
     assert format_table([]) == "# no measurements"
     # Where NCCL's log said what the group ran over, the block's title says it too.
     via = format_table([dataclasses.replace(m("allreduce", 4096, N0), transport="net_ib,p2p_nvlink")])
-    assert via.splitlines()[0].endswith("node-000/1  via NET/IB, P2P over NVLink")
+    assert via.splitlines()[0].endswith("node-000 GPUs 0-1  via NET/IB, P2P over NVLink")
     assert "via" not in first[0]
 
 

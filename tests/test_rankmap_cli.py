@@ -29,19 +29,33 @@ def write(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
-def test_sound_hostfile_offline_is_exit_0_and_says_what_it_skipped(offline, tmp_path) -> None:
-    r = cli("check-rankmap", write(tmp_path, "hosts", "node-a slots=4\nnode-b:4\n"), env=offline)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("OK: 8 rank(s) on 2 host(s)")
+def test_sound_hostfile_offline_is_exit_3_never_ok_and_says_what_it_skipped(offline,
+                                                                            tmp_path) -> None:
+    hosts = write(tmp_path, "hosts", "node-a slots=4\nnode-b:4\n")
+    r = cli("check-rankmap", hosts, env=offline)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout.startswith("host checks skipped: no API: 8 rank(s) on 2 host(s)")
+    assert "OK" not in r.stdout
+    assert r.stdout.splitlines()[-1] == (
+        "host checks skipped: no API, not run: unknown_host, unhealthy_host")
     assert "skipped the host checks" in r.stderr and "unhealthy_host" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    # No token at all: the API is not asked, and the answer is the same.
+    r = cli("check-rankmap", hosts, env={**offline, "RINGWATCH_TOKEN": ""})
+    assert r.returncode == 3 and "RINGWATCH_TOKEN is not set" in r.stderr
+    assert r.stdout.startswith("host checks skipped: no API:")
+    # JSON says the same in its fields: ok (nothing found), with the checks it skipped.
+    r = cli("check-rankmap", hosts, "--json", env=offline)
+    out = json.loads(r.stdout)
+    assert r.returncode == 3 and out["ok"] is True
+    assert out["skipped"] == ["unknown_host", "unhealthy_host"]
 
 
 def test_problems_offline_are_exit_1_with_json(offline, tmp_path) -> None:
     ranks = [{"rank": r, "host": f"node-{'ab'[r % 2]}", "local_rank": r // 2} for r in range(4)]
     r = cli("check-rankmap", write(tmp_path, "ranks.json", json.dumps({"ranks": ranks})), "--json",
             env=offline)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 1, r.stderr  # problems outrank the skipped checks
     out = json.loads(r.stdout)
     assert out["ok"] is False and out["skipped"] == ["unknown_host", "unhealthy_host"]
     (f,) = out["findings"]

@@ -155,7 +155,11 @@ def test_injected_corruption_fails_the_selftest() -> None:
     assert [(f.kind, f.gpu) for f in world.findings] == [("data_corruption", 1)]
     result = SelftestResult("selftest-node", "gloo", worlds=[world])
     assert not report.passed(result)
-    assert "FAILED" in report.format_text(result, None, None)
+    text = report.format_text(result, None, None)
+    assert "FAILED" in text
+    # Places as every surface writes them (agents.places): the finding's GPU, the group's.
+    assert "  data_corruption  selftest-node GPU 1: " in text
+    assert "2 ranks: selftest-node GPUs 0-1" in text
 
 
 def test_an_erroring_rank_is_an_error_and_its_peer_is_not_hung() -> None:

@@ -192,7 +192,7 @@ def test_the_reason_names_kind_place_and_headline() -> None:
         finding(node="node-003", gpus=[2, 5], measured_gbs=122.0, expected_gbs=238.0,
                 headline=headline)]}
     assert slurm.reason_for(verdict, "node-003") == (
-        "ringwatch: nvlink_degraded node-003 gpus 2,5 " + headline["text"])
+        "ringwatch: nvlink_degraded node-003 GPUs 2,5 " + headline["text"])
     assert slurm.reason_for(verdict, "node-001") is None  # a path excludes neither end
 
 
@@ -201,7 +201,7 @@ def test_without_a_headline_the_reason_gives_the_measured_and_expected_figures()
         finding(kind="hang", node="node-004", gpu=1),
         finding(kind="nic_degraded", node="node-004", measured_gbs=11.5, expected_gbs=46.0,
                 severity="warning")]}
-    assert slurm.reason_for(verdict, "node-004") == "ringwatch: hang node-004 gpu 1 (+1 more)"
+    assert slurm.reason_for(verdict, "node-004") == "ringwatch: hang node-004 GPU 1 (+1 more)"
     verdict["findings"].reverse()
     verdict["findings"][1]["severity"] = "warning"
     assert slurm.reason_for(verdict, "node-004") == (

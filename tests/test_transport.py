@@ -225,7 +225,7 @@ def test_a_gpu_pair_over_shm_is_a_fallback_only_where_nvlink_joins_it() -> None:
     out = _agent_reads("built-2.22.3-shm-pair.log", members, "gpu_pair", nvlink_peers={1})
     [f] = out["transport_findings"]
     assert (f["gpus"], f["transport"], f["cause"]) == (
-        [0, 1], "shm", "GPUs 0,1 over SHM, expected P2P over NVLink")
+        [0, 1], "shm", "GPUs 0-1 over SHM, expected P2P over NVLink")
     # A pair NVML does not join by NVLink (a PCIe-only box): SHM is what NCCL should take.
     assert _agent_reads("built-2.22.3-shm-pair.log", members, "gpu_pair")["transport_findings"] == []
 

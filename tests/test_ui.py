@@ -14,6 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from agents.places import node_list
 from agents.sim import SimBackend
 from services.scheduler.api_client import SchedulerApi
 from services.scheduler.cycle import ProbeOptions, run_scheduler
@@ -287,13 +288,116 @@ def test_preflight_form_shows_the_verdict(served, page) -> None:
                         json={"nodes": [f"node-{i:03d}" for i in range(FLEET["nodes"])]}).json()
     assert page.get_attribute("#verdict-card", "data-healthy") == str(stored["healthy"]).lower()
     assert stored["healthy"] is False and "node-003" in stored["exclude"]
-    assert (page.text_content("#pf-exclude") or "") == f"Exclude: {', '.join(stored['exclude'])}"
+    # The exclude list as every surface writes it: a host list (agents.places).
+    assert (page.text_content("#pf-exclude") or "") == f"Exclude: {node_list(stored['exclude'])}"
     shot(page, "preflight-verdict-unhealthy")
     # An unknown node is refused with the API's reason.
     page.fill("#pf-nodes", "node-999")
     page.click("#preflight-form button[type=submit]")
     page.wait_for_selector("#pf-error")
     assert "node-999" in (page.text_content("#pf-error") or "")
+
+
+# ---- names on the map and on the cells, and a narrow window
+
+
+def axis_labels(page, axis: str) -> list[tuple[int, str]]:
+    return [(int(i), name) for i, name in page.eval_on_selector_all(
+        f"#matrix-{axis} span", "ss => ss.map(s => [s.dataset.index, s.textContent])")]
+
+
+def label_geometry(page) -> dict[str, Any]:
+    """The map's box, and each axis label's box, in page pixels."""
+    return page.evaluate("""() => {
+        const box = (e) => { const r = e.getBoundingClientRect();
+                             return {top: r.top, bottom: r.bottom, left: r.left, right: r.right}; };
+        return {map: box(document.getElementById('network-matrix')),
+                size: document.getElementById('network-matrix').width,
+                rows: [...document.querySelectorAll('#matrix-rows span')].map(box),
+                cols: [...document.querySelectorAll('#matrix-cols span')].map(box)};
+    }""")
+
+
+def test_the_network_map_names_each_row_and_column(served, page) -> None:
+    login(page, served, "#/network")
+    wait_drawn(page, "network")
+    nodes = httpx.get(f"{served['url']}/v1/fleet/pairs", headers=served["h"]).json()["nodes"]
+    assert axis_labels(page, "rows") == axis_labels(page, "cols") == list(enumerate(nodes))
+    # Each name sits beside its own row, above its own column (the map has a 1 px border).
+    geo = label_geometry(page)
+    px = geo["size"] / len(nodes)
+    for i, r in enumerate(geo["rows"]):
+        assert r["right"] <= geo["map"]["left"]
+        assert abs((r["top"] + r["bottom"]) / 2 - (geo["map"]["top"] + 1 + (i + 0.5) * px)) <= 2
+    for i, c in enumerate(geo["cols"]):
+        assert c["bottom"] <= geo["map"]["top"]
+        assert abs((c["left"] + c["right"]) / 2 - (geo["map"]["left"] + 1 + (i + 0.5) * px)) <= 2
+    shot(page, "network-axes-named")
+    # Zoomed in on the middle, the names are those of the nodes in view.
+    page.click("button:text('zoom in')")
+    shown = axis_labels(page, "rows")
+    assert shown == axis_labels(page, "cols") == [(i, nodes[i]) for i in range(3, 9)]
+
+
+def test_the_fleet_cells_carry_their_names(served, page) -> None:
+    login(page, served)
+    wait_drawn(page, "fleet")
+    cells = page.eval_on_selector_all(".cell[data-node]", """cs => cs.map(c => [
+        c.dataset.node, c.getAttribute('aria-label'), c.getBoundingClientRect().width])""")
+    assert len(cells) == FLEET["nodes"]
+    for name, label, _ in cells:
+        assert label.startswith(f"{name}: ")
+        # The accessible name a screen reader says is the node's, with its state.
+        assert page.get_by_role("button", name=label, exact=True).count() == 1
+    # A small fleet shows each name in its cell; the box says so in the address.
+    assert page.is_checked("#fleet-names") and "names=1" in page.url
+    assert all(width > 50 for _, _, width in cells)
+    written = page.eval_on_selector_all(
+        ".cell[data-node]", "cs => cs.map(c => [c.dataset.node, getComputedStyle(c, '::after').content])")
+    assert all(content == f'" {name}"' for name, content in written)
+    shot(page, "fleet-cells-named")
+    page.uncheck("#fleet-names")
+    assert "names=0" in page.url
+    widths = page.eval_on_selector_all(".cell[data-node]", "cs => cs.map(c => c.getBoundingClientRect().width)")
+    assert set(widths) == {20}
+
+
+NARROW = {"width": 800, "height": 900}
+
+
+def overflow(page) -> int:
+    """How far the page is wider than its window (0: no horizontal scroll)."""
+    return page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
+
+
+def test_every_page_fits_an_800_px_window(served, browser) -> None:
+    context = browser.new_context(viewport=NARROW)
+    page = context.new_page()
+    try:
+        login(page, served)
+        wait_drawn(page, "fleet")
+        assert overflow(page) == 0
+        # One column: the open incidents under the fleet, not squeezed beside it.
+        fleet, aside = (page.locator(s).bounding_box() for s in (".layout > section", ".layout > aside"))
+        assert aside["y"] >= fleet["y"] + fleet["height"]
+        shot(page, "narrow-fleet")
+        for hash_, name in (("#/node/node-003", "series"), ("#/network", "network"),
+                            ("#/preflight", "preflight")):
+            page.goto(f"{served['url']}/ui/{hash_}")
+            wait_drawn(page, name)
+            assert overflow(page) == 0, hash_
+            shot(page, f"narrow-{name}")
+        page.fill("#pf-nodes", " ".join(f"node-{i:03d}" for i in range(FLEET["nodes"])))
+        page.click("#preflight-form button[type=submit]")
+        wait_drawn(page, "verdict")
+        assert overflow(page) == 0
+        shot(page, "narrow-verdict")
+        page.goto(f"{served['url']}/ui/#/network")
+        wait_drawn(page, "network")
+        geo = label_geometry(page)
+        assert geo["map"]["right"] <= NARROW["width"] and len(geo["rows"]) == FLEET["nodes"]
+    finally:
+        context.close()
 
 
 # ---- one headline per incident, and why a slow link is still ok (default hysteresis)
@@ -472,3 +576,130 @@ def test_the_fleet_shows_a_jobs_nodes_busy_and_the_node_page_names_the_job(serve
     header = page.text_content("#view") or ""
     assert "busy: job train-42" in header and "per sim" in header
     shot(page, "node-busy-with-its-job")
+
+
+# ---- a wider fleet: thinned axis names, and auto-refresh --------------------------------
+
+WIDE = 80
+
+
+@pytest.fixture(scope="module")
+def served_wide(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A real API process that reacts to one cycle (hysteresis 1 of 1), fed one batch of an
+    80-node fleet with every node pair probed and node-017 slow."""
+    from tests.procs import api_env
+
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    with db.transaction(session_factory) as s:
+        s.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    env = {**api_env(database_url, tmp_path_factory.mktemp("ui-wide"), ADMIN),
+           "RINGWATCH_HYSTERESIS_K_BAD": "1", "RINGWATCH_HYSTERESIS_N_WINDOW": "1",
+           "RINGWATCH_HYSTERESIS_M_GOOD": "1"}
+    url = env["RINGWATCH_API_URL"]
+    proc = start_server(env, notifier=False)
+    try:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        httpx.post(f"{url}/v1/measurements", json=fleet_batch(slow_node="node-017", nodes=WIDE),
+                   headers=admin, timeout=120).raise_for_status()
+        reader = httpx.post(f"{url}/v1/tokens", json={"role": "reader", "name": "ui"},
+                            headers=admin).json()["token"]
+        yield {"url": url, "reader": reader, "admin": admin,
+               "h": {"Authorization": f"Bearer {reader}"}}
+    finally:
+        stop_server(proc)
+
+
+def test_a_wide_maps_names_are_thinned_to_fit_and_fill_in_when_zoomed(served_wide, page) -> None:
+    served = served_wide
+    login(page, served, "#/network")
+    wait_drawn(page, "network")
+    nodes = httpx.get(f"{served['url']}/v1/fleet/pairs", headers=served["h"],
+                      timeout=60).json()["nodes"]
+    assert len(nodes) == WIDE
+    rows, cols = axis_labels(page, "rows"), axis_labels(page, "cols")
+    step = int(page.get_attribute("#matrix-rows", "data-step") or 0)
+    # Too many to write each: every step-th, a round number, the same on both axes.
+    assert step in (2, 5, 10) and rows == cols == [(i, nodes[i]) for i in range(0, WIDE, step)]
+    geo = label_geometry(page)
+    for a, b in zip(geo["rows"], geo["rows"][1:], strict=False):
+        assert a["bottom"] <= b["top"]  # no two names overlap
+    for a, b in zip(geo["cols"], geo["cols"][1:], strict=False):
+        assert a["right"] <= b["left"]
+    shot(page, "network-wide-axes-thinned")
+    for _ in range(3):
+        page.click("button:text('zoom in')")
+    shown = axis_labels(page, "rows")
+    first = shown[0][0]
+    assert page.get_attribute("#matrix-rows", "data-step") == "1"
+    assert shown == axis_labels(page, "cols") == [(i, nodes[i]) for i in range(first, first + 10)]
+    shot(page, "network-wide-axes-zoomed")
+
+
+def test_the_names_choice_is_kept_in_the_address(served_wide, page) -> None:
+    login(page, served_wide)
+    wait_drawn(page, "fleet")
+    assert page.is_checked("#fleet-names")  # 80 nodes: at most NAMED_CELLS (128) are named
+    page.uncheck("#fleet-names")
+    page.fill("#filter", "node-04")
+    address = page.evaluate("location.href")
+    assert "names=0" in address and "q=node-04" in address
+    page.goto("about:blank")
+    page.goto(address)
+    wait_drawn(page, "fleet")
+    assert not page.is_checked("#fleet-names") and page.input_value("#filter") == "node-04"
+    shown = page.eval_on_selector_all(".cell[data-node]:not([hidden])", "cs => cs.map(c => c.dataset.node)")
+    assert shown == [f"node-04{i}" for i in range(10)]
+
+
+def test_auto_refresh_draws_each_page_again_in_place(served_wide, page) -> None:
+    served = served_wide
+    page.clock.install()
+    login(page, served)
+    wait_drawn(page, "fleet")
+    page.select_option("#filter-state", "degraded")
+
+    def degraded() -> set[str]:
+        return set(page.eval_on_selector_all(".cell[data-node]:not([hidden])",
+                                             "cs => cs.map(c => c.dataset.node)"))
+
+    assert degraded() == {"node-017"}
+    assert page.is_visible("#auto-refresh") and not page.is_checked("#auto-refresh")
+    page.check("#auto-refresh")
+    # The fleet changes: node-017 is well again, node-042 slow.
+    httpx.post(f"{served['url']}/v1/measurements", json=fleet_batch(slow_node="node-042", nodes=WIDE),
+               headers=served["admin"], timeout=120).raise_for_status()
+    page.clock.run_for(31_000)
+    page.wait_for_selector("html[data-refreshes='1']", timeout=30_000)
+    # Drawn again in place, the filter kept: what the fleet is now.
+    assert page.input_value("#filter-state") == "degraded" and degraded() == {"node-042"}
+    assert (page.text_content("#updated") or "").startswith("updated ")
+    shot(page, "fleet-refreshed")
+
+    def refreshed() -> None:
+        before = int(page.get_attribute("html", "data-refreshes") or 0)
+        page.clock.run_for(31_000)
+        page.wait_for_selector(f"html[data-refreshes='{before + 1}']", timeout=30_000)
+
+    # Every page has the toggle, kept for the tab. A node's page keeps the link picked.
+    page.goto(f"{served['url']}/ui/#/network")
+    wait_drawn(page, "network")
+    assert page.is_checked("#auto-refresh")
+    page.goto(f"{served['url']}/ui/#/node/node-042")
+    wait_drawn(page, "series")
+    assert page.is_checked("#auto-refresh")
+    page.click("tr.link-row >> nth=3")
+    picked = page.eval_on_selector("tr.link-row.selected", "r => [r.dataset.group, r.dataset.op]")
+    refreshed()
+    assert page.eval_on_selector("tr.link-row.selected", "r => [r.dataset.group, r.dataset.op]") == picked
+    # On the preflight form a refresh leaves what was typed.
+    page.goto(f"{served['url']}/ui/#/preflight")
+    wait_drawn(page, "preflight")
+    page.fill("#pf-nodes", "node-[000-003]")
+    refreshed()
+    assert page.input_value("#pf-nodes") == "node-[000-003]"
+
+    # Unticked, nothing is drawn again.
+    count = page.get_attribute("html", "data-refreshes")
+    page.uncheck("#auto-refresh")
+    page.clock.run_for(120_000)
+    assert page.get_attribute("html", "data-refreshes") == count

@@ -1,7 +1,7 @@
 """Reading the fleet: nodes, links, series, findings and the summary."""
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
@@ -12,6 +12,7 @@ from api.schemas import (
     HealthOut,
     LinkOut,
     NodeDetailOut,
+    NodeNames,
     NodeOut,
     NodePairsOut,
     NodePairTileOut,
@@ -111,16 +112,17 @@ def get_links(
     _: ReaderDep,
     status: Literal["ok", "degraded"] | None = None,
     scope: Literal["intra_node", "gpu_pair", "inter_node", "world"] | None = None,
-    node: str | None = Query(default=None, max_length=255),
+    node: Annotated[NodeNames | None, Query(
+        description="a node, or a Slurm host list (node-[000-015]); repeated: any of them")] = None,
     after: str | None = Query(default=None, max_length=2048,
                               description="X-Next-Cursor of the previous page"),
     limit: int = Query(default=10_000, ge=1, le=100_000),
 ) -> list[dict]:
-    """Current health of the probed links and groups, filtered by status, scope or node,
+    """Current health of the probed links and groups, filtered by status, scope or nodes,
     in (scope, group key, op) order, each with where it stands in the hysteresis window
     (``standing``: why a link slow in one cycle is still ok). A full page names the next in
     ``X-Next-Cursor`` and ``Link: rel="next"``."""
-    out = fleet.links(session, status=status, scope=scope, node=node,
+    out = fleet.links(session, status=status, scope=scope, nodes=node,
                       after=decode_cursor(after, 3) if after else None,
                       limit=limit, policy=settings.hysteresis())
     last = out[-1] if out else None

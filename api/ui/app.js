@@ -68,6 +68,83 @@ const isNumber = (x) => typeof x === "number" && Number.isFinite(x);
 const fmt = (x, d = 2) => (isNumber(x) ? x.toFixed(d) : "\u2013");
 const asList = (x) => (Array.isArray(x) ? x : x === null || x === undefined || x === "" ? [] : [x]);
 const listText = (x, sep = ",") => asList(x).map((v) => (v !== null && typeof v === "object" ? JSON.stringify(v) : String(v))).join(sep);
+// ---- places, written as every text surface writes them (agents/places.py): node lists as
+// Slurm host lists (node-[000-004,007]), GPU sets as ranges (GPUs 0-3,6), a node's GPUs
+// (node-003 GPUs 2,5). Numbers as BigInt: a name's digits may be longer than a double holds.
+const byText = (a, b) => (a < b ? -1 : a > b ? 1 : 0);
+function nodeList(names) {
+  const tails = [], plain = [];
+  for (const name of new Set(asList(names).map(String))) {
+    const m = /^(.*?)([0-9]+)$/.exec(name);
+    if (m) tails.push([m[1], m[2]]); else plain.push(name);
+  }
+  // A number of a zero-padded width in use joins that width's run; the others are unpadded.
+  const key = (prefix, width) => `${prefix}\u0000${width}`;
+  const padded = new Set(tails.filter(([, d]) => d.length > 1 && d[0] === "0").map(([p, d]) => key(p, d.length)));
+  const runs = new Map();
+  for (const [prefix, d] of tails) {
+    const width = padded.has(key(prefix, d.length)) ? d.length : 1;
+    if (!runs.has(key(prefix, width))) runs.set(key(prefix, width), {prefix, width, numbers: []});
+    runs.get(key(prefix, width)).numbers.push(BigInt(d));
+  }
+  const parts = [...runs.values()].map((r) => ({...r, numbers: [...r.numbers].sort(byText)}))
+    .sort((a, b) => byText(a.prefix, b.prefix) || byText(a.numbers[0], b.numbers[0]))
+    .map(({prefix, width, numbers}) => {
+      const pad = (n) => n.toString().padStart(width, "0");
+      const spans = [];
+      let start = numbers[0], prev = numbers[0];
+      for (const n of [...numbers.slice(1), null]) {
+        if (n !== null && n === prev + 1n) { prev = n; continue; }
+        spans.push(pad(start) + (prev !== start ? `-${pad(prev)}` : ""));
+        if (n !== null) start = prev = n;
+      }
+      return spans.length === 1 && !spans[0].includes("-") ? prefix + spans[0] : `${prefix}[${spans.join(",")}]`;
+    });
+  return [...parts, ...plain.sort(byText)].join(",");
+}
+function gpuSet(values) {
+  const list = asList(values);
+  if (!list.every((v) => Number.isInteger(v))) return listText(list);
+  const out = [];
+  for (const i of [...new Set(list)].sort((a, b) => a - b)) {
+    const last = out[out.length - 1];
+    if (last && last[1] === i - 1) last[1] = i; else out.push([i, i]);
+  }
+  return out.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(",");
+}
+// A stored record's gpus that is not a list is shown as its text, after "GPUs".
+const gpusText = (values) => (Array.isArray(values) && values.length === 1 ? "GPU" : "GPUs") +
+  ` ${Array.isArray(values) ? gpuSet(values) : listText(values)}`;
+function place(nodes, gpus) {
+  const where = nodeList(nodes);
+  return asList(gpus).length ? `${where} ${gpusText(Array.isArray(gpus) || isNumber(gpus) ? asList(gpus) : gpus)}` : where;
+}
+// Names as people count them (node-9 before node-10).
+function countingOrder(a, b) {
+  const pa = a.split(/([0-9]+)/), pb = b.split(/([0-9]+)/);
+  for (let i = 0; i < Math.min(pa.length, pb.length); i++) {
+    const c = i % 2 ? byText(BigInt(pa[i]), BigInt(pb[i])) || byText(pa[i], pb[i]) : byText(pa[i], pb[i]);
+    if (c) return c;
+  }
+  return pa.length - pb.length;
+}
+// A group's members (NODE/LOCAL_INDEX) by the GPUs each node holds: node-[000-001] GPUs 0-1.
+function membersText(members) {
+  const byNode = new Map();
+  for (const m of asList(members).map(String)) {
+    const i = m.lastIndexOf("/"), local = m.slice(i + 1);
+    if (i <= 0 || !/^[0-9]+$/.test(local)) { if (!byNode.has(m)) byNode.set(m, []); continue; }
+    byNode.set(m.slice(0, i), [...(byNode.get(m.slice(0, i)) || []), Number(local)]);
+  }
+  const bySet = new Map();
+  for (const node of [...byNode.keys()].sort(countingOrder)) {
+    const set = [...new Set(byNode.get(node))].sort((a, b) => a - b);
+    if (!bySet.has(set.join(","))) bySet.set(set.join(","), {gpus: set, nodes: []});
+    bySet.get(set.join(",")).nodes.push(node);
+  }
+  return [...bySet.values()].map((s) => place(s.nodes, s.gpus)).join("; ");
+}
+
 // One record that cannot be drawn must not take its view down: it gets a row saying so.
 function drawOr(draw, record, fallback) {
   try { return draw(record); } catch (err) {
@@ -135,9 +212,10 @@ const get = async (path) => (await api(path)).body;
 // ---- login
 function showLogin(message) {
   document.getElementById("login").hidden = false;
-  document.getElementById("nav").hidden = true;
-  document.getElementById("logout").hidden = true;
+  for (const id of ["nav", "logout", "refresh"]) document.getElementById(id).hidden = true;
   document.getElementById("summary").textContent = "";
+  document.getElementById("updated").textContent = "";
+  clearTimeout(refreshTimer);
   document.getElementById("login-error").textContent = message || "";
   view.replaceChildren();
   drawn("login");
@@ -163,32 +241,81 @@ document.getElementById("logout").addEventListener("click", () => {
 });
 
 // ---- routing: #/fleet, #/node/NAME, #/network, #/series?group=KEY&op=OP, #/series?pair=A,B, #/preflight
-async function route() {
+// One route at a time: a navigation waits for a refresh in flight, so the view it draws is
+// never replaced by an older one.
+let routing = Promise.resolve();
+function route(refresh = false) {
+  routing = routing.then(() => drawRoute(refresh)).catch((err) => console.warn("a view failed", err))
+    .then(() => { if (!refresh) scheduleRefresh(); });
+  return routing;
+}
+// Listeners a view puts on the window go when the next view is drawn.
+let viewListeners = new AbortController();
+
+async function drawRoute(refresh) {
   hideTip();
   if (!sessionStorage.getItem(TOKEN_KEY)) return showLogin("");
+  for (const id of ["nav", "logout", "refresh"]) document.getElementById(id).hidden = false;
   document.getElementById("login").hidden = true;
-  document.getElementById("nav").hidden = false;
-  document.getElementById("logout").hidden = false;
   const [path, query] = (location.hash.slice(1) || "/fleet").split("?");
   const params = new URLSearchParams(query || "");
   const parts = path.split("/").filter(Boolean);
   for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("active", a.dataset.nav === parts[0]);
-  delete document.documentElement.dataset.drawn;
-  view.replaceChildren(el("p", {class: "muted"}, "Loading\u2026"));
+  if (!refresh) {
+    delete document.documentElement.dataset.drawn;
+    view.replaceChildren(el("p", {class: "muted"}, "Loading\u2026"));
+  }
   try {
     refreshSummary();
+    // A refresh leaves the preflight form as it is: it would lose what was typed, and
+    // submitting it again could make a scheduler probe.
+    if (refresh && parts[0] === "preflight") return updated(refresh);
+    viewListeners.abort();
+    viewListeners = new AbortController();
     if (parts[0] === "node" && parts[1]) await nodeView(decodeURIComponent(parts[1]));
     else if (parts[0] === "network") await networkView();
     else if (parts[0] === "series") await seriesView(params);
     else if (parts[0] === "preflight") preflightView();
     else await fleetView(params);
+    updated(refresh);
   } catch (err) {
     if (err instanceof Refused) return showLogin(`Token refused: ${err.message}`);
+    if (refresh) {  // the view on screen stays; the header says the refresh failed
+      document.getElementById("updated").textContent = `refresh failed: ${err.message}`;
+      return;
+    }
     view.replaceChildren(el("p", {class: "error"}, `Could not load: ${err.message}`));
     drawn("error");
   }
 }
-window.addEventListener("hashchange", route);
+window.addEventListener("hashchange", () => route());
+
+// ---- auto-refresh: every REFRESH_S seconds while the box is ticked and the tab is shown,
+// the view is read and drawn again in place (its filters, zoom, chosen link and range kept).
+const REFRESH_S = 30;
+const REFRESH_KEY = "ringwatch.refresh";
+const autoRefresh = document.getElementById("auto-refresh");
+autoRefresh.checked = sessionStorage.getItem(REFRESH_KEY) === "on";
+autoRefresh.addEventListener("change", () => {
+  sessionStorage.setItem(REFRESH_KEY, autoRefresh.checked ? "on" : "off");
+  scheduleRefresh();
+});
+let refreshTimer = null;
+function scheduleRefresh() {
+  clearTimeout(refreshTimer);
+  if (!autoRefresh.checked || !sessionStorage.getItem(TOKEN_KEY)) return;
+  refreshTimer = setTimeout(async () => {
+    if (!document.hidden) await route(true);
+    scheduleRefresh();
+  }, REFRESH_S * 1000);
+}
+function updated(refresh) {
+  document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+  if (refresh) {
+    const root = document.documentElement;
+    root.dataset.refreshes = String(Number(root.dataset.refreshes || 0) + 1);
+  }
+}
 
 async function refreshSummary() {
   try {
@@ -200,12 +327,10 @@ async function refreshSummary() {
   } catch (err) { /* the view reports its own errors */ }
 }
 
-// Where a finding is: its node and GPUs, or its nodes.
+// Where a finding is: its node (or nodes) and GPUs, as every surface writes it.
 function findingPlace(f) {
   const d = f.detail || {};
-  if (d.node && d.gpus) return `${listText(d.node)} GPUs ${listText(d.gpus)}`;
-  if (d.node) return listText(d.node);
-  return listText(f.nodes, " \u2194 ");
+  return place(d.node ? [d.node] : f.nodes, asList(d.gpus).length ? d.gpus : d.gpu ?? []);
 }
 // A finding's figure: its headline's text, the same on every surface (docs/analysis.md,
 // "The headline"); a record stored before findings had one shows its measured and expected.
@@ -242,6 +367,8 @@ function legend() {
 }
 
 // ---- the fleet: every node as a cell, filterable, with open incidents beside
+// Up to this many nodes, each cell shows its node's name by default.
+const NAMED_CELLS = 128;
 async function fleetView(params) {
   const [states, open] = await Promise.all([get("/v1/fleet/nodes"), get("/v1/findings?status=open&limit=500")]);
   const nodes = states.nodes;
@@ -251,6 +378,9 @@ async function fleetView(params) {
     ["all", "degraded", "suspect", "ok", "busy", "unknown"].map((s) => el("option", {value: s}, s)));
   filterState.value = params.get("state") || "all";
   const count = el("span", {class: "muted", id: "shown"});
+  // Each cell's name written in it (a small fleet's default), or on hover only.
+  const names = el("input", {type: "checkbox", id: "fleet-names"});
+  names.checked = params.has("names") ? params.get("names") === "1" : nodes.length <= NAMED_CELLS;
   const grid = el("div", {class: "grid", id: "fleet-grid"});
   const byName = new Map(nodes.map((n) => [n.name, n]));
 
@@ -288,15 +418,21 @@ async function fleetView(params) {
       shown += ok;
     }
     count.textContent = `${shown} of ${nodes.length} nodes`;
+    grid.classList.toggle("named", names.checked);
+    // The choices live in the address: a refresh, a bookmark or a link keeps them.
+    const kept = new URLSearchParams({...(text ? {q: text} : {}), ...(state !== "all" ? {state} : {}),
+                                      names: names.checked ? "1" : "0"});
+    history.replaceState(null, "", `#/fleet?${kept}`);
   }
   filterText.addEventListener("input", applyFilter);
   filterState.addEventListener("change", applyFilter);
+  names.addEventListener("change", applyFilter);
   applyFilter();
 
   const incident = (f) => el("li", {},
     el("div", {}, el("span", {class: "kind"}, kindText(f)), ` \u00b7 ${f.severity ?? "\u2013"}`),
     el("div", {}, asList(f.nodes).map((n) => [el("a", {href: `#/node/${encodeURIComponent(n)}`}, listText(n)), " "]),
-       f.detail && f.detail.gpus ? `GPUs ${listText(f.detail.gpus)}` : ""),
+       f.detail && asList(f.detail.gpus).length ? gpusText(f.detail.gpus) : ""),
     el("div", {class: "headline"}, findingFigures(f)),
     el("div", {class: "muted"}, `opened ${fmtTime(f.opened_at)}`));
   const unreadable = (f) => el("li", {}, el("span", {class: "kind"}, kindText(f)), " (this record could not be shown in full)");
@@ -308,13 +444,18 @@ async function fleetView(params) {
     el("section", {class: "card"},
       el("h2", {}, "Fleet"),
       el("p", {class: "muted"}, Object.entries(counts).map(([s, c]) => `${c} ${s}`).join(" \u00b7 ")),
-      el("div", {class: "filters"}, filterText, filterState, count),
+      el("div", {class: "filters"}, filterText, filterState,
+         el("label", {}, names, " names"), count),
       grid, legend()),
     el("aside", {class: "card"}, el("h2", {}, `Open incidents (${open.length})`), list)));
   drawn("fleet");
 }
 
 // ---- a node: its GPU x GPU NVLink heatmap, links, NICs, inventory and counters
+// The link last picked on a node's page, and the series range last chosen: a refresh keeps them.
+let pickedLink = null;
+let seriesRange = "24h";
+
 async function nodeView(name) {
   const q = encodeURIComponent(name);
   const [node, intra, pairs, inter, states] = await Promise.all([
@@ -327,6 +468,7 @@ async function nodeView(name) {
   const table = linksTable(links, (link, row) => {
     for (const r of table.querySelectorAll("tr.selected")) r.classList.remove("selected");
     row.classList.add("selected");
+    pickedLink = {node: name, group: link.group_key, op: link.op};
     seriesPanel(seriesBox, link, states.degraded_ratio[node.backend]);
   });
   view.replaceChildren(
@@ -346,8 +488,11 @@ async function nodeView(name) {
       el("section", {class: "card"}, el("h3", {}, "NICs"), nicsTable(node.nics)),
       el("section", {class: "card"}, el("h3", {}, "Inventory"), inventoryTable(node.gpus))),
     el("section", {class: "card"}, el("h3", {}, "NVML counters (newest first)"), countersTable(node.counters)));
-  // The worst link's series at once: a click on a degraded node opens its series.
-  const first = table.querySelector("tr.link-row");
+  // The worst link's series at once: a click on a degraded node opens its series; drawn
+  // again (a refresh), the link picked before.
+  const picked = [...table.querySelectorAll("tr.link-row")].find((r) => pickedLink && pickedLink.node === name
+    && r.dataset.group === pickedLink.group && r.dataset.op === pickedLink.op);
+  const first = picked || table.querySelector("tr.link-row");
   if (first) first.click();
   else { seriesBox.append(el("p", {class: "muted"}, "No links probed yet.")); drawn("node"); }
 }
@@ -358,7 +503,7 @@ function linksTable(links, onPick) {
     ["scope", "members", "op", "status", "busbw GB/s", "expected", "ratio"].map((h) => el("th", {}, h)))), body);
   for (const l of links) {
     const row = el("tr", {class: "link-row", dataset: {group: l.group_key, op: l.op, status: l.status}},
-      el("td", {}, l.scope), el("td", {}, shortMembers(l.members)), el("td", {}, l.op),
+      el("td", {}, l.scope), el("td", {}, membersText(l.members)), el("td", {}, l.op),
       el("td", {}, linkBadge(l)), el("td", {}, fmt(l.busbw_gbs)), el("td", {}, fmt(l.expected_gbs)),
       el("td", {style: `background:${ratioColour(l.ratio)};color:${inkOn(l.ratio)}`}, fmt(l.ratio)));
     row.addEventListener("click", () => onPick(l, row));
@@ -366,14 +511,6 @@ function linksTable(links, onPick) {
   }
   if (!links.length) body.append(el("tr", {}, el("td", {colspan: 7, class: "muted"}, "none")));
   return table;
-}
-function shortMembers(members) {
-  const byNode = new Map();
-  for (const m of members) {
-    const i = m.lastIndexOf("/");
-    byNode.set(m.slice(0, i), [...(byNode.get(m.slice(0, i)) || []), m.slice(i + 1)]);
-  }
-  return [...byNode].map(([n, g]) => `${n}/${g.length > 4 ? g.length + " GPUs" : g.join(",")}`).join(" + ");
 }
 
 function gpuHeatmap(name, gpus, pairs, intra) {
@@ -443,7 +580,7 @@ function countersTable(counters) {
 // ---- a link or group: busbw over a chosen range, the expected band and incidents marked
 const RANGES = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400};
 
-async function seriesPanel(box, link, degradedRatio, range = "24h") {
+async function seriesPanel(box, link, degradedRatio, range = seriesRange) {
   const since = new Date(Date.now() - RANGES[range] * 1000).toISOString();
   const q = new URLSearchParams({group: link.group_key, op: link.op, size_bytes: link.size_bytes, since});
   const [series, findings] = await Promise.all([get(`/v1/series?${q}`), get("/v1/findings?limit=500")]);
@@ -451,9 +588,9 @@ async function seriesPanel(box, link, degradedRatio, range = "24h") {
   const incidents = findings.filter((f) => asList(f.nodes).some((n) => nodes.has(n)));
   const picker = el("select", {id: "range"}, Object.keys(RANGES).map((r) => el("option", {value: r}, `last ${r}`)));
   picker.value = range;
-  picker.addEventListener("change", () => seriesPanel(box, link, degradedRatio, picker.value));
+  picker.addEventListener("change", () => { seriesRange = picker.value; seriesPanel(box, link, degradedRatio, picker.value); });
   box.replaceChildren(
-    el("div", {class: "filters"}, el("strong", {}, `${link.scope} ${link.op} `), shortMembers(link.members),
+    el("div", {class: "filters"}, el("strong", {}, `${link.scope} ${link.op} `), membersText(link.members),
        linkBadge(link), el("span", {class: "muted"}, `at ${fmtBytes(link.size_bytes)}`), picker,
        el("a", {href: `#/series?group=${encodeURIComponent(link.group_key)}&op=${encodeURIComponent(link.op)}`}, "open on its own")),
     seriesChart(series.points, link, degradedRatio ?? 0.7, incidents, Date.parse(since)),
@@ -465,7 +602,8 @@ async function seriesPanel(box, link, degradedRatio, range = "24h") {
 
 function seriesChart(points, link, degradedRatio, incidents, since) {
   const W = 760, H = 260, L = 52, R = 12, T = 12, B = 28;
-  const s = svg("svg", {width: W, height: H, class: "chart", id: "series-chart", "data-points": points.length, role: "img",
+  // Drawn in W x H units, shrunk to a narrower card (.chart's max-width).
+  const s = svg("svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`, class: "chart", id: "series-chart", "data-points": points.length, role: "img",
                         "aria-label": `busbw series of ${link.group_key}`});
   if (!points.length) {
     s.append(svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, "no points in this range"));
@@ -550,6 +688,10 @@ async function seriesView(params) {
 }
 
 // ---- the network: node x node, the pairs probed and which were not yet, zoomable
+// Axis labels: the least pixels a label takes, and the steps between labelled nodes.
+const AXIS_LABEL_PX = 13;
+const AXIS_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000];
+let networkZoom = null;
 async function networkView() {
   const data = await get("/v1/fleet/pairs");
   const n = data.nodes.length;
@@ -590,11 +732,32 @@ async function networkView() {
   }
   ictx.putImageData(pixels, 0, 0);
 
-  const SIZE = Math.min(800, Math.max(300, window.innerWidth - 420));
+  // Sized to the card it sits in once it is on the page (below), so the page fits its window.
+  let SIZE = 300;
   const canvas = el("canvas", {class: "matrix", id: "network-matrix", width: SIZE, height: SIZE});
   const ctx = canvas.getContext("2d");
-  let z = {x: 0, y: 0, span: Math.max(1, n)};  // the window shown: first column, row, and how many
+  // The window shown: first column, row, and how many; a refresh of the same fleet keeps it.
+  let z = networkZoom && networkZoom.n === n ? networkZoom.z : {x: 0, y: 0, span: Math.max(1, n)};
+  // Node names on both axes, as many as fit: every step-th node, the step a round number.
+  const rowAxis = el("div", {class: "axis-rows", id: "matrix-rows"});
+  const colAxis = el("div", {class: "axis-cols", id: "matrix-cols"});
+  function drawAxes() {
+    const px = SIZE / z.span;
+    const step = AXIS_STEPS.find((s) => s * px >= AXIS_LABEL_PX) || Math.ceil(AXIS_LABEL_PX / px);
+    const rows = [], cols = [];
+    for (let i = Math.ceil(z.y / step) * step; i < Math.min(n, z.y + z.span); i += step) {
+      rows.push(el("span", {title: data.nodes[i], dataset: {index: i}, style: `top:${(i - z.y + 0.5) * px}px`}, data.nodes[i]));
+    }
+    for (let i = Math.ceil(z.x / step) * step; i < Math.min(n, z.x + z.span); i += step) {
+      cols.push(el("span", {title: data.nodes[i], dataset: {index: i}, style: `left:${(i - z.x + 0.5) * px}px`}, data.nodes[i]));
+    }
+    rowAxis.replaceChildren(...rows);
+    colAxis.replaceChildren(...cols);
+    rowAxis.dataset.step = colAxis.dataset.step = String(step);
+  }
   function draw() {
+    networkZoom = {n, z};
+    drawAxes();
     ctx.imageSmoothingEnabled = false;
     ctx.clearRect(0, 0, SIZE, SIZE);
     ctx.drawImage(img, z.x, z.y, z.span, z.span, 0, 0, SIZE, SIZE);
@@ -637,7 +800,7 @@ async function networkView() {
   }, {passive: false});
   let drag = null;
   canvas.addEventListener("mousedown", (e) => { drag = {x: e.clientX, y: e.clientY, z: {...z}, moved: false}; });
-  window.addEventListener("mouseup", () => { setTimeout(() => { drag = null; }, 0); });
+  window.addEventListener("mouseup", () => { setTimeout(() => { drag = null; }, 0); }, {signal: viewListeners.signal});
   canvas.addEventListener("mousemove", (e) => {
     if (drag && (e.buttons & 1)) {
       const px = SIZE / z.span, dx = (e.clientX - drag.x) / px, dy = (e.clientY - drag.y) / px;
@@ -669,11 +832,16 @@ async function networkView() {
       el("div", {class: "filters"}, el("button", {type: "button", onclick: () => zoom(0.5)}, "zoom in"),
          el("button", {type: "button", onclick: () => zoom(2)}, "zoom out"),
          el("button", {type: "button", onclick: () => { z = {x: 0, y: 0, span: Math.max(1, n)}; draw(); }}, "whole fleet"), zoomText),
-      canvas, legend()),
+      el("div", {class: "matrix-frame"}, el("div", {}), colAxis, rowAxis, canvas), legend()),
     el("aside", {class: "card"}, el("h2", {}, `Degraded pairs (${degraded.length})`),
       el("ul", {class: "incidents", id: "degraded-pairs"}, degraded.length ? degraded.slice(0, 200).map(([i, j, r]) => el("li", {},
         el("a", {href: `#/series?pair=${encodeURIComponent(data.nodes[i])},${encodeURIComponent(data.nodes[j])}`},
            `\u2715 ${data.nodes[i]} \u2194 ${data.nodes[j]}`), ` ratio ${fmt(r)}`)) : el("li", {class: "muted"}, "none")))));
+  // The map takes the card's width (at most 800 px), less the row labels.
+  const card = canvas.closest(".card"), pad = getComputedStyle(card);
+  SIZE = Math.max(160, Math.min(800, Math.floor(card.clientWidth - parseFloat(pad.paddingLeft) -
+                                               parseFloat(pad.paddingRight) - rowAxis.offsetWidth)));
+  canvas.width = canvas.height = SIZE;
   draw();
   drawn("network");
 }
@@ -685,8 +853,25 @@ function hostfileNodes(text) {
     .map((l) => l.split(/\s+/)[0].split(":")[0]);
 }
 
+// Node names or Slurm host lists (node-[000-004],gpu[1-2]b): split at spaces, lines and the
+// commas outside brackets; the API expands each host list by the command line's rules.
+function nodeItems(text) {
+  const items = [];
+  let depth = 0, item = "";
+  for (const c of text) {
+    if (c === "[") depth++;
+    else if (c === "]") depth--;
+    if (depth <= 0 && (c === "," || /\s/.test(c))) {
+      if (item) items.push(item);
+      item = "";
+    } else item += c;
+  }
+  if (item) items.push(item);
+  return items;
+}
+
 function preflightView() {
-  const nodes = el("textarea", {id: "pf-nodes", placeholder: "node-000, node-001 \u2026 (commas, spaces or lines)"});
+  const nodes = el("textarea", {id: "pf-nodes", placeholder: "node-000, node-001 \u2026 or node-[000-015] (commas, spaces or lines)"});
   const hostfile = el("input", {type: "file", id: "pf-hostfile"});
   hostfile.addEventListener("change", async () => {
     const file = hostfile.files[0];
@@ -707,10 +892,11 @@ function preflightView() {
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     const list = [...new Set((nodes.value.includes("\n") && /slots|:/.test(nodes.value)
-      ? hostfileNodes(nodes.value) : nodes.value.split(/[\s,]+/)).filter(Boolean))];
+      ? hostfileNodes(nodes.value) : nodeItems(nodes.value)).filter(Boolean))];
     const body = {nodes: list, max_age_s: +maxAge.value, confirm: confirm.checked};
     if (profile.value) body.profile = profile.value;
-    out.replaceChildren(el("p", {class: "muted"}, `Checking ${list.length} node(s)\u2026`));
+    const named = list.some((i) => i.includes("[")) ? list.join(", ").slice(0, 200) : `${list.length} node(s)`;
+    out.replaceChildren(el("p", {class: "muted"}, `Checking ${named}\u2026`));
     try {
       let {status, body: v} = await api("/v1/preflight?wait=5", {method: "POST", body: JSON.stringify(body)});
       while (status === 202) {
@@ -742,7 +928,7 @@ function verdictCard(v) {
     el("div", {class: `badge verdict ${healthy ? "good" : "bad"}`}, healthy ? "\u2713 healthy: may launch" : "\u2715 unhealthy"),
     el("p", {}, `${v.nodes_checked ?? "?"} node(s) checked \u00b7 source ${v.source || "\u2013"} \u00b7 backend ${v.backend || "\u2013"}` +
        (v.rounds !== undefined ? ` \u00b7 ${v.rounds} rounds` : "")),
-    el("p", {id: "pf-exclude"}, (v.exclude || []).length ? `Exclude: ${v.exclude.join(", ")}` : "Exclude: none"),
+    el("p", {id: "pf-exclude"}, asList(v.exclude).length ? `Exclude: ${nodeList(v.exclude)}` : "Exclude: none"),
     rows.length ? el("table", {}, el("thead", {}, el("tr", {}, ["finding", "where", "severity", "busbw"].map((h) => el("th", {}, h)))),
                      el("tbody", {}, rows)) : el("p", {class: "muted"}, "No findings."),
     v.workload ? el("details", {}, el("summary", {}, `workload: ${v.workload.profile}`), el("pre", {}, JSON.stringify(v.workload, null, 1))) : null);

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agents.groups import node_order
+from agents.places import node_list
 from agents.spec import InjectedFault, ProbeBackend
 from services.cli.errors import CliError
 
@@ -105,9 +106,8 @@ def _check_injected(injected: list, ranks: set[tuple[str, int]]) -> None:
     for f in injected:
         if (f.node, f.gpu) not in ranks:
             nodes = sorted({n for n, _ in ranks}, key=node_order)
-            shown = ", ".join(nodes[:3]) + (f" ... {nodes[-1]}" if len(nodes) > 3 else "")
             raise CliError(f"--inject names {f.node}/{f.gpu}, not a rank of this cluster "
-                           f"({len(nodes)} node(s): {shown})")
+                           f"({len(nodes)} node(s): {node_list(nodes, width=40)})")
 
 
 def _repeats(args: argparse.Namespace, backend: str) -> int:

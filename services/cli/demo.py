@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from agents.groups import node_order
+from agents.places import finding_place, members_text, node_list
 from agents.spec import InjectedFault
 from services.analyzer.hysteresis import Policy
 from services.check import CheckBudget
@@ -124,7 +125,7 @@ def _run(args: argparse.Namespace) -> Outcome:
         step(f"local Ray cluster: {args.nodes} logical nodes x {args.gpus_per_node} ranks, gloo")
         backend = stack.enter_context(closing(_backend(args, settings)))
         ranks = backend.ranks()
-        note(f"{len(ranks)} agents up: {', '.join(r.member for r in ranks)}")
+        note(f"{len(ranks)} agents up: {members_text(r.member for r in ranks)}")
         shipper = Shipper(api_url, agent, settings.state_dir / f"spool-demo-{os.getpid()}")
         stack.callback(shipper.close)
         fault = InjectedFault.from_dict(SLOW)
@@ -250,8 +251,7 @@ def _ship(shipper: Shipper, batch: dict[str, Any], wait_s: float = 300.0) -> int
 
 def _named(finding: dict[str, Any]) -> str:
     """A finding in a few words: its kind and where."""
-    gpus = f" gpus {finding['gpus']}" if finding.get("gpus") else ""
-    return f"{finding['kind']} {finding.get('node') or ','.join(finding.get('nodes') or [])}{gpus}"
+    return f"{finding['kind']} {finding_place(finding)}"
 
 
 def link_legend(policy: Policy) -> str:
@@ -267,7 +267,7 @@ def print_links(links: list[dict[str, Any]], policy: Policy | None = None) -> No
     print(f"   {'scope':<11} {'op':<10} {'nodes (ranks)':<30} {'busbw GB/s':>10} {'expected':>9} "
           f"{'ratio':>6}  status")
     for link in links:
-        members = f"{'+'.join(link['nodes'])} ({len(link['members'])})"
+        members = f"{node_list(link['nodes'])} ({len(link['members'])})"
         exp = f"{link['expected_gbs']:.3f}" if link["expected_gbs"] is not None else "-"
         ratio = f"{link['ratio']:.2f}" if link["ratio"] is not None else "-"
         flag = "DEGRADED" if link["status"] == "degraded" else link["status"]
@@ -279,4 +279,4 @@ def print_links(links: list[dict[str, Any]], policy: Policy | None = None) -> No
 def _where(body: dict[str, Any]) -> str:
     f = body.get("finding") or {}
     op = f" ({f['op']})" if f.get("op") else ""
-    return f"{f.get('kind', '')} {f.get('node') or ','.join(f.get('nodes') or [])}{op}"
+    return f"{f.get('kind', '')} {finding_place(f)}{op}"

@@ -1,6 +1,7 @@
 """``ringwatch``: the command line. Launches the processes and is a client of the API.
 
-Exit codes: 0 healthy / success, 1 unhealthy, 2 bad input or an error (one line on stderr).
+Exit codes: 0 healthy / success, 1 unhealthy, 2 bad input or an error (one line on stderr),
+3 check-rankmap's table sound but its host checks skipped (no API asked).
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ import argparse
 import logging
 import os
 import sys
+import time
 import warnings
 
 from agents.spec import OPS, REDOPS, ProbeSetupError
 from services import logs
-from services.cli import commands, nodes, slurm
+from services.cli import commands, kubernetes, nodes, slurm
 from services.cli.backends import add_backend_args
 from services.cli.errors import CliError
 from services.cli.extras import missing_extra
@@ -41,13 +43,15 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _names(text: str) -> list[str]:
-    """Node names, comma-separated, each by the rule the API names nodes by."""
+    """Node names, comma-separated or as a Slurm host list, each by the rule the API names
+    nodes by."""
     from agents.groups import check_node_name
+    from services.cli.hostlist import expand_hostlist
 
-    names = [n.strip(" ") for n in text.split(",") if n.strip(" ")]
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r} names no node")
     try:
+        names = expand_hostlist(text)
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r} names no node")
         return [check_node_name(n) for n in names]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
@@ -126,7 +130,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ringwatch", description=__doc__.splitlines()[0])
+    # Help is plain text on a terminal: the docstring's reST markup stays out of it.
+    parser = _Parser(prog="ringwatch", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action="version", version=f"ringwatch {ringwatch_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -212,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("shell", choices=("bash", "zsh"))
     p.set_defaults(build_parser=build_parser)
 
-    p = sub.add_parser("check-rankmap", help="check a job's rank table")
+    p = sub.add_parser("check-rankmap", help="check a job's rank table: exit 0 sound, 1 "
+                       "problems, 3 sound but the host checks skipped (no API), 2 an error")
     p.add_argument("file")
     add_api_option(p, "the API whose fleet the table is checked against")
     p.add_argument("--json", action="store_true")
@@ -226,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--expires-in-days", type=float, metavar="DAYS",
                    help="days until it expires (default RINGWATCH_TOKEN_TTL_DAYS; 0: never)")
     t.add_argument("--nodes", type=_names, metavar="NODE,NODE,...",
-                   help="agent tokens: report and answer preflights for these nodes only")
+                   help="agent tokens: report and answer preflights for these nodes only "
+                        "(comma-separated, or a Slurm host list: node-[000-015])")
     t = tsub.add_parser("list", help="tokens, when each was last used and when it expires")
     t.add_argument("--all", action="store_true", help="revoked ones too")
     t.add_argument("--json", action="store_true")
@@ -252,24 +259,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lock-timeout", type=float, metavar="SECONDS",
                    help="give up (exit 2) when an upgrade holds the migration lock this long "
                         "(default RINGWATCH_MIGRATION_LOCK_TIMEOUT_S, 300)")
-    p = dsub.add_parser("wait", help="wait until another step (`db upgrade`, a migration Job) "
+    p = dsub.add_parser("wait", help="wait until another step (db upgrade, a migration Job) "
                                      "has brought the database to this ringwatch's migrations "
                                      "(or past them by migrations that only add); exit 2 past "
                                      "--timeout")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up after this long (default 300)")
     dsub.add_parser("maintain", help="one maintenance pass: partitions ahead, rollups, "
-                                     "retention (`serve` runs one every minute)")
+                                     "retention (serve runs one every minute)")
     dsub.add_parser("stop", help="stop the embedded Postgres (started when no "
                                  "RINGWATCH_DATABASE_URL is set); its data stays")
     slurm.add_parser(sub)
+    kubernetes.add_parser(sub)
     nodes.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
     args = build_parser().parse_args(argv)
+    args.started = started  # a verdict's command_s counts from here (docs/formats.md)
     try:  # RINGWATCH_LOG_FORMAT and RINGWATCH_LOG_LEVEL (docs/operations.md, "Logs")
         logs.configure(verbose=args.verbose)
     except logs.LogSettingError as exc:

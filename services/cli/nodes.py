@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from agents.places import node_list
 from services.cli.errors import CliError
 from services.cli.output import print_json, visible
 
@@ -52,14 +53,12 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def _expand(texts: list[str]) -> list[str]:
-    from services.cli.hostlist import expand_hostlist
+    from services.cli.hostlist import expand_hostlists
 
-    names: dict[str, None] = {}
-    for text in texts:
-        try:
-            names.update(dict.fromkeys(expand_hostlist(text)))
-        except ValueError as exc:
-            raise CliError(f"{text!r}: {exc}") from None
+    try:
+        names = expand_hostlists(texts)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if not names:
         raise CliError("no node named")
     return list(names)
@@ -87,9 +86,9 @@ def _said(answer: dict[str, Any]) -> str:
     retired = [visible(n) for n in answer["retired"]]
     before = [visible(n) for n in answer["already_retired"]]
     verb = "would retire" if answer["dry_run"] else "retired"
-    lines = [f"{verb} {len(retired)} node(s)" + (f": {', '.join(retired)}" if retired else "")]
+    lines = [f"{verb} {len(retired)} node(s)" + (f": {node_list(retired)}" if retired else "")]
     if before:
-        lines.append(f"already retired: {', '.join(before)}")
+        lines.append(f"already retired: {node_list(before)}")
     if answer["dry_run"]:
         lines.append("dry run: nothing changed")
     return "\n".join(lines)

@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from agents.places import finding_place, node_list
+
 
 def visible(text: str) -> str:
     """Free text fit for one terminal line: control and invisible characters (ESC, BEL, C1
@@ -57,31 +59,33 @@ def print_verdict(verdict: dict[str, Any], as_json: bool) -> None:
         print_json(verdict)
         return
     state = "HEALTHY" if verdict["healthy"] else "UNHEALTHY"
+    # The sim's probing time is its model's, not this machine's (docs/formats.md).
+    modeled = " (modeled)" if verdict["backend"] == "sim" else ""
+    in_all = f", {verdict['command_s']:.1f} s in all" if "command_s" in verdict else ""
     say(f"{state}: {verdict['nodes_checked']} node(s) checked on {verdict['backend']}, "
-        f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing")
+        f"{verdict.get('rounds', 0)} round(s), {verdict.get('duration_s', 0)} s of probing"
+        f"{modeled}{in_all}")
     if verdict.get("exclude"):
-        say(f"exclude: {', '.join(verdict['exclude'])}")
+        say(f"exclude: {node_list(verdict['exclude'])}")
     for f in verdict.get("findings", []):
         if f["kind"] == "fabric_below_rated":  # the fleet's, not a node's: say how far
             say(f"  {f['kind']:<18} {f.get('scope')}: {f.get('reason', '')} [{f.get('severity', '')}]")
             continue
-        where = f.get("node") or ",".join(f.get("nodes") or [])
-        gpus = f" gpus {f['gpus']}" if f.get("gpus") else (f" gpu {f['gpu']}" if "gpu" in f else "")
         bw = headline(f)
-        say(f"  {f['kind']:<18} {where}{gpus}{f' {bw}' if bw else ''} [{f.get('severity', '')}]")
+        say(f"  {f['kind']:<18} {finding_place(f)}{f' {bw}' if bw else ''} [{f.get('severity', '')}]")
     if verdict.get("suspects"):
         say(f"suspects (slow in an earlier cycle, not in the latest; --confirm re-probes them): "
-            f"{', '.join(verdict['suspects'])}")
+            f"{node_list(verdict['suspects'])}")
     if verdict.get("complete") is False:
         why = (f"the check's budget of {verdict['stopped_by']} ran out"
                if verdict.get("stopped_by") else "repeats ran out")
         say(f"incomplete: {why} with {verdict.get('undecided', 0)} group(s) undecided "
             "(never exclusions); the verdict rests on what was decided")
     if verdict.get("unprobed"):
-        say(f"no fresh results for: {', '.join(verdict['unprobed'])}")
+        say(f"no fresh results for: {node_list(verdict['unprobed'])}")
     if verdict.get("contended"):
         say(f"not judged, their links carried other traffic (a job's): "
-            f"{', '.join(verdict['contended'])}")
+            f"{node_list(verdict['contended'])}")
 
 
 def print_tokens(rows: list[dict[str, Any]], as_json: bool) -> None:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agents.places import finding_place
 from services import logs
 from services.cli.errors import CliError
 from services.cli.output import visible, with_cause
@@ -58,11 +59,11 @@ EPILOG_MAX_AGE_S = 0.001
 # Slurm stores any length, but sinfo and scontrol show reasons on one line.
 MAX_REASON = 200
 # What a drain reason keeps: what ringwatch writes in one (names, figures, units, a cause's
-# "40% of packets" and "+500"). Not $, backticks, ;, |, &, quotes, <, >, \ or braces: a
-# site's script that reads the reason back (NHC, a drain hook) must not run any of it.
-# A ";" (headline; cause) reads as a ",".
+# "40% of packets" and "+500", a host list's brackets as sinfo prints them). Not $,
+# backticks, ;, |, &, quotes, <, >, \, braces, * or ?: a site's script that reads the reason
+# back (NHC, a drain hook) must not run any of it. A ";" (headline; cause) reads as a ",".
 REASON_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                         " .,:()/+%_-")
+                         " .,:()[]/+%_-")
 # An env file is a few KEY=value lines; anything larger is not one.
 MAX_ENV_FILE_BYTES = 64 * 1024
 # Where distributions and source installs put Slurm's commands; slurmd gives a prolog no PATH.
@@ -373,21 +374,13 @@ def reason_for(verdict: Mapping[str, Any], node: str) -> str | None:
     first = mine[0]
     more = f"(+{len(mine) - 1} more)" if len(mine) > 1 else ""
     return clean_reason(" ".join(p for p in (REASON_PREFIX, str(first.get("kind", "finding")),
-                                             _where(first), _figure(first), more) if p))
+                                             finding_place(first), _figure(first), more) if p))
 
 
 def _names(finding: Mapping[str, Any], node: str) -> bool:
     return finding.get("node") == node or node in (finding.get("nodes") or ())
 
 
-def _where(f: Mapping[str, Any]) -> str:
-    if f.get("node"):
-        if f.get("gpu") is not None:
-            return f"{f['node']} gpu {f['gpu']}"
-        if f.get("gpus"):
-            return f"{f['node']} gpus {','.join(str(g) for g in f['gpus'])}"
-        return str(f["node"])
-    return ",".join(str(n) for n in f.get("nodes") or ())
 
 
 def _figure(f: Mapping[str, Any]) -> str:

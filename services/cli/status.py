@@ -13,12 +13,15 @@ from typing import Any
 
 import httpx
 
+from agents.places import finding_place
 from services.cli.errors import CliError
 from services.cli.output import headline, visible
 from services.config import TOKEN_EXPIRY_WARN_S
 
 # Incidents listed at most; the count says how many more are open.
 MAX_LISTED = 20
+# The incidents table's "where" column: a longer node list is cut with a count of the rest.
+WHERE_WIDTH = 40
 # Expiring tokens named on the tokens line at most; the count says how many expire.
 MAX_TOKENS_LISTED = 5
 STATUS_STYLE = {"healthy": "bold green", "degraded": "bold red", "unknown": "bold yellow"}
@@ -110,15 +113,11 @@ def ago(seconds: float | None) -> str:
 
 
 def where(incident: dict[str, Any]) -> str:
-    """An incident's place: GPU pair, node, path."""
+    """An incident's place as every surface prints it (agents.places): ``node-003 GPUs 2,5``,
+    ``node-004 GPU 1``, a path's ends ``node-[001,007]``; a long node list cut to its column."""
     detail = incident.get("detail") or {}
-    nodes = incident.get("nodes") or []
-    if detail.get("gpus") and nodes:
-        # "GPUs 2,5": the pair, not a range (2-5 would read as four GPUs).
-        return f"{nodes[0]} GPUs {','.join(str(g) for g in detail['gpus'])}"
-    if detail.get("gpu") is not None and nodes:
-        return f"{nodes[0]}/{detail['gpu']}"
-    return " - ".join(nodes[:2]) + (f" +{len(nodes) - 2}" if len(nodes) > 2 else "")
+    return finding_place({"nodes": incident.get("nodes") or [], "gpus": detail.get("gpus"),
+                          "gpu": detail.get("gpu")}, width=WHERE_WIDTH)
 
 
 def rows(status: FleetStatus) -> tuple[list[tuple[str, str]], list[list[str]]]:

@@ -63,7 +63,12 @@ def node_states(session: Session,
     open finding names the node, suspect where only a link it shares is degraded (the
     localization blamed someone else, or has not yet), ok where it has links and none is
     degraded, unknown where it has none; ``ratio`` is its worst of the two ratios the store
-    keeps per node (own NVLink groups; median of its node pairs)."""
+    keeps per node (own NVLink groups; median of its node pairs); ``excluded_by``, the kinds
+    of the findings for which a preflight naming the node excludes it (empty: none)."""
+    # Imported here: stored_verdict imports this module's require_nodes.
+    from services.monitor.stored_verdict import exclusions
+
+    excluded = exclusions(session)
     out = []
     for r in health_store.node_health(session):
         ratios = [x for x in (r.nvlink_ratio, r.net_ratio) if x is not None]
@@ -74,7 +79,7 @@ def node_states(session: Session,
                     "occupied": r.occupied, "links": r.links, "degraded_links": r.degraded,
                     "open_findings": r.open_findings, "nvlink_ratio": r.nvlink_ratio,
                     "net_ratio": r.net_ratio, "ratio": min(ratios) if ratios else None,
-                    "state": state})
+                    "state": state, "excluded_by": excluded.get(r.name, [])})
     backends = sorted({n["backend"] for n in out if n["backend"]})
     return {"nodes": out,
             "degraded_ratio": {b: thresholds(b).degraded_ratio for b in backends}}
@@ -246,20 +251,21 @@ def retire_nodes(session: Session, names: list[str], *, dry_run: bool = False) -
                                       key=node_order)}
 
 
-def links(session: Session, *, status: str | None, scope: str | None, node: str | None,
-          after: tuple[str, ...] | None = None, limit: int | None = None,
-          policy: Policy | None = None) -> list[dict[str, Any]]:
-    """Each link's health, with where it stands in the hysteresis ``policy``'s window
-    (``hysteresis.standing``: why a link slow in one cycle is still ok)."""
-    if node:
-        require_nodes(session, [node], include_retired=True)
+def links(session: Session, *, status: str | None, scope: str | None,
+          nodes: list[str] | None, after: tuple[str, ...] | None = None,
+          limit: int | None = None, policy: Policy | None = None) -> list[dict[str, Any]]:
+    """Each link's health (those touching any of ``nodes``, when given), with where it
+    stands in the hysteresis ``policy``'s window (``hysteresis.standing``: why a link slow
+    in one cycle is still ok)."""
+    if nodes:
+        require_nodes(session, nodes, include_retired=True)
     return [
         {**{c: getattr(link, c) for c in ("group_key", "scope", "op", "members", "nodes",
                                           "status", "size_bytes", "busbw_gbs", "expected_gbs",
                                           "ratio", "updated_at", "changed_at")},
          "standing": standing(LinkState(link.status, tuple(c == "1" for c in link.recent or ""),
                                         link.good_streak or 0), policy or Policy())}
-        for link in health_store.list_links(session, status=status, scope=scope, node=node,
+        for link in health_store.list_links(session, status=status, scope=scope, nodes=nodes,
                                             after=after, limit=limit)
     ]
 

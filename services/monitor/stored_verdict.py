@@ -111,8 +111,22 @@ def excluded_nodes(session: Session) -> set[str]:
     """Every node a preflight naming it would exclude now. A node is blamed only by a
     finding on that node, so the answer is the same whichever other nodes a preflight
     names: this is each node's health as /metrics reports it."""
+    return set(exclusions(session))
+
+
+def exclusions(session: Session) -> dict[str, list[str]]:
+    """Every node a preflight naming it would exclude now (``excluded_nodes``), with the
+    kinds of the findings that exclude it, critical ones first: what GET /v1/fleet/nodes
+    reports as ``excluded_by`` and ``ringwatch kubernetes sync`` taints a node for."""
     findings, _ = _judged(session, None)
-    return set(exclude_of(findings))
+    ranked = sorted(findings, key=lambda f: f.severity != "critical")
+    out: dict[str, list[str]] = {}
+    for f in ranked:
+        for node in f.blamed_nodes:
+            kinds = out.setdefault(node, [])
+            if f.kind not in kinds:
+                kinds.append(f.kind)
+    return out
 
 
 def _judged(session: Session, wanted: set[str] | None) -> tuple[list[Finding], list[Finding]]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agents.places import finding_place
 from services.store import events
 
 Render = Callable[[str, int, dict[str, Any]], dict[str, Any]]
@@ -118,7 +119,7 @@ def _summary(event_type: str, payload: dict[str, Any]) -> str:
     """One line: the event, the fault's kind and place, and its headline (the figure every
     surface shows for the incident)."""
     finding = payload.get("finding") or {}
-    where = finding.get("node") or ", ".join(finding.get("nodes") or []) or payload.get("group_key", "")
+    where = finding_place(finding) or payload.get("group_key", "")
     line = f"[ringwatch] {event_type}: {finding.get('kind', '')} {where}".strip()
     headline = finding.get("headline")
     if isinstance(headline, dict) and isinstance(headline.get("text"), str):

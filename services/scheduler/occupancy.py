@@ -9,22 +9,25 @@ not know the node, counts as busy with ``unknown`` set: never guessed idle.
 from __future__ import annotations
 
 import contextvars
-import json
 import os
 import re
-import ssl
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from agents.hostlist import expand_hostlist
 from agents.spec import Occupant, ProbeBackend
-
-if TYPE_CHECKING:
-    import httpx
+from services.kubernetes.client import (
+    NODES_PATH,
+    PAGE,
+    SERVICE_ACCOUNT_CA,
+    SERVICE_ACCOUNT_TOKEN,
+    KubernetesError,
+    ServiceAccount,
+)
 
 # RINGWATCH_OCCUPANCY: where occupancy comes from (``source_for``).
 OccupancySetting = Literal["auto", "slurm", "kubernetes", "ray", "sim", "none"]
@@ -34,11 +37,6 @@ DEFAULT_TIMEOUT_S = 10.0
 # The longest error text an unknown node carries (Occupant.state).
 MAX_ERROR = 160
 
-# Where a pod finds its service account (the kubelet mounts it; the scheduler's is projected
-# by deploy/kubernetes/base/raycluster.yaml).
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-SERVICE_ACCOUNT_TOKEN = SERVICE_ACCOUNT / "token"
-SERVICE_ACCOUNT_CA = SERVICE_ACCOUNT / "ca.crt"
 
 
 class OccupancySource(Protocol):
@@ -333,12 +331,10 @@ class SlurmOccupancy:
 # overlays/exclusive-gpus, and are not a job.
 OWN_LABELS = (("app.kubernetes.io/name", "ringwatch"), ("app.kubernetes.io/part-of", "ringwatch"))
 PODS_PATH = "/api/v1/pods"
-NODES_PATH = "/api/v1/nodes"
 # Pods that still hold what they were given.
 POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 # Node names only: the API server's metadata-only form of a list, not whole Node objects.
 METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
-PAGE = 500
 
 
 def is_gpu_resource(name: str) -> bool:
@@ -412,80 +408,27 @@ class KubernetesOccupancy:
                  ca_path: str | Path = SERVICE_ACCOUNT_CA,
                  environ: Mapping[str, str] = os.environ,
                  timeout_s: float = DEFAULT_TIMEOUT_S, page: int = PAGE) -> None:
-        self.api_url = api_url.rstrip("/")
-        self.token_path = Path(token_path)
-        self.ca_path = Path(ca_path)
-        self.environ = environ
+        self.account = ServiceAccount(api_url, token_path=token_path, ca_path=ca_path,
+                                      environ=environ)
         self.timeout_s = timeout_s
         self.page = page
 
     def base_url(self) -> str:
-        if self.api_url:
-            return self.api_url
-        host = self.environ.get("KUBERNETES_SERVICE_HOST")
-        if not host:
-            raise OccupancyError("KUBERNETES_SERVICE_HOST is not set: not in a pod (set "
-                                 "RINGWATCH_KUBERNETES_API_URL)")
-        port = self.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-
-    def _token(self) -> str:
-        # Read each cycle: the kubelet rotates a projected token.
         try:
-            token = self.token_path.read_text().strip()
-        except OSError as exc:
-            raise OccupancyError(f"cannot read the service account token {self.token_path}: "
-                                 f"{exc.strerror}") from None
-        if not token:
-            raise OccupancyError(f"the service account token {self.token_path} is empty")
-        return token
-
-    def _verify(self, url: str) -> ssl.SSLContext | bool:
-        if url.startswith("https://") and self.ca_path.exists():
-            return ssl.create_default_context(cafile=str(self.ca_path))
-        return True
+            return self.account.base_url()
+        except KubernetesError as exc:
+            raise OccupancyError(str(exc)) from None
 
     def read(self, nodes: Sequence[str]) -> dict[str, Occupant]:
-        import httpx
-
-        url = self.base_url()
-        headers = {"Authorization": f"Bearer {self._token()}", "Accept": "application/json"}
-        with httpx.Client(base_url=url, headers=headers, verify=self._verify(url)) as client:
-            known = {item["metadata"]["name"] for item in self._list(
-                client, NODES_PATH, {}, accept=METADATA_ONLY)}
-            busy = pod_busy(self._list(client, PODS_PATH, {"fieldSelector": POD_SELECTOR}))
+        try:
+            with self.account.open(lambda: time_left(self.timeout_s)) as api:
+                known = {item["metadata"]["name"] for item in api.list_items(
+                    NODES_PATH, accept=METADATA_ONLY, page=self.page)}
+                busy = pod_busy(api.list_items(PODS_PATH, {"fieldSelector": POD_SELECTOR},
+                                         page=self.page))
+        except KubernetesError as exc:
+            raise OccupancyError(str(exc)) from None
         return vouch(nodes, known, busy, self.name, "not a node of the Kubernetes API")
-
-    def _list(self, client: httpx.Client, path: str, params: dict[str, str], *,
-              accept: str | None = None) -> Iterator[dict[str, Any]]:
-        """Every item of a list, a page of ``self.page`` at a time."""
-        import httpx
-
-        cont = ""
-        while True:
-            query = {**params, "limit": str(self.page), **({"continue": cont} if cont else {})}
-            try:
-                resp = client.get(path, params=query, timeout=time_left(self.timeout_s),
-                                  headers={"Accept": accept} if accept else None)
-            except httpx.HTTPError as exc:
-                raise OccupancyError(f"GET {path}: {type(exc).__name__} "
-                                     f"({client.base_url})") from None
-            if resp.status_code != 200:
-                raise OccupancyError(f"GET {path} answered {resp.status_code}: "
-                                     f"{_status_message(resp)}")
-            body = json.loads(resp.content)  # bytes as they came: no text decoding first
-            yield from body.get("items") or ()
-            cont = (body.get("metadata") or {}).get("continue") or ""
-            if not cont:
-                return
-
-
-def _status_message(resp: httpx.Response) -> str:
-    """A Kubernetes Status object's message (401 Unauthorized, 403 forbidden by RBAC)."""
-    try:
-        return str(resp.json().get("message") or resp.reason_phrase)
-    except (ValueError, AttributeError):
-        return resp.text[:200] or resp.reason_phrase
 
 
 # ---- choosing one ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from agents.collectives import plan
+from agents.places import members_text
 from agents.spec import REDUCING_OPS, Measurement
 from agents.transport import transport_name
 
@@ -54,7 +55,7 @@ def format_table(measurements: Iterable[Measurement]) -> str:
     """nccl-tests-style text: a header per (op, scope, members), rows by size."""
     blocks = []
     for (op, scope, members), ms in _groups(measurements).items():
-        title = f"# {op}  {scope}  {len(members)} ranks: {' '.join(members)}"
+        title = f"# {op}  {scope}  {len(members)} ranks: {members_text(members)}"
         taken = sorted({t for m in ms if m.transport for t in m.transport.split(",")})
         if taken:  # what NCCL's own log says the group ran over (docs/transport.md)
             title += f"  via {', '.join(transport_name(t) for t in taken)}"

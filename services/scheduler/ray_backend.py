@@ -14,26 +14,26 @@ agent process holds a CUDA context, communicator or memory on any GPU.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import re
+import shlex
 import socket
+import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from agents import outcome
 from agents.collectives import check_redop, plan
 from agents.groups import node_of
 from agents.outcome import hang_suspects, rank_progress
-from agents.probe import ProbeAgent
+from agents.probe import ProbeAgent, store_server
 from agents.spec import (
     BackendDefaults,
     Finding,
@@ -203,32 +203,37 @@ class RayBackend(BackendDefaults):
         # ray.cluster_utils records the cluster address under /tmp/ray whatever temp_dir says.
         Path("/tmp/ray").mkdir(parents=True, exist_ok=True)
         tmp = ray_temp_dir(temp_dir)
-        # Ray registers the head as this machine's current cluster, where `--address auto`
-        # and `ray.init("auto")` look; this cluster is this command's alone.
-        with _unregistered(lambda: self._cluster.address if self._cluster else None):
-            self._cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    # The head holds no ranks: every agent lives on a logical node.
-                    "num_cpus": 0,
-                    "include_dashboard": False,
-                    "temp_dir": str(tmp),
-                    "object_store_memory": _OBJECT_STORE_BYTES,
-                },
-            )
-        for i in range(nodes):
-            node = local_node_name(i)
-            self._cluster.add_node(
-                # One core more than the agents hold: room for the node's other work.
-                num_cpus=ranks_per_node + 1,
-                resources={_node_resource(node): ranks_per_node},
-                object_store_memory=_OBJECT_STORE_BYTES,
-            )
-            for j in range(ranks_per_node):
-                # On one machine the logical nodes share its GPUs: give each rank its own.
-                self._add_slot(node, j, i * ranks_per_node + j,
-                               {"num_cpus": 1, "resources": {_node_resource(node): 1}})
-        ray.init(address=self._cluster.address, include_dashboard=False, log_to_driver=False)
+        # Every Ray process of the cluster, and this driver, on this machine's loopback
+        # address: nothing of it listens where another machine can reach it.
+        with _on_loopback():
+            # Ray registers the head as this machine's current cluster, where `--address
+            # auto` and `ray.init("auto")` look; this cluster is this command's alone.
+            with _unregistered(lambda: self._cluster.address if self._cluster else None):
+                self._cluster = Cluster(
+                    initialize_head=True,
+                    head_node_args={
+                        # The head holds no ranks: every agent lives on a logical node.
+                        "num_cpus": 0,
+                        "include_dashboard": False,
+                        "temp_dir": str(tmp),
+                        "object_store_memory": _OBJECT_STORE_BYTES,
+                        "node_ip_address": LOOPBACK,
+                    },
+                )
+            for i in range(nodes):
+                node = local_node_name(i)
+                self._cluster.add_node(
+                    # One core more than the agents hold: room for the node's other work.
+                    num_cpus=ranks_per_node + 1,
+                    resources={_node_resource(node): ranks_per_node},
+                    object_store_memory=_OBJECT_STORE_BYTES,
+                    node_ip_address=LOOPBACK,
+                )
+                for j in range(ranks_per_node):
+                    # On one machine the logical nodes share its GPUs: give each rank its own.
+                    self._add_slot(node, j, i * ranks_per_node + j,
+                                   {"num_cpus": 1, "resources": {_node_resource(node): 1}})
+            ray.init(address=self._cluster.address, include_dashboard=False, log_to_driver=False)
         self._owns_ray = True
         self._progress(f"ray: local cluster of {nodes} nodes x {ranks_per_node} ranks at {tmp}")
 
@@ -244,8 +249,7 @@ class RayBackend(BackendDefaults):
         try:
             ray.init(address=address, log_to_driver=False)
         except ConnectionError as exc:
-            raise ProbeSetupError(f"no Ray cluster at --address {named} "
-                                  f"({str(exc).split('.')[0]}): {hint}") from None
+            raise ProbeSetupError(refused(str(exc), named, hint)) from None
         except RuntimeError as exc:
             mismatch = version_mismatch(str(exc), named)
             if mismatch is None:
@@ -613,9 +617,9 @@ class RayBackend(BackendDefaults):
 
     def _launch(self, spec: GroupSpec, index: int) -> _GroupRun:
         host = ray.util.get_node_ip_address()
-        # Port 0: the OS picks a free port; agents learn it from the call below.
-        store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=spec.deadline_s))
+        # The OS picks a free port; agents learn it from the call below. A local cluster's
+        # store listens on its loopback address alone, as its Ray does.
+        store = store_server(host, spec.deadline_s, listen_there_only=self._cluster is not None)
         run = _GroupRun(spec, f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}", store,
                         deadline=time.monotonic() + spec.deadline_s)
         # An injected slow rank sizes its delay from one calibration loop, which every rank
@@ -744,6 +748,28 @@ class RayBackend(BackendDefaults):
 RAY_CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
 
 
+# Where a local cluster, its driver, its agents' gloo groups and their stores listen.
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def _on_loopback() -> Iterator[None]:
+    """Let Ray keep the loopback address it is given. On Linux Ray swaps 127.0.0.1, as a
+    node's address or as one to connect to, for this machine's routable address, where a
+    cluster started on loopback does not answer. It keeps loopback where it runs as a
+    one-machine Ray (macOS and Windows: ``ENABLE_RAY_CLUSTER`` false), which a local
+    cluster is. Its processes are told their address outright, and once connected this
+    driver goes by its node's: the switch is needed only while the cluster starts."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 @contextlib.contextmanager
 def _unregistered(ours: Callable[[], str | None]):
     """Put this machine's current-cluster record back as it was once the cluster whose
@@ -788,6 +814,20 @@ def resolve_address(address: str, hint: str) -> tuple[str, str]:
     return resolved, f"auto ({resolved}, from {source})"
 
 
+def refused(message: str, named: str, hint: str) -> str:
+    """Ray's refusal to connect where something answers at the address, in one line. Ray
+    says only that it failed; a cluster that asks for a token (RAY_AUTH_MODE=token) this
+    process has not got is the likeliest cause, and the line says how to give it one."""
+    first = re.split(r"\.(?:\s|$)", message.strip(), maxsplit=1)[0]
+    if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token":
+        token = ("is RAY_AUTH_TOKEN here the cluster's token (its nodes' RAY_AUTH_TOKEN, or "
+                 "`ray get-auth-token` on its head)?")
+    else:
+        token = ("where the cluster asks for a token (RAY_AUTH_MODE=token on its nodes), set "
+                 "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to its token here too")
+    return f"Ray at --address {named} did not let this process join ({first}): {token}; else {hint}"
+
+
 def version_mismatch(message: str, named: str) -> str | None:
     """Ray's refusal to join a cluster of another Ray or Python version, in one line that
     says which install joins it; None for any other error."""
@@ -800,7 +840,8 @@ def version_mismatch(message: str, named: str) -> str | None:
     if cluster_ray != mine_ray:
         return (f"the Ray cluster at --address {named} runs Ray {cluster_ray}, this "
                 f"environment Ray {mine_ray}: Ray joins only its own version; install "
-                f"ray=={cluster_ray} beside ringwatch here (pip install 'ray=={cluster_ray}')")
+                f"ray=={cluster_ray} beside ringwatch here "
+                f"({shlex.join([sys.executable, '-m', 'pip', 'install', f'ray=={cluster_ray}'])})")
     return (f"the Ray cluster at --address {named} runs Python {cluster_py}, this "
             f"environment Python {mine_py}: Ray joins only the same Python; run the scheduler "
             f"with Python {cluster_py}")

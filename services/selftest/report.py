@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from agents.places import finding_place
 from agents.spec import TIMING_CUDA_GRAPH, Finding
 from services.cli.output import visible
 from services.scheduler.probe_table import format_table
@@ -102,7 +103,7 @@ def format_text(result: SelftestResult, comparison: list[Comparison] | None,
     parts.append(f"{verdict}: {len(result.measurements)} measurement(s), {wrong} wrong element(s), "
                  f"{len(findings)} finding(s)")
     for f in findings:
-        parts.append(f"  {f.kind:<16} {f.node} gpu {f.gpu}: {visible(_finding_detail(f))}")
+        parts.append(f"  {f.kind:<16} {finding_place(f.to_dict())}: {visible(_finding_detail(f))}")
     # A GPU's name, a node's, an error's text: shown, never acted on by a terminal (a field
     # that may hold a newline is made visible above, so it cannot pass for a line of its own).
     return "\n".join(visible(line) for line in "\n\n".join(parts).split("\n"))

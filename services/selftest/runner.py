@@ -6,7 +6,6 @@ reports to measurements and findings that the Ray driver uses (``agents.outcome`
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import queue
 import re
@@ -17,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
-
 from agents import outcome, telemetry
 from agents.device import check_cuda
+from agents.probe import store_server
 from agents.spec import Finding, GroupSpec, InjectedFault, Measurement
 
 Progress = Callable[[str], None]
@@ -104,8 +102,8 @@ def run_world(options: SelftestOptions, world_size: int, node: str,
     faults = [f for f in options.faults if f.member in members]
     payload = {**spec.to_dict(), "repeats": options.repeats, "cuda_graph": options.cuda_graph,
                "calibrate": any(f.kind == "slow" for f in faults)}
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=options.deadline_s))
+    # Its ranks are this machine's processes: the store listens on loopback alone.
+    store = store_server("127.0.0.1", options.deadline_s, listen_there_only=True)
     ctx = mp.get_context("spawn")  # CUDA cannot be forked into
     replies_q = ctx.Queue()
     group_id = uuid.uuid4().hex[:8]

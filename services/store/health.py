@@ -66,16 +66,17 @@ def write_links(session: Session, inserts: Sequence[dict[str, Any]],
 
 
 def list_links(session: Session, status: str | None = None, scope: str | None = None,
-               node: str | None = None, *, after: tuple[str, ...] | None = None,
+               nodes: Sequence[str] | None = None, *, after: tuple[str, ...] | None = None,
                limit: int | None = None) -> list[LinkHealth]:
-    """Links in (scope, group key, op) order, from just past ``after``, at most ``limit``."""
+    """Links in (scope, group key, op) order, from just past ``after``, at most ``limit``;
+    with ``nodes``, those touching any of them."""
     q = select(LinkHealth).order_by(LinkHealth.scope, LinkHealth.group_key, LinkHealth.op)
     if status:
         q = q.where(LinkHealth.status == status)
     if scope:
         q = q.where(LinkHealth.scope == scope)
-    if node:
-        q = q.where(LinkHealth.nodes.contains([node]))
+    if nodes:
+        q = q.where(LinkHealth.nodes.overlap(list(nodes)))
     if after is not None:
         q = q.where(tuple_(LinkHealth.scope, LinkHealth.group_key, LinkHealth.op) > tuple_(*after))
     if limit is not None:
