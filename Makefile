@@ -28,8 +28,8 @@ test-fast: $(STAMP)
 
 # ruff, mypy, and the import contract of docs/architecture.md (which room may import which).
 lint: $(STAMP)
-	$(BIN)/ruff check agents services api tests migrations bench
-	$(BIN)/mypy agents services api
+	$(BIN)/ruff check agents services api tests migrations bench ringwatch setup.py
+	$(BIN)/mypy -p ringwatch.agents -p ringwatch.services -p ringwatch.api
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 bench: $(STAMP)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agents.spec import REDOPS, REDUCING_OPS
+from ringwatch.agents.spec import REDOPS, REDUCING_OPS
 
 # Bytes per element of each dtype a probe can run in (``agents.patterns`` maps them to torch's).
 DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

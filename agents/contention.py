@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from agents import counter_delta, nic_counters, telemetry
+from ringwatch.agents import counter_delta, nic_counters, telemetry
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -20,7 +20,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from agents.spec import TIMING_CUDA_EVENTS, TIMING_CUDA_GRAPH, TIMING_HOST, ProbeSetupError
+from ringwatch.agents.spec import (
+    TIMING_CUDA_EVENTS,
+    TIMING_CUDA_GRAPH,
+    TIMING_HOST,
+    ProbeSetupError,
+)
 
 Run = Callable[[], None]
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 from functools import cached_property, lru_cache
 
-from agents.places import members_text
+from ringwatch.agents.places import members_text
 
 # A node's name: hostname-like ASCII (letters, digits, ".", "_", "-"; a letter or digit
 # first, no "." last: "node-000." is node-000 with the DNS root spelled out). Invisible,

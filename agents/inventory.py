@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from agents.nic_counters import rate_gbps, read_attribute
+from ringwatch.agents.nic_counters import rate_gbps, read_attribute
 
 SYSFS_IB = "/sys/class/infiniband"
 # More ports than any node has (a DGX has 8 to 12 HCAs of one or two ports): a tree past

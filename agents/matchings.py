@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from agents.groups import node_order
+from ringwatch.agents.groups import node_order
 
 T = TypeVar("T")
 

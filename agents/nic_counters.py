@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agents import counter_delta
+from ringwatch.agents import counter_delta
 
 log = logging.getLogger(__name__)
 

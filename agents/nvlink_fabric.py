@@ -23,8 +23,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agents.groups import node_order, split_member
-from agents.spec import Finding
+from ringwatch.agents.groups import node_order, split_member
+from ringwatch.agents.spec import Finding
 
 KIND = "nvlink_fabric"
 

@@ -19,11 +19,11 @@ import statistics
 from collections.abc import Collection
 from typing import Any
 
-from agents.collectives import algbw_gbs, busbw_gbs
-from agents.contention import Traffic, contention
-from agents.groups import split_member
-from agents.probe import arrived_key, done_key, entered_key
-from agents.spec import Finding, GroupSpec, Measurement, redop_for, weakest_timing
+from ringwatch.agents.collectives import algbw_gbs, busbw_gbs
+from ringwatch.agents.contention import Traffic, contention
+from ringwatch.agents.groups import split_member
+from ringwatch.agents.probe import arrived_key, done_key, entered_key
+from ringwatch.agents.spec import Finding, GroupSpec, Measurement, redop_for, weakest_timing
 
 Reply = dict[str, Any]
 # (kind, member) of the faults injected into a backend: findings they cause say so.

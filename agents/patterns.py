@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from agents.collectives import DTYPES, Buffers
+from ringwatch.agents.collectives import DTYPES, Buffers
 
 # The op table's dtypes by name; torch names them alike.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from agents.hostlist import compress_hostlist, expand_hostlist, index_ranges, split_top
+from ringwatch.agents.hostlist import compress_hostlist, expand_hostlist, index_ranges, split_top
 
 
 def node_list(names: Iterable[Any], width: int | None = None) -> str:

@@ -26,20 +26,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agents import contention, inventory, nccl_log, nic_counters, profiles, telemetry
-from agents import device as device_seam
-from agents import transport as transport_judge
-from agents.collectives import Buffers, check_redop, collective, plan
-from agents.device import (
+from ringwatch.agents import contention, inventory, nccl_log, nic_counters, profiles, telemetry
+from ringwatch.agents import device as device_seam
+from ringwatch.agents import transport as transport_judge
+from ringwatch.agents.collectives import Buffers, check_redop, collective, plan
+from ringwatch.agents.device import (
     HostDevice,
     LoopTimer,
     ProbeDevice,
     check_cuda,
     device_for,
 )
-from agents.groups import member, node_of
-from agents.patterns import check_tolerance, count_wrong, expected_output, make_input, torch_dtype
-from agents.spec import TIMING_CUDA_GRAPH, InjectedFault, ProbeSetupError, RankInfo, redop_for
+from ringwatch.agents.groups import member, node_of
+from ringwatch.agents.patterns import (
+    check_tolerance,
+    count_wrong,
+    expected_output,
+    make_input,
+    torch_dtype,
+)
+from ringwatch.agents.spec import (
+    TIMING_CUDA_GRAPH,
+    InjectedFault,
+    ProbeSetupError,
+    RankInfo,
+    redop_for,
+)
 
 # An injected hang sleeps this long; the driver kills the agent long before.
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from agents.groups import node_of
+from ringwatch.agents.groups import node_of
 
 OPS = ("allreduce", "allgather", "reducescatter", "alltoall", "sendrecv")
 # Below this size a collective is latency-bound: no rated figure applies.

@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from agents.collectives import busbw_factor
-from agents.contention import Traffic, contention
-from agents.fabric_presets import preset
-from agents.groups import member, split_member
-from agents.hostlist import expand_hostlist
-from agents.spec import (
+from ringwatch.agents.collectives import busbw_factor
+from ringwatch.agents.contention import Traffic, contention
+from ringwatch.agents.fabric_presets import preset
+from ringwatch.agents.groups import member, split_member
+from ringwatch.agents.hostlist import expand_hostlist
+from ringwatch.agents.spec import (
     ALGOS,
     TIMING_MODEL,
     BackendDefaults,
@@ -41,7 +41,7 @@ from agents.spec import (
     RoundResult,
     redop_for,
 )
-from agents.transport import transport_finding
+from ringwatch.agents.transport import transport_finding
 
 FAULT_KINDS = ("nvlink", "nic", "net_path", "hang", "corrupt", "pcie_only", "error",
                "fallback", "transport", "nic_errors")
@@ -318,7 +318,7 @@ def _check_pair(where: str, kind: str, pair: Any, gpus: int, alternative: str = 
 
 
 def _check_nic_errors(where: str, f: dict[str, Any]) -> None:
-    from agents.nic_counters import THRESHOLDS
+    from ringwatch.agents.nic_counters import THRESHOLDS
 
     counters = sorted({t.counter for t in THRESHOLDS if "ib" in t.kinds})
     if f.get("counter") not in counters:

@@ -14,8 +14,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, get_args
 
-from agents.groups import Group, member, nodes_of
-from agents.hostlist import index_ranges
+from ringwatch.agents.groups import Group, member, nodes_of
+from ringwatch.agents.hostlist import index_ranges
 
 # The wire's vocabulary, each word once: a Literal type (what the API's schemas and typed
 # code use) and its values as a tuple (what code iterates and validates against).

@@ -18,8 +18,8 @@ from typing import Any
 
 import pynvml
 
-from agents import counter_delta, nvlink_fabric
-from agents.spec import Finding
+from ringwatch.agents import counter_delta, nvlink_fabric
+from ringwatch.agents.spec import Finding
 
 _nvml: Any = pynvml
 log = logging.getLogger(__name__)

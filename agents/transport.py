@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agents.groups import split_member
-from agents.nccl_log import NET_TRANSPORTS, TransportSummary
-from agents.nic_counters import NicError, PortSnapshot, nic_errors
-from agents.places import gpus_text
-from agents.spec import Finding
+from ringwatch.agents.groups import split_member
+from ringwatch.agents.nccl_log import NET_TRANSPORTS, TransportSummary
+from ringwatch.agents.nic_counters import NicError, PortSnapshot, nic_errors
+from ringwatch.agents.places import gpus_text
+from ringwatch.agents.spec import Finding
 
 # How NCCL's own log names each transport class (agents.nccl_log's vocabulary).
 NAMES = {"p2p_nvlink": "P2P over NVLink", "p2p_pcie": "P2P over PCIe", "p2p": "P2P",

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agents.spec import ALGOS
+from ringwatch.agents.spec import ALGOS
 
 MIB = 1 << 20
 KIB = 1 << 10

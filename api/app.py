@@ -20,13 +20,13 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api import errors
-from api.auth import PUBLIC_PATHS, Authenticate
-from api.headers import SecurityHeaders
-from api.limits import BodyLimit, BodyPace, IngestSlots
-from api.request_id import RequestLog
-from api.request_metrics import ApiMetrics, RequestMetrics, RouteTemplates
-from api.routers import (
+from ringwatch.api import errors
+from ringwatch.api.auth import PUBLIC_PATHS, Authenticate
+from ringwatch.api.headers import SecurityHeaders
+from ringwatch.api.limits import BodyLimit, BodyPace, IngestSlots
+from ringwatch.api.request_id import RequestLog
+from ringwatch.api.request_metrics import ApiMetrics, RequestMetrics, RouteTemplates
+from ringwatch.api.routers import (
     docs,
     fleet,
     measurements,
@@ -38,15 +38,15 @@ from api.routers import (
     ui,
     webhooks,
 )
-from api.schemas import ErrorOut, MeasurementBatch
-from services import logs
-from services.errors import RingwatchError
-from services.preflight import service as preflight_service
-from services.preflight.waiting import PreflightWaiters
-from services.settings import Settings
-from services.store import db
-from services.store import tokens as token_store
-from services.version import ringwatch_version
+from ringwatch.api.schemas import ErrorOut, MeasurementBatch
+from ringwatch.services import logs
+from ringwatch.services.errors import RingwatchError
+from ringwatch.services.preflight import service as preflight_service
+from ringwatch.services.preflight.waiting import PreflightWaiters
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
+from ringwatch.services.store import tokens as token_store
+from ringwatch.services.version import ringwatch_version
 
 log = logging.getLogger(__name__)
 

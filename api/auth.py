@@ -17,11 +17,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import errors
-from services.errors import Unauthorized
-from services.store import tokens
-from services.store.batches import Batches
-from services.store.tokens import Principal
+from ringwatch.api import errors
+from ringwatch.services.errors import Unauthorized
+from ringwatch.services.store import tokens
+from ringwatch.services.store.batches import Batches
+from ringwatch.services.store.tokens import Principal
 
 # The API's description, browsable (api/routers/docs.py), and the Swagger UI files it loads.
 DOCS_PATH = "/docs"

@@ -9,11 +9,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
-from api.auth import MISSING_TOKEN, STATE_KEY
-from services.errors import Forbidden, Unauthorized
-from services.settings import Settings
-from services.store import db
-from services.store.tokens import Principal
+from ringwatch.api.auth import MISSING_TOKEN, STATE_KEY
+from ringwatch.services.errors import Forbidden, Unauthorized
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
+from ringwatch.services.store.tokens import Principal
 
 # Which roles may do what; admin may do everything.
 READ_ROLES = frozenset({"reader", "admin", "agent"})

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from services.errors import Busy, DatabaseUnavailable, RetryLater, RingwatchError
-from services.store import db
+from ringwatch.services.errors import Busy, DatabaseUnavailable, RetryLater, RingwatchError
+from ringwatch.services.store import db
 
 
 def body(code: str, message: str, detail: list | None = None) -> dict[str, Any]:

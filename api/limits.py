@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from api import errors
-from services.errors import Busy, RetryLater, RingwatchError, TooLarge
+from ringwatch.api import errors
+from ringwatch.services.errors import Busy, RetryLater, RingwatchError, TooLarge
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

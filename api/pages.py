@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from fastapi import Request, Response
 
-from services.errors import BadInput
+from ringwatch.services.errors import BadInput
 
 
 def link_next(request: Request, response: Response, items: Sequence[object], limit: int,

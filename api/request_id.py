@@ -15,8 +15,8 @@ import time
 import uuid
 from typing import Any
 
-from api.request_metrics import METHODS, RouteTemplates
-from services import logs
+from ringwatch.api.request_metrics import METHODS, RouteTemplates
+from ringwatch.services import logs
 
 HEADER = b"x-request-id"
 MAX_LENGTH = 128

@@ -26,12 +26,12 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, to_json
 
-from agents.groups import NODE_NAME, check_node_name, split_member
-from agents.hostlist import TooManyHosts, expand_hostlist
-from agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
-from agents.workloads import ProfileName
-from services.config import PLACEHOLDER_SECRET
-from services.store.events import Subscribable as Event
+from ringwatch.agents.groups import NODE_NAME, check_node_name, split_member
+from ringwatch.agents.hostlist import TooManyHosts, expand_hostlist
+from ringwatch.agents.spec import Algo, Backend, FindingKind, Op, Scope, Timing, WireRedOp
+from ringwatch.agents.workloads import ProfileName
+from ringwatch.services.config import PLACEHOLDER_SECRET
+from ringwatch.services.store.events import Subscribable as Event
 
 log = logging.getLogger(__name__)
 

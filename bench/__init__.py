@@ -4,8 +4,8 @@
 def admin_url() -> str:
     """The Postgres server the benchmarks make their databases on: RINGWATCH_DATABASE_URL,
     else the embedded one (started if need be)."""
-    from services.settings import Settings
-    from services.store import db
+    from ringwatch.services.settings import Settings
+    from ringwatch.services.store import db
 
     settings = Settings()
     return db.resolve_database_url(settings.database_url, settings.state_dir)

@@ -14,8 +14,8 @@ from typing import Any
 
 import psutil
 
-from agents.spec import GroupSpec
-from services.scheduler.ray_backend import RayBackend
+from ringwatch.agents.spec import GroupSpec
+from ringwatch.services.scheduler.ray_backend import RayBackend
 
 NODES, RANKS = 2, 2
 IDLE_S = 10.0

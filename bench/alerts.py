@@ -14,12 +14,12 @@ import httpx
 from cryptography.fernet import Fernet
 
 from bench import admin_url
-from services.notifier.receiver import WebhookReceiver
-from services.scheduler.api_client import SchedulerApi
-from services.scheduler.cycle import ProbeOptions, run_cycle, serve_preflight
-from services.scheduler.ray_backend import RayBackend
-from services.scheduler.shipper import Shipper
-from services.store import db
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.scheduler.api_client import SchedulerApi
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle, serve_preflight
+from ringwatch.services.scheduler.ray_backend import RayBackend
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.store import db
 from tests.api_fixtures import fleet_batch
 from tests.procs import free_port, start_server, stop_server
 

@@ -126,7 +126,7 @@ def scheduler_once(env: dict[str, str], fabric: Path) -> tuple[float, str]:
     """One `ringwatch scheduler --fabric FILE --once` at default settings: its wall time
     and its cycle line."""
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "services.cli.main", "scheduler", "--fabric",
+    out = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--fabric",
                           str(fabric), "--once"], env=env, capture_output=True, text=True,
                          timeout=1800)
     if out.returncode != 0:

@@ -51,7 +51,7 @@ def run_cli(scenario: dict) -> dict[str, float]:
         json.dump(scenario, f)
     try:
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "preflight",
+        proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "preflight",
                                  "--fabric", f.name, "--json"], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True, env={**os.environ})
         assert proc.stdout is not None
@@ -79,8 +79,8 @@ def median_of(scenario: dict, runs: int) -> dict[str, float]:
 
 
 def profile(scenario: dict, top: int = 15) -> str:
-    from agents.sim import SimBackend
-    from services.check import run_check
+    from ringwatch.agents.sim import SimBackend
+    from ringwatch.services.check import run_check
 
     prof = cProfile.Profile()
     prof.enable()

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.nic_counters import THRESHOLDS
-from agents.sim import FAULT_KINDS, NET_FALLBACKS, PAIR_FALLBACKS, SimBackend, node_name
-from services.check import run_check
+from ringwatch.agents.nic_counters import THRESHOLDS
+from ringwatch.agents.sim import FAULT_KINDS, NET_FALLBACKS, PAIR_FALLBACKS, SimBackend, node_name
+from ringwatch.services.check import run_check
 
 # The recall target applies to faults at least this strong (factor at most this).
 TARGET_FACTOR = 0.75

@@ -24,11 +24,11 @@ from typing import Any
 
 from sqlalchemy import event
 
-from agents.transport import transport_finding
 from bench import admin_url
-from services.analyzer.hysteresis import Policy
-from services.monitor.ingest import IngestPolicy, IngestRequest, ingest_batch
-from services.store import db
+from ringwatch.agents.transport import transport_finding
+from ringwatch.services.analyzer.hysteresis import Policy
+from ringwatch.services.monitor.ingest import IngestPolicy, IngestRequest, ingest_batch
+from ringwatch.services.store import db
 from tests.api_fixtures import measurement
 
 NODES = 512

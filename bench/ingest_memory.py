@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.api_process import free_port, start_api, stop
-from services.settings import Settings
-from services.store import db
+from ringwatch.services.cli.api_process import free_port, start_api, stop
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
 
 MIB = 1 << 20
 

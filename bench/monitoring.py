@@ -29,12 +29,12 @@ from typing import Any
 
 import httpx
 
-from agents.sim import SimBackend
 from bench import admin_url
 from bench.detection import GPUS, fault_of, matches
-from services.scheduler.cycle import ProbeOptions, run_cycle
-from services.settings import Settings
-from services.store import db
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
 from tests.procs import free_port, start_server, stop_server
 
 TOKEN = "rw_bench_" + uuid.uuid4().hex
@@ -74,7 +74,7 @@ class Fleet:
 
     def cycle(self) -> float:
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "services.cli.main", "scheduler", "--fabric",
+        out = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--fabric",
                               str(self.scenario), "--once"], env=self.env, capture_output=True,
                              text=True, timeout=1200)
         if out.returncode != 0:

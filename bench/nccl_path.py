@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agents.collectives import OPS, plan
-from agents.device import CudaDevice, HostDevice, ProbeDevice
-from agents.probe import _sync_point, leave_group, make_group, run_probe
+from ringwatch.agents.collectives import OPS, plan
+from ringwatch.agents.device import CudaDevice, HostDevice, ProbeDevice
+from ringwatch.agents.probe import _sync_point, leave_group, make_group, run_probe
 
 TRIALS = 3
 
@@ -73,8 +73,8 @@ def group_time_us(backend: str, n: int, op: str, size: int, *, slow: float | Non
 def slow_accuracy_processes(sizes: list[int], factors: list[float], repeats: int = 5) -> None:
     """Through ``ringwatch selftest``'s runner: gloo ranks in processes of their own, as
     agents run, with the fault injected into rank 1."""
-    from agents.spec import InjectedFault
-    from services.selftest.runner import SelftestOptions, run_world
+    from ringwatch.agents.spec import InjectedFault
+    from ringwatch.services.selftest.runner import SelftestOptions, run_world
 
     def times(faults: tuple[InjectedFault, ...]) -> dict[int, float]:
         world = run_world(SelftestOptions(backend="gloo", ops=("allreduce",), sizes=tuple(sizes),

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from services.scheduler import occupancy
+from ringwatch.services.scheduler import occupancy
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 REPEATS = 7

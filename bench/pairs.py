@@ -25,8 +25,8 @@ from typing import Any
 from sqlalchemy import text
 
 from bench import admin_url
-from services.settings import Settings
-from services.store import db
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
 
 # (label, path, the limit the API runs with; None: its default)
 Request = tuple[str, str, int | None]
@@ -69,8 +69,8 @@ def measure(url: str, path: str, limit: int | None) -> dict[str, Any]:
     """In a fresh process: one request of ``path`` cold, then once more warm."""
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from services.store import tokens
+    from ringwatch.api.app import create_app
+    from ringwatch.services.store import tokens
 
     factory = db.make_session_factory(db.make_engine(url))
     with db.transaction(factory) as s:

@@ -8,11 +8,11 @@ import statistics
 import time
 from pathlib import Path
 
-from agents.collectives import preset_sizes
-from agents.spec import GroupSpec
 from bench import plain_collectives
-from services.scheduler.cycle import ProbeOptions, run_cycle
-from services.scheduler.ray_backend import RayBackend
+from ringwatch.agents.collectives import preset_sizes
+from ringwatch.agents.spec import GroupSpec
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.services.scheduler.ray_backend import RayBackend
 
 OPS = ("allreduce", "alltoall", "allgather", "reducescatter")
 SIZES = (1 << 20, 1 << 22)
@@ -90,7 +90,7 @@ def hang_and_error(backend: RayBackend) -> None:
     and an erroring one beside it (at once): the contract is deadline + 10 s."""
     pairs = [GroupSpec("intra_node", (f"node-00{i}/0", f"node-00{i}/1"), sizes=(1 << 20,),
                        warmup=2, iters=10, deadline_s=HANG_DEADLINE_S) for i in range(3)]
-    from agents.spec import InjectedFault
+    from ringwatch.agents.spec import InjectedFault
 
     for label, faults in (("a hang", [InjectedFault("hang", "node-001", 1)]),
                           ("a hang and an error", [InjectedFault("hang", "node-001", 1),

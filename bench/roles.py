@@ -38,14 +38,14 @@ GROWTH_BOUND = 0.10
 # role -> (what it installs, its first step: argv run in the environment's python)
 ROLES: dict[str, tuple[str, list[str]]] = {
     # A Slurm prolog's call: the API is not there, so this is the cost of saying so.
-    "client": ("", ["-m", "services.cli.main", "preflight", "--api", "http://127.0.0.1:9",
+    "client": ("", ["-m", "ringwatch.services.cli.main", "preflight", "--api", "http://127.0.0.1:9",
                     "--nodes", "node-000"]),
     # What `serve` loads before it binds: the app, the notifier, the store.
     "server": ("[server]", ["-c", "import api.app, services.notifier.loop, services.store.db"]),
     # What a GPU agent loads before it probes: torch.distributed, NVML, Ray.
     "agent": ("[agent,ray]", ["-c", "import agents.probe, services.scheduler.ray_backend"]),
     # Before: every role installed all of it.
-    "all": ("[all]", ["-m", "services.cli.main", "preflight", "--api", "http://127.0.0.1:9",
+    "all": ("[all]", ["-m", "ringwatch.services.cli.main", "preflight", "--api", "http://127.0.0.1:9",
                       "--nodes", "node-000"]),
 }
 

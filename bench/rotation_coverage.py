@@ -21,8 +21,8 @@ from __future__ import annotations
 import random
 import time
 
-from agents.matchings import circle_matching, reconcile_slots
-from services.check.planner import rotation_matching
+from ringwatch.agents.matchings import circle_matching, reconcile_slots
+from ringwatch.services.check.planner import rotation_matching
 
 NODES = 1024
 DAYS = 7

@@ -34,14 +34,14 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from agents.sim import SimBackend
 from bench import admin_url
 from bench.monitoring import scenario
-from services.scheduler.cycle import ProbeOptions, Rotation, run_cycle, run_scheduler
-from services.scheduler.shipper import Shipper
-from services.settings import Settings
-from services.store import db, timeseries
-from services.store.measurements import COPY_COLUMNS, COPY_TYPES, storage_bytes
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.scheduler.cycle import ProbeOptions, Rotation, run_cycle, run_scheduler
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, timeseries
+from ringwatch.services.store.measurements import COPY_COLUMNS, COPY_TYPES, storage_bytes
 from tests.procs import free_port, start_server, stop_server
 
 TOKEN = "rw_bench_" + uuid.uuid4().hex

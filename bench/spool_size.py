@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
-from agents.sim import SimBackend
-from services.scheduler.cycle import ProbeOptions, run_cycle
-from services.settings import Settings
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.services.settings import Settings
 
 NODES = 1024
 CYCLES_PER_DAY = 288  # the default 300 s interval

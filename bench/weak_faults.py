@@ -37,13 +37,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from agents.sim import SimBackend, node_name
-from agents.spec import Measurement
 from bench.detection import GPUS, fault_of, faulty_nodes, matches, node_count
-from services.analyzer.assess import Assessment
-from services.analyzer.drift import drift_observations, step_drift
-from services.analyzer.evidence import CusumPolicy, Weighing, weigh
-from services.check import run_check
+from ringwatch.agents.sim import SimBackend, node_name
+from ringwatch.agents.spec import Measurement
+from ringwatch.services.analyzer.assess import Assessment
+from ringwatch.services.analyzer.drift import drift_observations, step_drift
+from ringwatch.services.analyzer.evidence import CusumPolicy, Weighing, weigh
+from ringwatch.services.check import run_check
 
 LOSS_KINDS = ("nvlink", "nic", "net_path")
 

@@ -22,10 +22,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from agents.sim import SimBackend, node_name
-from agents.workloads import WORKLOADS, JobLayout
 from bench.detection import fault_of, matches
-from services.check import run_check
+from ringwatch.agents.sim import SimBackend, node_name
+from ringwatch.agents.workloads import WORKLOADS, JobLayout
+from ringwatch.services.check import run_check
 
 CHART_MIN = {"ddp": "10-20 min", "fsdp": "10-20 min", "moe": "40-60 min", "pipeline": "-"}
 

@@ -4,14 +4,14 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from services.store.db import (
+from ringwatch.services.store.db import (
     MIGRATION_LOCK_WAIT_S,
     MIGRATIONS_TABLE,
     migration_lock,
     normalize_url,
     record_migrations,
 )
-from services.store.models import Base, is_partition
+from ringwatch.services.store.models import Base, is_partition
 
 config = context.config
 target_metadata = Base.metadata
@@ -22,7 +22,7 @@ def _database_url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from services.settings import get_settings
+    from ringwatch.services.settings import get_settings
 
     url = get_settings().database_url
     if not url:

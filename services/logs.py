@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-from services.config import ENV_PREFIX
+from ringwatch.services.config import ENV_PREFIX
 
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")

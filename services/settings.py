@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from services.analyzer.evidence import CusumPolicy
-from services.analyzer.hysteresis import Policy
-from services.config import (
+from ringwatch.services.analyzer.evidence import CusumPolicy
+from ringwatch.services.analyzer.hysteresis import Policy
+from ringwatch.services.config import (
     CHECK_MAX_FABRIC_S,
     CHECK_MAX_ROUNDS,
     CHECK_MAX_WALL_S,
@@ -27,12 +27,12 @@ from services.config import (
     RATED_FLOOR,
     STATE_DIR,
 )
-from services.scheduler.occupancy import DEFAULT_TIMEOUT_S as OCCUPANCY_TIMEOUT_S
-from services.scheduler.occupancy import OccupancySetting
+from ringwatch.services.scheduler.occupancy import DEFAULT_TIMEOUT_S as OCCUPANCY_TIMEOUT_S
+from ringwatch.services.scheduler.occupancy import OccupancySetting
 
 if TYPE_CHECKING:
-    from services.analyzer.assess import Thresholds
-    from services.monitor.metrics import AlertBounds, SeriesLimits
+    from ringwatch.services.analyzer.assess import Thresholds
+    from ringwatch.services.monitor.metrics import AlertBounds, SeriesLimits
 
 # What a server of this machine alone (``Settings.local``) delivers webhooks to: receivers
 # on this machine, which the URL policy otherwise refuses.
@@ -230,7 +230,7 @@ class Settings(BaseSettings):
     @field_validator("log_format", "log_level")
     @classmethod
     def _log_vocabulary(cls, value: str, info: Any) -> str:
-        from services.logs import FORMATS, LEVELS
+        from ringwatch.services.logs import FORMATS, LEVELS
 
         value = value.strip().lower()
         allowed = FORMATS if info.field_name == "log_format" else ("", *LEVELS)
@@ -254,18 +254,18 @@ class Settings(BaseSettings):
     demo: bool = False
 
     def retention(self):  # -> services.store.timeseries.Retention
-        from services.store.timeseries import Retention
+        from ringwatch.services.store.timeseries import Retention
 
         return Retention(self.retention_raw_days, self.retention_hourly_days,
                          self.retention_daily_days, self.node_retention_days)
 
     def metrics_limits(self) -> SeriesLimits:
-        from services.monitor.metrics import SeriesLimits
+        from ringwatch.services.monitor.metrics import SeriesLimits
 
         return SeriesLimits(self.metrics_max_series_per_node, self.metrics_max_series_per_family)
 
     def alert_bounds(self) -> AlertBounds:
-        from services.monitor.metrics import AlertBounds
+        from ringwatch.services.monitor.metrics import AlertBounds
 
         return AlertBounds(self.fleet_unhealthy_share, self.database_size_alert_bytes,
                            self.runbook_url, self.probe_interval_s)
@@ -279,7 +279,7 @@ class Settings(BaseSettings):
     def thresholds(self, backend: str) -> Thresholds:
         """The judgement's thresholds for results from ``backend`` (the analyzer loads
         here, not with the settings: a client command reads settings and judges nothing)."""
-        from services.analyzer.assess import thresholds_for
+        from ringwatch.services.analyzer.assess import thresholds_for
 
         t = thresholds_for(backend, self.rated_floor)
         weighing: dict[str, Any] = {name: value for name, value in (

@@ -6,7 +6,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from agents.collectives import busbw_factor
+from ringwatch.agents.collectives import busbw_factor
 
 
 def measurement(members: list[str], busbw: float, *, op: str = "allreduce", scope: str = "inter_node",
@@ -55,9 +55,9 @@ def api_client(factory, settings: dict[str, Any] | None = None):
     in ``client.h[role]`` (ready-made Authorization headers)."""
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from services.settings import Settings
-    from services.store import db, tokens
+    from ringwatch.api.app import create_app
+    from ringwatch.services.settings import Settings
+    from ringwatch.services.store import db, tokens
 
     with db.transaction(factory) as s:
         toks = {role: tokens.create_token(s, role) for role in ("agent", "reader", "admin")}

@@ -23,9 +23,9 @@ from hypothesis import settings as hypothesis_settings
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.settings import Settings
-from services.store import db
-from services.store.models import Base
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
+from ringwatch.services.store.models import Base
 
 os.makedirs("/tmp/ray", exist_ok=True)  # ray.cluster_utils writes its address there
 
@@ -50,7 +50,7 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 DB_FIXTURES = frozenset({"admin_url", "database_url", "session_factory", "clean_db", "session"})
 SLOW_FIXTURES = frozenset({"server", "served", "browser", "cluster", "slurm_cluster"})
 STARTERS = frozenset({"subprocess", "tests.procs.cli", "tests.procs.start_server",
-                      "tests.procs.running_api", "services.selftest.runner.run_world",
+                      "tests.procs.running_api", "ringwatch.services.selftest.runner.run_world",
                       "bench.chaos.suite.run_fault"})
 SLOW_MODULES = frozenset({"test_cli_imports.py", "test_notifier_process.py",
                           "test_notifier_health.py"})
@@ -145,7 +145,7 @@ def state_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch):
     """Eight CPU "GPUs" behind the agents' CUDA seam (tests/fake_cuda.py)."""
-    from agents import device
+    from ringwatch.agents import device
     from tests.fake_cuda import FakeCuda
 
     fake = FakeCuda()
@@ -165,7 +165,7 @@ def api(clean_db):
 @pytest.fixture
 def receiver():
     """A webhook receiver on 127.0.0.1 that verifies signatures with WEBHOOK_SECRET."""
-    from services.notifier.receiver import WebhookReceiver
+    from ringwatch.services.notifier.receiver import WebhookReceiver
     from tests.api_fixtures import WEBHOOK_SECRET
 
     with WebhookReceiver(WEBHOOK_SECRET) as r:

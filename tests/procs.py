@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.cli.api_process import free_port, start_api, stop
+from ringwatch.services.cli.api_process import free_port, start_api, stop
 
 __all__ = ["api_env", "cli", "free_port", "running_api", "start_server", "stop_server"]
 
@@ -23,7 +23,7 @@ def api_env(database_url: str, state_dir: Path, token: str) -> dict[str, str]:
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli.main", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.store import db, tokens
-from services.store import measurements as measurement_store
-from services.store import preflight as preflight_store
+from ringwatch.services.store import db, tokens
+from ringwatch.services.store import measurements as measurement_store
+from ringwatch.services.store import preflight as preflight_store
 from tests.api_fixtures import TEST_SECRET_KEY, WEBHOOK_SECRET, fleet_batch
 from tests.procs import api_env, start_server, stop_server
 

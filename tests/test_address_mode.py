@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.spec import GroupSpec
-from services.scheduler.ray_backend import RayBackend, ray_temp_dir
+from ringwatch.agents.spec import GroupSpec
+from ringwatch.services.scheduler.ray_backend import RayBackend, ray_temp_dir
 
 pytestmark = pytest.mark.ray
 
@@ -54,8 +54,8 @@ def test_auto_names_the_cluster_it_resolved_and_where_from(cluster, monkeypatch)
 
 
 def test_auto_with_nothing_to_resolve_says_where_it_looked(monkeypatch, tmp_path) -> None:
-    from agents.spec import ProbeSetupError
-    from services.scheduler import ray_backend
+    from ringwatch.agents.spec import ProbeSetupError
+    from ringwatch.services.scheduler import ray_backend
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_backend, "RAY_CURRENT_CLUSTER", tmp_path / "ray_current_cluster")
@@ -67,7 +67,7 @@ def test_auto_with_nothing_to_resolve_says_where_it_looked(monkeypatch, tmp_path
 def test_a_local_cluster_is_not_left_where_auto_looks(cluster, tmp_path) -> None:
     """ringwatch's own local cluster is its command's alone: while it runs and after, the
     machine's current-cluster record is what it was (here: the cluster of this module)."""
-    from services.scheduler.ray_backend import RAY_CURRENT_CLUSTER
+    from ringwatch.services.scheduler.ray_backend import RAY_CURRENT_CLUSTER
 
     RAY_CURRENT_CLUSTER.write_text(cluster.address)
     with RayBackend("gloo", local_nodes=1, ranks_per_node=1, temp_dir=tmp_path / "ray") as b:
@@ -81,7 +81,7 @@ def test_a_cluster_of_another_ray_version_is_refused_in_one_line(cluster, monkey
     it: the refusal names both versions and the install that joins."""
     import ray
 
-    from agents.spec import ProbeSetupError
+    from ringwatch.agents.spec import ProbeSetupError
 
     real = ray._private.utils.compute_version_info
     monkeypatch.setattr(ray._private.utils, "compute_version_info",

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from agents import device
-from agents.probe import ProbeAgent
-from agents.spec import GroupSpec
+from ringwatch.agents import device
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.spec import GroupSpec
 from tests.fake_cuda import FakeCuda
 
 if TYPE_CHECKING:
-    from services.scheduler.ray_backend import RayBackend
+    from ringwatch.services.scheduler.ray_backend import RayBackend
 
 N0 = ("node-000/0", "node-000/1")
 N1 = ("node-001/0", "node-001/1")
@@ -97,7 +97,7 @@ def test_the_footprint_is_this_processes_own() -> None:
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayBackend]:
     """2 logical nodes x 2 gloo ranks that end between cycles, as nccl agents do."""
     pytest.importorskip("ray")
-    from services.scheduler.ray_backend import RayBackend
+    from ringwatch.services.scheduler.ray_backend import RayBackend
 
     with RayBackend("gloo", local_nodes=2, ranks_per_node=2, hold_between_cycles=False,
                     temp_dir=tmp_path_factory.mktemp("ray")) as b:
@@ -207,7 +207,7 @@ def test_a_node_whose_agents_cannot_start_is_not_acquired(
     import ray
     from ray._private.state import available_resources_per_node
 
-    from services.scheduler import ray_backend
+    from ringwatch.services.scheduler import ray_backend
 
     b = released
     node_id = b._node_ids()["node-000"]

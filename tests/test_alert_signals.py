@@ -18,13 +18,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from agents.sim import SimBackend
-from services.notifier.loop import Notifier
-from services.scheduler.cycle import ProbeOptions, run_scheduler
-from services.scheduler.shipper import Shipper
-from services.settings import Settings
-from services.store import db, heartbeats, timeseries
-from services.store.timeseries import MAINTENANCE_LOCK, Retention
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.notifier.loop import Notifier
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_scheduler
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, heartbeats, timeseries
+from ringwatch.services.store.timeseries import MAINTENANCE_LOCK, Retention
 from tests.api_fixtures import REACT_AT_ONCE, api_client, fleet_batch
 from tests.procs import free_port
 

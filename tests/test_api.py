@@ -7,9 +7,9 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from services.settings import Settings
-from services.store import db, tokens
+from ringwatch.api.app import create_app
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import api_client, fleet_batch, measurement
 
 
@@ -93,7 +93,7 @@ def test_ingest_registers_nodes_and_serves_links_and_series(api) -> None:
 
 
 def test_redop_round_trips_through_measurements_and_series(api) -> None:
-    from agents.spec import Measurement
+    from ringwatch.agents.spec import Measurement
 
     members = ["node-000/0", "node-000/1"]
     ms = [{**measurement(members, 20.0, scope="intra_node"), "redop": "max"},

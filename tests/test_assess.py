@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.spec import Measurement
-from services.analyzer.assess import (
+from ringwatch.agents.spec import Measurement
+from ringwatch.services.analyzer.assess import (
     Thresholds,
     assess,
     healthy_centres,
@@ -18,7 +18,7 @@ from services.analyzer.assess import (
     own_normal,
     weighted_leave_one_out_quantile,
 )
-from services.analyzer.localize import group_verdicts
+from ringwatch.services.analyzer.localize import group_verdicts
 
 
 def meas(members, busbw, *, op="allreduce", scope="inter_node", size=1 << 22) -> Measurement:

@@ -22,9 +22,9 @@ import httpx
 import pytest
 from sqlalchemy import event
 
-from api.limits import BodyPace, IngestSlots
-from services.errors import Busy
-from services.store import db, tokens
+from ringwatch.api.limits import BodyPace, IngestSlots
+from ringwatch.services.errors import Busy
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import api_client, fleet_batch, measurement, pair
 from tests.procs import api_env, start_server, stop_server
 

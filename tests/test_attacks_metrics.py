@@ -13,10 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine, text
 
-from agents import nccl_log
-from agents.nic_counters import NicError
-from agents.transport import judge_transports, nic_finding
-from services.store import db, tokens
+from ringwatch.agents import nccl_log
+from ringwatch.agents.nic_counters import NicError
+from ringwatch.agents.transport import judge_transports, nic_finding
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import REACT_AT_ONCE, api_client, fleet_batch, measurement
 
 NCCL_LOGS = Path(__file__).parent / "data" / "nccl"
@@ -209,7 +209,7 @@ def test_a_token_speaks_only_for_its_own_spool(api, clean_db, tmp_path: Path) ->
 
     from fastapi.testclient import TestClient
 
-    from services.scheduler.shipper import Shipper
+    from ringwatch.services.scheduler.shipper import Shipper
 
     with db.transaction(clean_db) as s:
         rack_b, rack_b_token = tokens.issue(s, "agent", "sched-rack-b")
@@ -267,7 +267,7 @@ STATE = {  # what 0017 renames, read in a fixed order
 
 
 def _old_rows(conn) -> None:
-    from agents.groups import series_key
+    from ringwatch.agents.groups import series_key
 
     for name in OLD_NAMES:
         conn.execute(text("INSERT INTO nodes (name) VALUES (:n)"), {"n": name})
@@ -309,7 +309,7 @@ def test_an_upgraded_database_with_old_node_names_scrapes(admin_url: str) -> Non
     quarantined name the rule accepts (history kept under it, the old names listed), and
     /metrics answers 200 with every link labelled; a row it still cannot label (one written
     after, by hand) is left out and counted; the downgrade puts every old name back."""
-    from agents.groups import is_node_name, series_key, split_member
+    from ringwatch.agents.groups import is_node_name, series_key, split_member
 
     name = f"rw_mig_{uuid.uuid4().hex[:10]}"
     url = db.create_database(admin_url, name)

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agents import nccl_log, probe
-from agents.nccl_log import NcclLogReader, nccl_hostname, parse_nccl_log
+from ringwatch.agents import nccl_log, probe
+from ringwatch.agents.nccl_log import NcclLogReader, nccl_hostname, parse_nccl_log
 
 
 @pytest.fixture

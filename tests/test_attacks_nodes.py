@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from services.store import db, timeseries, tokens
+from ringwatch.services.store import db, timeseries, tokens
 from tests.api_fixtures import REACT_AT_ONCE, api_client, fleet_batch, measurement, pair
 from tests.procs import api_env, cli, start_server, stop_server
 
@@ -194,7 +194,7 @@ def test_retire_takes_a_node_out_of_the_fleet_and_keeps_its_history(clean_db) ->
 
 
 def test_retention_retires_nodes_not_seen_for_the_set_days(clean_db, database_url) -> None:
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
     with api_client(clean_db, {}) as api:
         api.post("/v1/measurements", json=fleet_batch(nodes=3),
@@ -298,8 +298,8 @@ def test_names_with_a_second_spelling_are_refused_by_the_api(api) -> None:
 
 def test_the_token_cli_refuses_the_names_the_api_refuses(database_url, clean_db, monkeypatch,
                                                           capsys) -> None:
-    from services.cli.main import main
-    from services.settings import get_settings
+    from ringwatch.services.cli.main import main
+    from ringwatch.services.settings import get_settings
 
     monkeypatch.setenv("RINGWATCH_DATABASE_URL", database_url)
     get_settings.cache_clear()
@@ -350,8 +350,8 @@ def test_a_nodes_page_cursor_is_always_a_legal_header(server) -> None:
 
 
 def test_member_and_name_rules_are_one_rule() -> None:
-    from agents.groups import check_node_name, split_member
-    from services.rankmap.checks import parse_hostfile
+    from ringwatch.agents.groups import check_node_name, split_member
+    from ringwatch.services.rankmap.checks import parse_hostfile
 
     for name in BAD_NAMES + ("-node", "node 0", "nöde", "a" * 254):
         with pytest.raises(ValueError):
@@ -363,7 +363,7 @@ def test_member_and_name_rules_are_one_rule() -> None:
             split_member(member)
     assert split_member("node-000/0") == ("node-000", 0)
     assert split_member("NODE.a_b-1/17") == ("NODE.a_b-1", 17)
-    from services.errors import BadInput
+    from ringwatch.services.errors import BadInput
 
     with pytest.raises(BadInput):
         parse_hostfile("node-000.\n")

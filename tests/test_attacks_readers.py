@@ -18,17 +18,17 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from agents.contention import TrafficMeter, TrafficSample
-from agents.nic_counters import (
+from ringwatch.agents.contention import TrafficMeter, TrafficSample
+from ringwatch.agents.nic_counters import (
     PortSnapshot,
     counter_rates,
     nic_errors,
     read_data_bytes,
     read_ports,
 )
-from agents.telemetry import telemetry_findings
-from api.schemas import MeasurementBatch
-from services.store import db
+from ringwatch.agents.telemetry import telemetry_findings
+from ringwatch.api.schemas import MeasurementBatch
+from ringwatch.services.store import db
 from tests.api_fixtures import fleet_batch
 from tests.test_nic_counters import EFA_COUNTERS, IB_COUNTERS, write_port
 
@@ -67,7 +67,7 @@ def test_an_efa_counter_jumping_to_all_ones_makes_no_figure_and_a_note(
     # A real rise beside them is still judged.
     set_counter(efa, "efa_0", "hw_counters", "retrans_timeout_events", 3)
     after = at(read_ports(efa), 1060.0)
-    with caplog.at_level(logging.WARNING, logger="agents.nic_counters"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.agents.nic_counters"):
         rates = {(r.device, r.counter): r for r in counter_rates(before, after)}
         errors = nic_errors(before, after, "node-1")
     drops = rates[("efa_0", "rx_drops")]
@@ -84,7 +84,7 @@ def test_a_counter_going_backwards_is_dropped_with_a_note(
     before = at(read_ports(efa, devices=["mlx5_0"]), 0.0)
     set_counter(efa, "mlx5_0", "counters", "link_downed", 0)
     after = at(read_ports(efa, devices=["mlx5_0"]), 30.0)
-    with caplog.at_level(logging.WARNING, logger="agents.nic_counters"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.agents.nic_counters"):
         (rate,) = [r for r in counter_rates(before, after) if r.counter == "link_downed"]
     assert rate.reset and rate.delta is None
     assert any("mlx5_0 port 1 counters/link_downed" in r.getMessage() and "went back" in
@@ -116,13 +116,13 @@ def test_an_nvml_counter_jumping_to_all_ones_makes_no_figure_and_a_note(
         times: tuple[float | None, float | None], caplog: pytest.LogCaptureFixture) -> None:
     before = _nvlink({"crc_flit": 0, "replay": 0}, times[0])
     after = _nvlink({"crc_flit": ALL_ONES, "replay": 7}, times[1])
-    with caplog.at_level(logging.WARNING, logger="agents.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.agents.telemetry"):
         (found,) = telemetry_findings(before, after, "node-1", 0)
     # The real rise stays a finding; the impossible one is neither a figure nor a rise.
     assert found.detail["rising_errors"] == {"3": {"replay": 7}}
     assert any("link 3 crc_flit" in r.getMessage() and str(ALL_ONES) in r.getMessage()
                for r in caplog.records)
-    with caplog.at_level(logging.WARNING, logger="agents.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.agents.telemetry"):
         only_bad = telemetry_findings(before, _nvlink({"crc_flit": ALL_ONES, "replay": 0},
                                                       times[1]), "node-1", 0)
     assert only_bad == []
@@ -135,7 +135,7 @@ def test_a_traffic_counter_jumping_to_all_ones_is_no_traffic(
                            net_bytes={("efa_0", 1): 0, ("efa_0", 2): 1_000})
     after = TrafficSample(at=0.2, nvlink_kib={(1, 0): ALL_ONES, (2, 0): 100},
                           net_bytes={("efa_0", 1): ALL_ONES, ("efa_0", 2): 1_000 + 200_000_000})
-    with caplog.at_level(logging.WARNING, logger="agents.contention"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.agents.contention"):
         traffic = meter.traffic(before, after, 0.2, "n/0")
     # Only the counters that could be true count: 100 KiB and 200 MB in 0.2 s.
     assert traffic.nvlink_gbs == pytest.approx(100 * 1024 / 0.2 / 1e9)
@@ -192,7 +192,7 @@ def test_the_schema_drops_a_finding_whose_number_is_out_of_range_and_says_so() -
 def test_a_batch_with_one_impossible_counter_is_accepted_and_the_rest_stored(
         api, caplog: pytest.LogCaptureFixture) -> None:
     batch = _batch_with_one_bad_finding()
-    with caplog.at_level(logging.WARNING, logger="api.schemas"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.api.schemas"):
         r = api.post("/v1/measurements", json=batch, headers=api.h["agent"])
     assert r.status_code == 200, r.text
     assert r.json()["stored"] == len(batch["measurements"])

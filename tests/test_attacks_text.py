@@ -26,10 +26,10 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from services.cli import slurm
-from services.cli.errors import CliError
-from services.notifier.channels import render_slack
-from services.store import db
+from ringwatch.services.cli import slurm
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.notifier.channels import render_slack
+from ringwatch.services.store import db
 from tests.api_fixtures import fleet_batch
 from tests.procs import cli, running_api
 
@@ -119,7 +119,7 @@ def server(database_url, clean_db, tmp_path):
 def _answer_with(factory, verdict: dict[str, Any], stop: threading.Event) -> None:
     """A scheduler that answers every waiting preflight with ``verdict``: the stored result
     the CLI then prints."""
-    from services.preflight import service
+    from ringwatch.services.preflight import service
 
     while not stop.is_set():
         with db.transaction(factory) as s:
@@ -161,7 +161,7 @@ def test_preflight_prints_a_hostile_headline_and_cause_with_control_characters_v
 
 def test_token_list_prints_a_hostile_name_with_control_characters_visible(
         database_url, clean_db, tmp_path) -> None:
-    from services.store import tokens
+    from ringwatch.services.store import tokens
 
     with db.transaction(clean_db) as s:
         tokens.issue(s, "reader", f"ci {HOSTILE}")
@@ -178,9 +178,9 @@ def test_token_list_prints_a_hostile_name_with_control_characters_visible(
 def test_every_text_surface_shows_control_characters_instead_of_acting_on_them(capsys) -> None:
     """The verdict, the rank-map check, the selftest report, the status table and the
     Slurm decision log, each given hostile strings where an agent or admin supplies them."""
-    from services.cli import status
-    from services.cli.commands import _print_rankmap
-    from services.cli.output import print_verdict
+    from ringwatch.services.cli import status
+    from ringwatch.services.cli.commands import _print_rankmap
+    from ringwatch.services.cli.output import print_verdict
 
     print_verdict({"healthy": False, "nodes_checked": 1, "backend": "gloo",
                    "exclude": [f"n{HOSTILE}"], "suspects": [HOSTILE], "unprobed": [HOSTILE],
@@ -213,9 +213,9 @@ def test_every_text_surface_shows_control_characters_instead_of_acting_on_them(c
 
 
 def test_the_selftest_report_shows_control_characters_instead_of_acting_on_them() -> None:
-    from agents.spec import Finding
-    from services.selftest import report
-    from services.selftest.runner import SelftestResult
+    from ringwatch.agents.spec import Finding
+    from ringwatch.services.selftest import report
+    from ringwatch.services.selftest.runner import SelftestResult
 
     result = SelftestResult(node="n0", backend="gloo", worlds=[],
                             gpus=[{"available": False, "reason": HOSTILE}],
@@ -319,14 +319,14 @@ def test_the_drain_reason_keeps_a_safe_character_set() -> None:
 
 
 def test_the_notifier_health_port_binds_loopback_by_default() -> None:
-    from services.cli.main import build_parser
+    from ringwatch.services.cli.main import build_parser
 
     args = build_parser().parse_args(["notifier", "--health-port", "8421"])
     assert args.health_host == "127.0.0.1"
 
 
 def _notifier_port() -> Any:
-    from services.notifier.health import NotifierHealth
+    from ringwatch.services.notifier.health import NotifierHealth
 
     stub = SimpleNamespace(came_round=time.monotonic(), box=None)
     health = NotifierHealth(stub, create_engine("postgresql+psycopg://nobody@unused/none"), 1.0)
@@ -334,14 +334,14 @@ def _notifier_port() -> Any:
 
 
 def _scheduler_port() -> Any:
-    from services.scheduler.watch import SchedulerWatch
+    from ringwatch.services.scheduler.watch import SchedulerWatch
 
     return SchedulerWatch("a", "sched-a:1", 300.0, host="sched-a").serve("127.0.0.1", 0), "/metrics"
 
 
 @pytest.mark.parametrize("start", [_notifier_port, _scheduler_port], ids=["notifier", "scheduler"])
 def test_idle_connections_do_not_grow_threads_and_healthz_still_answers(start: Any) -> None:
-    from services.health_port import MAX_CONNECTIONS
+    from ringwatch.services.health_port import MAX_CONNECTIONS
 
     before = threading.active_count()
     server, path = start()
@@ -362,7 +362,7 @@ def test_idle_connections_do_not_grow_threads_and_healthz_still_answers(start: A
 
 
 def test_an_idle_connection_is_closed_after_the_read_timeout(monkeypatch) -> None:
-    from services.notifier import health as module
+    from ringwatch.services.notifier import health as module
 
     monkeypatch.setattr(module, "READ_TIMEOUT_S", 0.5)
     stub = SimpleNamespace(came_round=time.monotonic(), box=None)
@@ -383,7 +383,7 @@ def test_the_kubelet_probes_a_notifier_that_listens_on_the_pod_address() -> None
     """A kubelet probes the pod's IP: the manifest names an address other than loopback."""
     import yaml
 
-    from services.cli.main import build_parser
+    from ringwatch.services.cli.main import build_parser
 
     path = Path(__file__).resolve().parents[1] / "deploy/kubernetes/base/notifier.yaml"
     (c,) = yaml.safe_load(path.read_text())["spec"]["template"]["spec"]["containers"]
@@ -407,7 +407,7 @@ def test_db_upgrade_says_who_holds_the_migration_lock_and_gives_up_after_its_bou
             pid = holder.execute(text("SELECT pg_backend_pid()")).scalar()
             env = {**os.environ, "RINGWATCH_DATABASE_URL": url}
             started = time.monotonic()
-            r = subprocess.run([sys.executable, "-m", "services.cli.main", "db", "upgrade",
+            r = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "db", "upgrade",
                                 "--lock-timeout", "2"], env=env, capture_output=True, text=True,
                                timeout=120)
             took = time.monotonic() - started
@@ -420,14 +420,14 @@ def test_db_upgrade_says_who_holds_the_migration_lock_and_gives_up_after_its_bou
             assert took < 90
             assert db.current_revision(url) is None  # it migrated nothing
             # The setting does what the flag does.
-            r = subprocess.run([sys.executable, "-m", "services.cli.main", "db", "upgrade"],
+            r = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "db", "upgrade"],
                                env={**env, "RINGWATCH_MIGRATION_LOCK_TIMEOUT_S": "1"},
                                capture_output=True, text=True, timeout=120)
             assert r.returncode != 0 and "after 1 s" in r.stderr, r.stderr
             holder.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": db.MIGRATION_LOCK})
             holder.commit()
         # Released: the same command migrates, silently about the lock.
-        r = subprocess.run([sys.executable, "-m", "services.cli.main", "db", "upgrade",
+        r = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "db", "upgrade",
                             "--lock-timeout", "5"], env=env, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0 and "waiting" not in r.stderr, r.stderr

@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select
 
-from api.app import create_app
-from services.settings import Settings
-from services.store import db, tokens
-from services.store.models import ApiToken
+from ringwatch.api.app import create_app
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, tokens
+from ringwatch.services.store.models import ApiToken
 from tests.api_fixtures import api_client, fleet_batch, measurement
 
 NODES = ["node-000", "node-001", "node-002", "node-003"]

@@ -7,10 +7,10 @@ import inspect
 
 import pytest
 
-from agents.sim import SimBackend
-from agents.spec import BackendDefaults, ProbeBackend
-from services.scheduler.cycle import ProbeOptions, run_cycle
-from services.scheduler.ray_backend import RayBackend
+from ringwatch.agents.sim import SimBackend
+from ringwatch.agents.spec import BackendDefaults, ProbeBackend
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.services.scheduler.ray_backend import RayBackend
 from tests.test_preflight_sim import SlowRankBackend
 
 # Every concrete backend and every double used as one: a new member must reach them all.
@@ -72,8 +72,8 @@ def test_a_backend_with_only_the_defaults_runs_a_scheduled_cycle() -> None:
 def test_the_sim_states_only_what_differs() -> None:
     """The sim's own deadline and hardware model; its sizes are the sizes table's (one
     home for every backend's); the rest is the defaults'."""
-    from agents.collectives import default_sizes
-    from services.check.shape import probe_sizes
+    from ringwatch.agents.collectives import default_sizes
+    from ringwatch.services.check.shape import probe_sizes
 
     b = SimBackend({"nodes": 2, "gpus_per_node": 2})
     assert b.preflight_sizes is None and probe_sizes(b) == default_sizes("sim")

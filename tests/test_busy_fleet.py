@@ -32,7 +32,7 @@ NODES = 256
 def fleet_run(admin_url, tmp_path_factory):
     """Seven cycles of the busy fleet on a database of its own, and what the API showed
     after each."""
-    from services.store import db
+    from ringwatch.services.store import db
 
     name = f"rw_busy_{uuid.uuid4().hex[:12]}"
     url = db.create_database(admin_url, name)

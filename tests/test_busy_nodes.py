@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.hostlist import compress_hostlist, expand_hostlist, index_ranges
-from agents.sim import SimBackend
-from agents.spec import Measurement, Occupant
-from services.check.loop import judged, set_aside
-from services.check.planner import rotation_matching
-from services.cli.status import busy_text
-from services.scheduler.cycle import CycleResult, ProbeOptions, Sharing, run_cycle
-from services.scheduler.occupancy import Occupancy, read_occupancy
+from ringwatch.agents.hostlist import compress_hostlist, expand_hostlist, index_ranges
+from ringwatch.agents.sim import SimBackend
+from ringwatch.agents.spec import Measurement, Occupant
+from ringwatch.services.check.loop import judged, set_aside
+from ringwatch.services.check.planner import rotation_matching
+from ringwatch.services.cli.status import busy_text
+from ringwatch.services.scheduler.cycle import CycleResult, ProbeOptions, Sharing, run_cycle
+from ringwatch.services.scheduler.occupancy import Occupancy, read_occupancy
 from tests.api_fixtures import api_client, fleet_batch
 
 
@@ -107,7 +107,7 @@ def test_busy_nodes_probed_on_purpose_are_contended_and_never_found_faulty() -> 
 
 
 def test_a_preflight_through_busy_nodes_says_it_could_not_judge_them() -> None:
-    from services.check import run_check
+    from ringwatch.services.check import run_check
 
     backend = SimBackend.from_dict(busy_fleet())  # a preflight counts as cycle 1: in the job
     verdict = run_check(backend, names(8)).verdict()

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.sim import SimBackend
-from services.check import CheckBudget, run_check
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.check import CheckBudget, run_check
 
 BUDGET = CheckBudget(max_rounds=60, max_fabric_s=30.0, max_wall_s=120.0)
 
@@ -60,7 +60,7 @@ def test_the_check_stands_below_the_scheduler_store_and_api() -> None:
     import sys
 
     code = ("import sys, services.check; print(sorted({m for m in sys.modules if m.split('.')[0] "
-            "== 'api' or m.startswith(('services.scheduler', 'services.store', 'services.cli'))}))")
+            "== 'api' or m.startswith(('ringwatch.services.scheduler', 'ringwatch.services.store', 'ringwatch.services.cli'))}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -89,7 +89,7 @@ def test_tiny_noisy_fleets_exclude_no_one_before_their_noise_is_measured() -> No
 def test_a_check_sweeps_young_objects_less_often_and_puts_the_threshold_back() -> None:
     import gc
 
-    from services.check import loop
+    from ringwatch.services.check import loop
 
     before = gc.get_threshold()
     seen = []

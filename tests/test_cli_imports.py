@@ -19,7 +19,7 @@ CLIENT = ("httpx", "rich", "pydantic", "pydantic_settings")
 # Runs the commands in-process, then prints their exit codes and the watched modules loaded.
 _RUN = r"""
 import contextlib, io, json, sys
-import services.cli.main as m
+import ringwatch.services.cli.main as m
 
 codes = {}
 for argv in json.loads(sys.argv[1]):
@@ -92,7 +92,7 @@ def test_a_set_variable_still_reaches_a_sim_check(tmp_path: Path) -> None:
     """The check skips Settings only where no RINGWATCH_* variable is set: one that is set,
     in any case, is read and validated as before."""
     fabric = _fabric(tmp_path)
-    argv = [sys.executable, "-m", "services.cli.main", "preflight", "--fabric", fabric, "--json"]
+    argv = [sys.executable, "-m", "ringwatch.services.cli.main", "preflight", "--fabric", fabric, "--json"]
     r = subprocess.run(argv, env={**_no_settings_env(), "ringwatch_check_max_rounds": "1"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

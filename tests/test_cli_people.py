@@ -32,7 +32,7 @@ def on_a_terminal(args: list[str], env: dict[str, str], timeout: float = 120) ->
     """Run the CLI with standard output and error on a pseudo-terminal; (exit code, what the
     terminal showed)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", *args], env=env,
                             stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
     os.close(slave)
     shown = b""
@@ -103,7 +103,7 @@ def _complete(script: str, line: str) -> list[str]:
 
 
 def test_bash_completion_offers_the_commands_and_flags_the_cli_takes(tmp_path: Path) -> None:
-    script = subprocess.run([sys.executable, "-m", "services.cli.main", "completion", "bash"],
+    script = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "completion", "bash"],
                             capture_output=True, text=True, check=True).stdout
     assert _complete(script, "ringwatch pre") == ["preflight"]
     assert _complete(script, "ringwatch st") == ["status"]
@@ -115,7 +115,7 @@ def test_bash_completion_offers_the_commands_and_flags_the_cli_takes(tmp_path: P
                                                                    "pipeline"]
     assert _complete(script, "ringwatch probe --fabric x.json --ba") == ["--backend"]
     assert "--tp" in _complete(script, "ringwatch scheduler --")
-    zsh = subprocess.run([sys.executable, "-m", "services.cli.main", "completion", "zsh"],
+    zsh = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "completion", "zsh"],
                          capture_output=True, text=True, check=True).stdout
     assert zsh.startswith("autoload -U +X bashcompinit") and script in zsh
 
@@ -134,14 +134,14 @@ def _parsers(parser, path: tuple[str, ...] = ("ringwatch",)):
 def test_no_help_text_holds_markup() -> None:
     """Help is read on a terminal: no reST backticks or literal-block colons in any
     command's --help (the top level's came from the module docstring)."""
-    from services.cli.main import build_parser
+    from ringwatch.services.cli.main import build_parser
 
     helps = {" ".join(path): p.format_help() for path, p in _parsers(build_parser())}
     assert len(helps) > 30 and {"ringwatch db wait", "ringwatch slurm prolog"} <= set(helps)
     marked = {path: [line for line in text.splitlines() if "`" in line or "::" in line]
               for path, text in helps.items()}
     assert {path: lines for path, lines in marked.items() if lines} == {}
-    top = subprocess.run([sys.executable, "-m", "services.cli.main", "--help"],
+    top = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "ringwatch: the command line. Launches the processes" in top
 

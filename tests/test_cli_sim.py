@@ -87,8 +87,8 @@ def test_command_s_is_the_whole_command_and_wall_s_the_checks_rounds(tmp_path: P
     wall budget bounds): docs/formats.md. A backend that takes a second to stop shows it."""
     import time
 
-    from services.cli import commands
-    from services.cli.main import build_parser
+    from ringwatch.services.cli import commands
+    from ringwatch.services.cli.main import build_parser
 
     made = commands.make_backend
 

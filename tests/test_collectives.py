@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.collectives import (
+from ringwatch.agents.collectives import (
     DTYPES,
     OPS,
     algbw_gbs,
@@ -23,7 +23,7 @@ from agents.collectives import (
     dtype_size,
     plan,
 )
-from agents.patterns import (
+from ringwatch.agents.patterns import (
     check_tolerance,
     count_wrong,
     expected_output,
@@ -31,8 +31,8 @@ from agents.patterns import (
     summand_modulus,
     torch_dtype,
 )
-from agents.probe import make_group, run_probe
-from agents.spec import REDOPS, REDUCING_OPS, redop_for
+from ringwatch.agents.probe import make_group, run_probe
+from ringwatch.agents.spec import REDOPS, REDUCING_OPS, redop_for
 from tests.threads import on_threads
 
 ops = st.sampled_from(sorted(OPS))
@@ -306,7 +306,7 @@ def test_sendrecv_ring_of_three() -> None:
 
 
 def test_quick_preset_has_latency_and_bandwidth_sizes() -> None:
-    from agents.collectives import preset_sizes, size_preset
+    from ringwatch.agents.collectives import preset_sizes, size_preset
 
     gpu = size_preset("quick", "nccl")
     assert gpu.latency_sizes[0] == 8 and gpu.latency_sizes[-1] == 64 * 1024
@@ -318,7 +318,7 @@ def test_quick_preset_has_latency_and_bandwidth_sizes() -> None:
 
 
 def test_full_preset_is_nccl_tests_b8_e1g_f2() -> None:
-    from agents.collectives import preset_sizes
+    from ringwatch.agents.collectives import preset_sizes
 
     full = preset_sizes("full", "nccl")
     assert full == tuple(1 << k for k in range(3, 31))  # 8 B .. 1 GiB, factor 2: 28 sizes

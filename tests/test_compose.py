@@ -31,7 +31,7 @@ def test_workers_reserve_gpus_and_head_runs_the_scheduler() -> None:
 
 
 def test_every_ringwatch_variable_is_a_setting() -> None:
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
     fields = {f"RINGWATCH_{name.upper()}" for name in Settings.model_fields}
     for svc in load()["services"].values():

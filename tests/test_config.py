@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from services.analyzer.evidence import CusumPolicy
-from services.config import PLACEHOLDER_SECRET
-from services.settings import Settings
+from ringwatch.services.analyzer.evidence import CusumPolicy
+from ringwatch.services.config import PLACEHOLDER_SECRET
+from ringwatch.services.settings import Settings
 
 
 def test_settings_read_the_environment(monkeypatch) -> None:
@@ -48,9 +48,9 @@ def test_bad_settings_are_refused(monkeypatch) -> None:
 def test_default_thresholds_are_the_settings_defaults(monkeypatch) -> None:
     """What a check on defaults uses without building Settings (the analyzer's thresholds)
     is what Settings gives when no RINGWATCH_* variable is set."""
-    from services.analyzer.assess import thresholds_for
-    from services.check import CheckBudget
-    from services.config import settings_in_environment
+    from ringwatch.services.analyzer.assess import thresholds_for
+    from ringwatch.services.check import CheckBudget
+    from ringwatch.services.config import settings_in_environment
 
     for name in [k for k in os.environ if k.lower().startswith("ringwatch_")]:
         monkeypatch.delenv(name)

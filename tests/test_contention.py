@@ -17,17 +17,17 @@ import pynvml
 import pytest
 import torch
 
-from agents import outcome, telemetry
-from agents.contention import (
+from ringwatch.agents import outcome, telemetry
+from ringwatch.agents.contention import (
     UTILIZATION_PERIOD_S,
     Limits,
     Traffic,
     TrafficMeter,
     contention,
 )
-from agents.nic_counters import read_data_bytes
-from agents.probe import ProbeAgent
-from agents.spec import GroupSpec
+from ringwatch.agents.nic_counters import read_data_bytes
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.spec import GroupSpec
 from tests.test_nccl_path import run_agents
 from tests.test_nic_counters import write_port
 

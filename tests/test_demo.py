@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from services.cli.demo import EXPECTED_KIND, SLOW
+from ringwatch.services.cli.demo import EXPECTED_KIND, SLOW
 from tests.procs import cli
 
 pytestmark = pytest.mark.ray

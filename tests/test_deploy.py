@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.version import ringwatch_version
+from ringwatch.services.version import ringwatch_version
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy" / "kubernetes"
@@ -406,7 +406,7 @@ def test_kubectl_renders_what_these_tests_check() -> None:
 
 
 def _parse(argv: list[str]):
-    from services.cli.main import build_parser
+    from ringwatch.services.cli.main import build_parser
 
     try:
         return build_parser().parse_args(argv)
@@ -500,7 +500,7 @@ def test_container_variable_references_are_defined() -> None:
 
 
 def test_every_ringwatch_variable_is_a_setting() -> None:
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
     fields = {f"RINGWATCH_{name.upper()}" for name in Settings.model_fields}
     seen = set()
@@ -533,7 +533,7 @@ def _documented_secrets() -> dict[str, dict[str, str]]:
 
 
 def test_secrets_come_from_documented_secrets_and_none_are_in_the_repository() -> None:
-    from api.schemas import PLACEHOLDER_SECRETS
+    from ringwatch.api.schemas import PLACEHOLDER_SECRETS
 
     documented = _documented_secrets()
     assert {"ringwatch-secrets", "ringwatch-agent-token", "ringwatch-reader-token"} <= set(documented)
@@ -570,7 +570,7 @@ def _service_url(docs: list[dict], namespace: str, url: str) -> tuple[dict, int]
 
 
 def test_the_api_service_reaches_the_serving_port_and_its_probes_a_real_route() -> None:
-    from api.routers.meta import router
+    from ringwatch.api.routers.meta import router
 
     docs = manifests()
     api = find(docs, "Deployment", "ringwatch-api")
@@ -616,8 +616,8 @@ def test_the_migration_job_alone_runs_migrations() -> None:
 
 def _http_routes(container: dict) -> dict[int, set[str]]:
     """Port -> paths the ringwatch process of ``container`` serves over HTTP."""
-    from api.routers.meta import router
-    from services.notifier.health import PATHS
+    from ringwatch.api.routers.meta import router
+    from ringwatch.services.notifier.health import PATHS
 
     (argv,) = _ringwatch_argvs(container)
     args = _parse(argv)
@@ -788,8 +788,8 @@ def test_the_scheduler_the_remediation_and_the_gate_example_reach_the_api_servic
 
 
 def test_the_scheduler_alone_may_list_pods_and_nodes_and_nothing_else() -> None:
-    from services.scheduler import occupancy
-    from services.settings import Settings
+    from ringwatch.services.scheduler import occupancy
+    from ringwatch.services.settings import Settings
 
     namespace = yaml.safe_load((BASE / "kustomization.yaml").read_text())["namespace"]
     for directory in KUSTOMIZATIONS:
@@ -835,7 +835,7 @@ def test_the_scheduler_alone_may_list_pods_and_nodes_and_nothing_else() -> None:
 
 
 def test_the_remediation_may_patch_nodes_and_nothing_else_and_ships_as_a_dry_run() -> None:
-    from services.kubernetes import client, remediation
+    from ringwatch.services.kubernetes import client, remediation
 
     namespace = yaml.safe_load((BASE / "kustomization.yaml").read_text())["namespace"]
     for directory in KUSTOMIZATIONS:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from agents.sim import FAULT_KINDS, SimBackend, node_name
 from bench import detection
+from ringwatch.agents.sim import FAULT_KINDS, SimBackend, node_name
 
 
 def test_the_benchmark_draws_every_kind_the_sim_has() -> None:

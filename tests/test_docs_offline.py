@@ -19,9 +19,9 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from services.store import db
-from services.store.health import open_finding
-from services.store.models import Base
+from ringwatch.services.store import db
+from ringwatch.services.store.health import open_finding
+from ringwatch.services.store.models import Base
 from tests.api_fixtures import api_client, fleet_batch, measurement
 from tests.procs import free_port, start_server, stop_server
 

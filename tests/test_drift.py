@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from agents.matchings import circle_matching
-from agents.spec import Finding, Measurement
-from services.analyzer.assess import Assessment
-from services.analyzer.drift import (
+from ringwatch.agents.matchings import circle_matching
+from ringwatch.agents.spec import Finding, Measurement
+from ringwatch.services.analyzer.assess import Assessment
+from ringwatch.services.analyzer.drift import (
     confidence,
     drift_observations,
     expected_worst,
     step_drift,
     unexplained,
 )
-from services.analyzer.evidence import CusumPolicy
-from services.store import db
+from ringwatch.services.analyzer.evidence import CusumPolicy
+from ringwatch.services.store import db
 from tests.api_fixtures import api_client, measurement
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -11,9 +11,9 @@ import uuid
 import httpx
 import pytest
 
-from services.scheduler.cycle import ProbeOptions, run_cycle, run_scheduler
-from services.scheduler.ray_backend import RayBackend
-from services.scheduler.shipper import Shipper
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle, run_scheduler
+from ringwatch.services.scheduler.ray_backend import RayBackend
+from ringwatch.services.scheduler.shipper import Shipper
 from tests.procs import free_port, start_server, stop_server
 
 pytestmark = pytest.mark.ray

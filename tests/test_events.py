@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from services.notifier.channels import render_json
-from services.store import db, events
-from services.store.events import EventType
+from ringwatch.services.notifier.channels import render_json
+from ringwatch.services.store import db, events
+from ringwatch.services.store.events import EventType
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "webhooks.md"
 API = "https://rw.example"
@@ -103,7 +103,7 @@ def test_a_recovery_without_its_incident_points_at_the_findings() -> None:
 def test_the_api_accepts_subscriptions_to_every_subscribable_event() -> None:
     from pydantic import ValidationError
 
-    from api.schemas import WebhookIn
+    from ringwatch.api.schemas import WebhookIn
 
     enum = WebhookIn.model_json_schema()["properties"]["events"]["items"]["enum"]
     assert enum == [str(e) for e in typing.get_args(events.Subscribable)]

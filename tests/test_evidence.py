@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import numpy as np
 import pytest
 
-from agents.spec import Measurement
-from services.analyzer.assess import assess, link_key, own_normal
-from services.analyzer.evidence import (
+from ringwatch.agents.spec import Measurement
+from ringwatch.services.analyzer.assess import assess, link_key, own_normal
+from ringwatch.services.analyzer.evidence import (
     DEGRADED,
     HEALTHY,
     MAD_TO_SIGMA,
@@ -206,7 +206,7 @@ def test_one_measurement_in_the_far_tail_is_measured_again_before_it_is_a_fault(
 
 
 def test_a_run_measures_how_alike_its_links_are_where_noise_allows() -> None:
-    from services.analyzer.localize import group_verdicts
+    from ringwatch.services.analyzer.localize import group_verdicts
 
     def fleet(variation: float, noise: float, seed: int) -> dict:
         rng = np.random.default_rng(seed)
@@ -235,7 +235,7 @@ def intra_group(node: int, busbw: float) -> Measurement:
 
 
 def test_a_union_is_expected_at_its_slowest_path() -> None:
-    from services.analyzer.assess import slowest_path_share
+    from ringwatch.services.analyzer.assess import slowest_path_share
 
     assert slowest_path_share(2, 0.03) == pytest.approx(1.0)
     shares = [slowest_path_share(k, 0.03) for k in (2, 4, 16, 64, 1024)]
@@ -246,7 +246,7 @@ def test_a_union_is_expected_at_its_slowest_path() -> None:
 
 
 def test_the_noise_is_measured_from_repeats_the_first_reading_did_not_select() -> None:
-    from services.analyzer.localize import group_verdicts, measured_noise
+    from ringwatch.services.analyzer.localize import group_verdicts, measured_noise
 
     rng = np.random.default_rng(5)
     # 200 links under 8 % noise, 3 % apart for good. A check repeats the ones whose first

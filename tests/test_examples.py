@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_k8s_example_gates_the_trainer_on_its_nodes_verdict_failing_open() -> None:
-    from services.cli.main import build_parser
+    from ringwatch.services.cli.main import build_parser
 
     pod = yaml.safe_load((ROOT / "examples" / "k8s-init-container.yaml").read_text())
     init = pod["spec"]["initContainers"][0]

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.extras import COMMAND_EXTRAS, EXTRA_OF
+from ringwatch.services.cli.extras import COMMAND_EXTRAS, EXTRA_OF
 from tests.api_fixtures import fleet_batch
 from tests.procs import api_env, start_server, stop_server
 
@@ -44,7 +44,7 @@ class Refuse(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Refuse())
-from services.cli.main import main
+from ringwatch.services.cli.main import main
 
 sys.exit(main(sys.argv[2:]))
 """
@@ -256,7 +256,7 @@ class _Installed:
 ])
 def test_the_install_named_is_where_this_ringwatch_came_from(direct_url, spec, monkeypatch,
                                                            tmp_path) -> None:
-    from services.cli import extras
+    from ringwatch.services.cli import extras
 
     monkeypatch.setattr(extras.metadata, "distribution", lambda name: _Installed(direct_url))
     monkeypatch.setattr(extras, "SOURCE_ROOT", tmp_path)  # not run from a checkout
@@ -268,7 +268,7 @@ def test_the_install_named_is_where_this_ringwatch_came_from(direct_url, spec, m
 def test_a_checkout_run_without_an_install_names_the_checkout(monkeypatch) -> None:
     """Run from the source tree with no ringwatch installed (or only a stale egg-info on the
     path, which records no origin): the checkout it runs from, never a bare index name."""
-    from services.cli import extras
+    from ringwatch.services.cli import extras
 
     def absent(name: str):
         raise md.PackageNotFoundError(name)
@@ -280,11 +280,11 @@ def test_a_checkout_run_without_an_install_names_the_checkout(monkeypatch) -> No
 
 
 def test_every_client_command_says_where_the_api_is_and_what_token_it_sends() -> None:
-    from services.cli.main import build_parser
+    from ringwatch.services.cli.main import build_parser
 
     for argv in (["preflight"], ["status"], ["check-rankmap", "f"], ["token", "create"],
                  ["token", "list"], ["token", "revoke"]):
-        r = subprocess.run([sys.executable, "-m", "services.cli.main", *argv, "--help"],
+        r = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", *argv, "--help"],
                            capture_output=True, text=True, timeout=60)
         text = " ".join(r.stdout.split())
         assert r.returncode == 0 and "--api URL" in text, argv
@@ -296,7 +296,7 @@ def test_every_client_command_says_where_the_api_is_and_what_token_it_sends() ->
 def test_the_ray_version_hint_installs_into_this_environment() -> None:
     """The scheduler's refusal to join another Ray names this interpreter's pip, so a
     scheduler run from an environment that is not activated is told the install that fits."""
-    from services.scheduler.ray_backend import version_mismatch
+    from ringwatch.services.scheduler.ray_backend import version_mismatch
 
     refusal = ("Version mismatch: The cluster was started with:\n    Ray: 2.48.0\n"
                "    Python: 3.11.7\nThis process on node 10.0.0.5 was started with:\n"

@@ -11,8 +11,8 @@ import pynvml
 import pytest
 import torch
 
-from agents import nvlink_fabric, telemetry
-from agents.nvlink_fabric import (
+from ringwatch.agents import nvlink_fabric, telemetry
+from ringwatch.agents.nvlink_fabric import (
     HEALTH_FIELDS,
     STATES,
     decode_health,
@@ -20,7 +20,7 @@ from agents.nvlink_fabric import (
     fabric_by_node,
     fabric_findings,
 )
-from agents.telemetry import read_counters, read_gpu_telemetry
+from ringwatch.agents.telemetry import read_counters, read_gpu_telemetry
 from tests.test_telemetry import FakeNvml
 
 RACK = bytes(range(1, 17))  # one NVL72 rack's cluster UUID
@@ -352,8 +352,8 @@ def test_real_nvml_fabric_reading() -> None:
 def test_a_cycle_names_the_gpu_its_fabric_has_not_registered(nvml: FabricNvml) -> None:
     """Through the scheduler's cycle: the ranks' NVML readings (the fake at the NVML call) in,
     nvlink_fabric findings judged on the readings after the cycle, with the reading kept."""
-    from agents.sim import SimBackend
-    from services.scheduler.cycle import ProbeOptions, run_cycle
+    from ringwatch.agents.sim import SimBackend
+    from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
 
     class ReadsNvml(SimBackend):
         def counters(self):
@@ -374,8 +374,8 @@ def test_a_cycle_names_the_gpu_its_fabric_has_not_registered(nvml: FabricNvml) -
 def test_a_rack_partitioned_on_purpose_compares_no_cliques(nvml: FabricNvml) -> None:
     """RINGWATCH_NVLINK_PARTITIONED: two cliques in one cluster are the layout; a GPU not
     registered is still a finding."""
-    from agents.sim import SimBackend
-    from services.scheduler.cycle import ProbeOptions, run_cycle
+    from ringwatch.agents.sim import SimBackend
+    from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
 
     class ReadsNvml(SimBackend):
         def counters(self):

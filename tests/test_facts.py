@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from agents.groups import split_member
-from agents.nvlink_fabric import reading as fabric_reading
-from agents.sim import SimBackend
-from services.check import ProbeSpec, run_check
-from services.scheduler.api_client import SchedulerApi
-from services.scheduler.cycle import ProbeOptions, run_cycle, serve_preflight
-from services.scheduler.shipper import Shipper
-from services.store import db
-from services.store import health as health_store
+from ringwatch.agents.groups import split_member
+from ringwatch.agents.nvlink_fabric import reading as fabric_reading
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.check import ProbeSpec, run_check
+from ringwatch.services.scheduler.api_client import SchedulerApi
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle, serve_preflight
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.store import db
+from ringwatch.services.store import health as health_store
 from tests.api_fixtures import fleet_batch, measurement
 from tests.procs import cli
 from tests.test_preflight_sim import SlowRankBackend

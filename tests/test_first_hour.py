@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.sim import SimBackend
-from services.cli.api_process import wait_ready
-from services.cli.hostlist import expand_hostlist
-from services.store.db import describe_url
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.cli.api_process import wait_ready
+from ringwatch.services.cli.hostlist import expand_hostlist
+from ringwatch.services.store.db import describe_url
 from tests.api_fixtures import fleet_batch
 from tests.procs import api_env, cli, free_port, start_server, stop_server
 
@@ -152,7 +152,7 @@ def test_serve_and_db_upgrade_say_where_they_listen_and_which_database(env) -> N
     again = cli("db", "upgrade", env=env)
     assert "already at" in again.stdout
     port = env["RINGWATCH_API_URL"].rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", port,
+    proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "serve", "--port", port,
                              "--no-notifier"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(proc, env["RINGWATCH_API_URL"])
@@ -208,7 +208,7 @@ def test_the_scheduler_once_line_reports_what_the_api_found(env, tmp_path) -> No
 @pytest.mark.ray
 def test_sigterm_stops_the_scheduler_without_a_crash_report(env) -> None:
     env = {**env, "RINGWATCH_API_URL": f"http://127.0.0.1:{free_port()}"}  # nothing listens
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "scheduler", "--local",
+    proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--local",
                              "2", "--gpus-per-node", "1", "--interval", "600"], env=env,
                             stderr=subprocess.PIPE, text=True)
     lines = []

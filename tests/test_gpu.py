@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
-from agents import outcome
-from agents.collectives import DTYPES, OPS
-from agents.probe import ProbeAgent
-from agents.spec import REDUCING_OPS, GroupSpec
+from ringwatch.agents import outcome
+from ringwatch.agents.collectives import DTYPES, OPS
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.spec import REDUCING_OPS, GroupSpec
 from tests.test_nccl_path import run_agents
 
 pytestmark = pytest.mark.gpu
@@ -123,7 +123,7 @@ def test_the_agent_reads_ncclS_own_log_of_its_group() -> None:
     """The agent's NCCL debug file, as NCCL itself wrote it on this GPU, parsed: the version
     torch links, the network plugin chosen. Run with -s to see the summary (the issue asks
     for a real log parsed on a GPU)."""
-    from agents import nccl_log
+    from ringwatch.agents import nccl_log
 
     agent = ProbeAgent("gpu-node", 0, backend="nccl")
     spec = GroupSpec("intra_node", ("gpu-node/0",), ops=("allreduce",), sizes=(1 << 20,),

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from agents.groups import (
+from ringwatch.agents.groups import (
     MAX_PLAIN_KEY,
     Group,
     member,

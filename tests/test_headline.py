@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from agents.spec import Measurement
-from services.analyzer.assess import GLOO_THRESHOLDS
-from services.analyzer.headline import headline, size_text
-from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, standing
-from services.analyzer.judge import judge
-from services.cli import output, status
-from services.notifier.channels import render_slack
+from ringwatch.agents.spec import Measurement
+from ringwatch.services.analyzer.assess import GLOO_THRESHOLDS
+from ringwatch.services.analyzer.headline import headline, size_text
+from ringwatch.services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, standing
+from ringwatch.services.analyzer.judge import judge
+from ringwatch.services.cli import output, status
+from ringwatch.services.notifier.channels import render_slack
 from tests.api_fixtures import measurement, pair, register_webhook
 from tests.test_notifier import drain, make_notifier
 

@@ -25,12 +25,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from api.app import create_app
 from bench.chaos.private_pg import PrivatePostgres
-from services.notifier import service as webhooks
-from services.settings import Settings
-from services.store import db
-from services.store.events import OUTBOX_CHANNEL
+from ringwatch.api.app import create_app
+from ringwatch.services.notifier import service as webhooks
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db
+from ringwatch.services.store.events import OUTBOX_CHANNEL
 from tests.api_fixtures import TEST_SECRET_KEY, WEBHOOK_SECRET, WEBHOOK_TEST_SETTINGS
 from tests.procs import api_env, free_port, start_server, stop_server
 
@@ -141,7 +141,7 @@ def test_with_its_database_the_scrape_has_the_fleet_and_database_up(api) -> None
 def test_the_manifests_probe_readiness_and_liveness_apart() -> None:
     """Kubernetes takes an API replica out of its Service on /readyz and restarts it only on
     /healthz; compose starts what waits on the API once /readyz answers."""
-    from api.routers.meta import router
+    from ringwatch.api.routers.meta import router
 
     routes = {r.path for r in router.routes}  # type: ignore[attr-defined]
     assert {"/healthz", "/readyz"} <= routes
@@ -227,7 +227,7 @@ def delivered_in(factory, rx, hook: int, count: int) -> float:
 
 @pytest.mark.slow
 def test_the_notifier_listens_again_after_postgres_restarts(tmp_path: Path) -> None:
-    from services.notifier.receiver import WebhookReceiver
+    from ringwatch.services.notifier.receiver import WebhookReceiver
 
     settings = Settings(database_url="unused", **WEBHOOK_TEST_SETTINGS)
     with private_database() as (pg, url), WebhookReceiver(WEBHOOK_SECRET) as rx:
@@ -242,7 +242,7 @@ def test_the_notifier_listens_again_after_postgres_restarts(tmp_path: Path) -> N
                "RINGWATCH_WEBHOOK_ALLOWED_NETWORKS": '["127.0.0.0/8"]'}
         log = tmp_path / "notifier.log"
         with log.open("wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "notifier"],
+            proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "notifier"],
                                     env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             assert eventually(lambda: listening(url)), log.read_text()

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-import agents.hostlist as hostlist
-from agents.hostlist import TooManyHosts, expand_hostlist, expand_hostlists
-from api.schemas import MAX_NODES_NAMED, NodesRetireIn, PreflightIn, TokenIn
+import ringwatch.agents.hostlist as hostlist
+from ringwatch.agents.hostlist import TooManyHosts, expand_hostlist, expand_hostlists
+from ringwatch.api.schemas import MAX_NODES_NAMED, NodesRetireIn, PreflightIn, TokenIn
 from tests.api_fixtures import fleet_batch
 from tests.procs import running_api
 
@@ -74,9 +74,9 @@ def test_a_request_takes_as_many_names_as_its_list_holds_and_no_more() -> None:
 
 
 def test_the_command_line_takes_host_lists_wherever_it_takes_node_names() -> None:
-    from services.cli.errors import CliError
-    from services.cli.main import build_parser
-    from services.cli.nodes import _expand
+    from ringwatch.services.cli.errors import CliError
+    from ringwatch.services.cli.main import build_parser
+    from ringwatch.services.cli.nodes import _expand
 
     args = build_parser().parse_args(["token", "create", "--role", "agent",
                                       "--nodes", "node-[000-001],gpu7"])
@@ -155,8 +155,8 @@ def served(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str
     """A real API process whose fleet is five nodes, node-003 slow; a reader token."""
     from sqlalchemy import text
 
-    from services.store import db
-    from services.store.models import Base
+    from ringwatch.services.store import db
+    from ringwatch.services.store.models import Base
 
     tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
     with db.transaction(session_factory) as s:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, changes, step
+from ringwatch.services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, changes, step
 
 
 def statuses(verdicts: Iterable[bool], policy: Policy = Policy(),

@@ -207,7 +207,7 @@ def test_the_wheel_carries_the_migrations_where_ringwatch_looks_for_them(tmp_pat
     import sys
     import zipfile
 
-    from services.store import db
+    from ringwatch.services.store import db
 
     # Installed, services/store/db.py is <site-packages>/services/store/db.py.
     assert Path(db.__file__).resolve().parents[2] / "migrations" == db.MIGRATIONS_DIR
@@ -229,7 +229,7 @@ def test_the_wheel_carries_the_migrations_where_ringwatch_looks_for_them(tmp_pat
 
 
 def test_the_api_image_checks_its_health_on_the_route_and_port_it_serves() -> None:
-    from api.routers.meta import router
+    from ringwatch.api.routers.meta import router
 
     (check,) = steps("api", "HEALTHCHECK")
     script = _exec_form(check.split(" CMD ", 1)[1])[-1]
@@ -301,7 +301,7 @@ def role_of(image: str) -> str | None:
 
 def _needs(argvs: list[list[str]], script: str) -> set[str]:
     """The extras the ringwatch commands in ``argvs`` and the Ray in ``script`` need."""
-    from services.cli.extras import COMMAND_EXTRAS
+    from ringwatch.services.cli.extras import COMMAND_EXTRAS
 
     needs = set()
     for argv in argvs:
@@ -444,7 +444,7 @@ def test_every_image_and_the_migration_job_carry_this_ringwatchs_version_never_l
     """What a node pulls is the code these manifests were written for: each ringwatch image
     is tagged with pyproject's version (what `ringwatch --version` says), in compose, in every
     kustomization's rendering and in the example, and the Dockerfile labels it so."""
-    from services.version import ringwatch_version
+    from ringwatch.services.version import ringwatch_version
     from tests.test_deploy import EXAMPLE, MIGRATE_JOB
 
     version = ringwatch_version()

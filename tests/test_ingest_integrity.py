@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import create_engine, text
 
-from services.store import db, tokens
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import api_client, fleet_batch, measurement, pair
 
 # Names that render as "node-000" but are not: zero-width space, Cyrillic o, a
@@ -272,7 +272,7 @@ def test_a_node_whose_probe_hung_was_probed_and_is_excluded_at_once(api) -> None
 def test_a_request_made_while_the_waiting_places_filled_is_answered_as_it_stands() -> None:
     import asyncio
 
-    from services.preflight.waiting import PreflightWaiters
+    from ringwatch.services.preflight.waiting import PreflightWaiters
 
     waiters = PreflightWaiters(factory=None, capacity=1)  # type: ignore[arg-type]
     waiters._waiting = 1  # another caller took the last place while this one was written
@@ -300,7 +300,7 @@ DIGEST_BEFORE_LATER_FIELDS = "ea75259327348668ea4780cdfba5bf93765fb5b789e7dd221e
 
 
 def test_a_batch_spooled_before_the_later_fields_is_still_its_own_retry() -> None:
-    from api.schemas import MeasurementBatch
+    from ringwatch.api.schemas import MeasurementBatch
 
     assert MeasurementBatch.model_validate(_golden_batch()).content_digest() == \
         DIGEST_BEFORE_LATER_FIELDS

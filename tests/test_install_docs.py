@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.notifier.receiver import WebhookReceiver
-from services.store import db
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.store import db
 from tests.procs import free_port
 from tests.test_extras import _extra
 from tests.test_serve_local import _env as local_serve_env

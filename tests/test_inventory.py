@@ -14,12 +14,12 @@ import pynvml
 import pytest
 from sqlalchemy import text
 
-from agents import inventory, telemetry
-from agents.probe import ProbeAgent
-from agents.spec import RankInfo
-from services.analyzer.inventory import inventory_findings
-from services.check.facts import judge_readings
-from services.store import db
+from ringwatch.agents import inventory, telemetry
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.spec import RankInfo
+from ringwatch.services.analyzer.inventory import inventory_findings
+from ringwatch.services.check.facts import judge_readings
+from ringwatch.services.store import db
 from tests.api_fixtures import api_client, measurement
 from tests.test_telemetry import FakeNvml
 

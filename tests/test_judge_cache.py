@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from agents.sim import SimBackend
-from services.analyzer.assess import PREFLIGHT_THRESHOLDS
-from services.analyzer.judge import JudgeCache, Judgement, judge
-from services.check import loop, run_check
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.analyzer.assess import PREFLIGHT_THRESHOLDS
+from ringwatch.services.analyzer.judge import JudgeCache, Judgement, judge
+from ringwatch.services.check import loop, run_check
 
 
 def scenario(seed: int) -> dict:

@@ -27,10 +27,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from services.cli.kubernetes import Sync
-from services.cli.main import build_parser, main
-from services.kubernetes.client import ServiceAccount
-from services.kubernetes.remediation import (
+from ringwatch.services.cli.kubernetes import Sync
+from ringwatch.services.cli.main import build_parser, main
+from ringwatch.services.kubernetes.client import ServiceAccount
+from ringwatch.services.kubernetes.remediation import (
     HEALTH_LABEL,
     TAINT_KEY,
     KubeNode,
@@ -256,7 +256,7 @@ def health(cluster: Cluster, name: str) -> str | None:
 
 
 def test_the_fake_ringwatch_answer_is_what_the_api_schema_gives() -> None:
-    from api.schemas import NodeStatesOut
+    from ringwatch.api.schemas import NodeStatesOut
 
     assert NodeStatesOut.model_validate(fleet()).model_dump(mode="json")["nodes"][1][
         "excluded_by"] == ["nvlink_degraded"]
@@ -427,7 +427,7 @@ def test_every_node_and_another_name_label(cluster, tmp_path, capsys) -> None:
 def test_the_command_line_without_a_service_account_says_why(cluster, tmp_path, monkeypatch,
                                                              capsys) -> None:
     """The real entry point, as a pod would run it, outside a pod."""
-    from services.settings import get_settings
+    from ringwatch.services.settings import get_settings
 
     monkeypatch.setenv("RINGWATCH_TOKEN", READER)
     monkeypatch.setenv("RINGWATCH_API_URL", cluster.url)
@@ -449,7 +449,7 @@ def test_the_real_command_through_kubectl_proxy(cluster) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGWATCH_", "KUBERNETES_"))}
     env.update(RINGWATCH_API_URL=cluster.url, RINGWATCH_TOKEN=READER,
                RINGWATCH_KUBERNETES_API_URL=cluster.url)
-    command = [sys.executable, "-m", "services.cli.main", "kubernetes", "sync", "--once",
+    command = [sys.executable, "-m", "ringwatch.services.cli.main", "kubernetes", "sync", "--once",
                "--max-tainted-share", "0.5"]
     r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -608,7 +608,7 @@ def test_the_gate_lets_a_pod_start_when_ringwatch_cannot_answer(gate, monkeypatc
 
 
 def test_the_gate_refuses_a_node_ringwatch_excludes(gate, monkeypatch, capsys) -> None:
-    from services.cli.slurm import reason_for
+    from ringwatch.services.cli.slurm import reason_for
 
     gate.verdict = {"healthy": False, "exclude": ["gpu-002"], "findings": [
         {"kind": "nvlink_degraded", "node": "gpu-002", "gpus": [0, 1], "severity": "critical",

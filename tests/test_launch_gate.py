@@ -28,14 +28,14 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from agents.spec import utcnow
-from services.cli import slurm
-from services.errors import NodeNotFound, TooManyRequests
-from services.monitor.stored_verdict import verdict_from_store
-from services.preflight import service
-from services.store import db, tokens
-from services.store import preflight as store
-from services.store.models import Node, PreflightRequest
+from ringwatch.agents.spec import utcnow
+from ringwatch.services.cli import slurm
+from ringwatch.services.errors import NodeNotFound, TooManyRequests
+from ringwatch.services.monitor.stored_verdict import verdict_from_store
+from ringwatch.services.preflight import service
+from ringwatch.services.store import db, tokens
+from ringwatch.services.store import preflight as store
+from ringwatch.services.store.models import Node, PreflightRequest
 from tests.api_fixtures import api_client, fleet_batch
 from tests.procs import api_env, start_server, stop_server
 
@@ -180,7 +180,7 @@ def _scenario(path: Path) -> Path:
 
 
 def _scheduler(fabric: Path, *more: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli.main", "scheduler", "--fabric", str(fabric),
+    return [sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--fabric", str(fabric),
             *more]
 
 
@@ -241,7 +241,7 @@ def test_a_prolog_behind_other_callers_queues_drains_the_node_with_an_open_hang(
                         "RINGWATCH_SLURM_MAX_AGE_S=1\n")
     env_file.chmod(0o600)
     prolog = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "slurm", "prolog", "--env-file",
+        [sys.executable, "-m", "ringwatch.services.cli.main", "slurm", "prolog", "--env-file",
          str(env_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**{k: v for k, v in os.environ.items() if not k.startswith(("RINGWATCH_", "SLURM"))},
              "SLURMD_NODENAME": HUNG, "SLURM_JOB_ID": "4242"})

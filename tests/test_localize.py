@@ -7,11 +7,11 @@ from statistics import NormalDist
 
 import pytest
 
-from agents.spec import Finding, Measurement, RankInfo
-from services.analyzer.assess import Assessment, assess
-from services.analyzer.evidence import Weighing
-from services.analyzer.localize import GroupVerdict, localize, measured_variation
-from services.analyzer.verdict import build_verdict
+from ringwatch.agents.spec import Finding, Measurement, RankInfo
+from ringwatch.services.analyzer.assess import Assessment, assess
+from ringwatch.services.analyzer.evidence import Weighing
+from ringwatch.services.analyzer.localize import GroupVerdict, localize, measured_variation
+from ringwatch.services.analyzer.verdict import build_verdict
 
 G = 4  # ranks per node in these hand-made fleets
 

@@ -26,10 +26,10 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from api.request_id import request_id_of
-from services import logs
-from services.cli.api_process import serve_args, wait_ready
-from services.logs import LogSettingError, OutageLog, chosen
+from ringwatch.api.request_id import request_id_of
+from ringwatch.services import logs
+from ringwatch.services.cli.api_process import serve_args, wait_ready
+from ringwatch.services.logs import LogSettingError, OutageLog, chosen
 from tests.procs import api_env, cli, free_port
 
 ADMIN = "rw_admin_" + uuid.uuid4().hex
@@ -54,7 +54,7 @@ def test_text_is_the_default_and_json_is_asked_for_by_name() -> None:
 def test_settings_refuse_a_log_value_outside_the_vocabulary() -> None:
     from pydantic import ValidationError
 
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
     assert Settings(log_format="JSON", log_level="Info").log_format == "json"
     with pytest.raises(ValidationError, match="log_format"):
@@ -154,11 +154,11 @@ def test_a_failure_of_its_own_is_said_with_its_traceback_once(caplog) -> None:
 
 
 def test_the_scheduler_says_once_that_the_api_is_away_not_at_every_try(tmp_path, caplog) -> None:
-    from services.scheduler.shipper import Shipper
+    from ringwatch.services.scheduler.shipper import Shipper
 
     shipper = Shipper(f"http://127.0.0.1:{free_port()}", "rw_agent_x", tmp_path / "spool",
                       timeout_s=1)
-    caplog.set_level(logging.DEBUG, "services.scheduler.shipper")
+    caplog.set_level(logging.DEBUG, "ringwatch.services.scheduler.shipper")
     try:
         for i in range(5):
             assert shipper.ship({"batch_id": f"b{i}", "measurements": []}) == i + 1
@@ -252,7 +252,7 @@ def test_a_json_server_through_a_70_s_database_outage(tmp_path: Path) -> None:
         url = env["RINGWATCH_API_URL"]
         err = tmp_path / "serve.err"
         with err.open("w") as sink:  # a file: a pipe nobody reads would stop the server
-            proc = subprocess.Popen([sys.executable, "-m", "services.cli.main",
+            proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main",
                                      *serve_args(url)], env=env, stderr=sink)
         auth = {"Authorization": f"Bearer {ADMIN}"}
         sent: list[str] = []

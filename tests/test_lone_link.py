@@ -7,7 +7,7 @@ import uuid
 
 from sqlalchemy import text
 
-from services.store import db
+from ringwatch.services.store import db
 from tests.api_fixtures import api_client, measurement, pair
 
 

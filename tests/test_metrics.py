@@ -16,10 +16,10 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from services.store import db, timeseries
-from services.store import health as health_store
-from services.store import webhooks as webhook_store
-from services.store.timeseries import Retention
+from ringwatch.services.store import db, timeseries
+from ringwatch.services.store import health as health_store
+from ringwatch.services.store import webhooks as webhook_store
+from ringwatch.services.store.timeseries import Retention
 from tests.api_fixtures import REACT_AT_ONCE, api_client, fleet_batch, measurement
 
 # Node names are hostname-like (docs/formats.md), so the quoting is carried by the host;
@@ -473,8 +473,8 @@ def test_requests_are_counted_by_method_route_template_and_code(api) -> None:
 def test_links_that_label_alike_report_the_worse_whatever_their_order() -> None:
     """The collector alone (no database): of two rows with one label set, the degraded
     one, else the lower ratio, in either order; rows that label apart stay apart."""
-    from services.monitor.metrics import FleetCollector, Snapshot
-    from services.store import metrics as store
+    from ringwatch.services.monitor.metrics import FleetCollector, Snapshot
+    from ringwatch.services.store import metrics as store
 
     def row(members: list[str], status: str, busbw: float, ratio: float | None) -> store.LinkRow:
         return store.LinkRow("intra_node", "allreduce", ",".join(members), status, busbw, ratio,
@@ -504,8 +504,8 @@ def test_a_cause_with_a_malformed_detail_never_breaks_the_scrape(api, clean_db) 
     """An agent's finding detail is free-form JSON: counters that are not records, a rate
     that is no number, GPUs that are no list are left out of the cause families, and the
     well-formed ones beside them are still reported."""
-    from services.store import db
-    from services.store.health import open_finding
+    from ringwatch.services.store import db
+    from ringwatch.services.store.health import open_finding
 
     with db.transaction(clean_db) as s:
         open_finding(s, kind="nic_errors", group_key=None, op=None, nodes=["node-001"],

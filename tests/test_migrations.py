@@ -6,8 +6,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from services.store import db
-from services.store.models import EXPRESSION_INDEXES, Base, is_partition
+from ringwatch.services.store import db
+from ringwatch.services.store.models import EXPRESSION_INDEXES, Base, is_partition
 
 
 def test_upgrade_matches_models_and_downgrade_empties(admin_url: str) -> None:
@@ -46,8 +46,8 @@ def test_the_preflight_latency_histogram_counts_requests_completed_before_it(
         admin_url: str) -> None:
     from sqlalchemy import text
 
-    from services.store import metrics as metrics_store
-    from services.store.preflight import LATENCY_BOUNDS
+    from ringwatch.services.store import metrics as metrics_store
+    from ringwatch.services.store.preflight import LATENCY_BOUNDS
 
     name = f"rw_mig_{uuid.uuid4().hex[:10]}"
     url = db.create_database(admin_url, name)
@@ -88,7 +88,7 @@ def test_two_upgrades_at_once_both_succeed_and_leave_the_schema_at_head(admin_ur
     url = db.create_database(admin_url, name)
     try:
         env = {**os.environ, "RINGWATCH_DATABASE_URL": url}
-        upgrades = [subprocess.Popen([sys.executable, "-m", "services.cli.main", "db", "upgrade"],
+        upgrades = [subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "db", "upgrade"],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True) for _ in range(2)]
         said = [p.communicate(timeout=300) for p in upgrades]
@@ -169,7 +169,7 @@ def test_db_wait_returns_once_another_process_has_migrated(admin_url: str) -> No
         assert late.returncode == 2 and len(late.stderr.strip().splitlines()) == 1, late.stderr
         assert "(none)" in late.stderr and "ringwatch db upgrade" in late.stderr
 
-        waiter = subprocess.Popen([sys.executable, "-m", "services.cli.main", "db", "wait",
+        waiter = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "db", "wait",
                                    "--timeout", "120"], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         try:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.nccl_log import (
+from ringwatch.agents.nccl_log import (
     DEBUG_FILE_NAME,
     NcclLogReader,
     expand_debug_file,

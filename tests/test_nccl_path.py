@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from agents import outcome
-from agents.collectives import DTYPES, OPS, plan
-from agents.device import CudaApi, CudaDevice, check_cuda
-from agents.probe import ProbeAgent, make_group, run_probe
-from agents.spec import GroupSpec, ProbeSetupError
+from ringwatch.agents import outcome
+from ringwatch.agents.collectives import DTYPES, OPS, plan
+from ringwatch.agents.device import CudaApi, CudaDevice, check_cuda
+from ringwatch.agents.probe import ProbeAgent, make_group, run_probe
+from ringwatch.agents.spec import GroupSpec, ProbeSetupError
 from tests.fake_cuda import FakeCuda
 from tests.threads import on_threads
 
@@ -191,9 +191,9 @@ _NO_RAY = r"""
 import sys, threading, uuid, datetime
 sys.modules["ray"] = None  # any import of ray now raises ImportError
 import torch.distributed as dist
-from agents import device
-from agents.probe import ProbeAgent
-from agents.spec import GroupSpec
+from ringwatch.agents import device
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.spec import GroupSpec
 from tests.fake_cuda import FakeCuda
 
 device.cuda = FakeCuda()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.nic_counters import (
+from ringwatch.agents.nic_counters import (
     PMA_WIDTHS,
     THRESHOLDS,
     PortSnapshot,

@@ -7,9 +7,9 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents.groups import check_node_name, node_order
-from agents.spec import Finding
-from services.analyzer.verdict import build_verdict
+from ringwatch.agents.groups import check_node_name, node_order
+from ringwatch.agents.spec import Finding
+from ringwatch.services.analyzer.verdict import build_verdict
 
 # Node names (agents.groups.NODE_NAME), kept short.
 names = st.from_regex(r"\A[A-Za-z0-9](?:[A-Za-z0-9._-]{0,22}[A-Za-z0-9_-])?\Z").map(check_node_name)

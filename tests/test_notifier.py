@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from services.notifier.channels import sign, verify
-from services.notifier.loop import Notifier, RetryPolicy
-from services.notifier.secret_box import SecretBox
+from ringwatch.services.notifier.channels import sign, verify
+from ringwatch.services.notifier.loop import Notifier, RetryPolicy
+from ringwatch.services.notifier.secret_box import SecretBox
 from tests.api_fixtures import (
     TEST_SECRET_KEY,
     WEBHOOK_SECRET,

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import httpx
 from sqlalchemy import create_engine
 
-from services.notifier.health import LIVE_FLOOR_S, PATHS, NotifierHealth
-from services.store import db
+from ringwatch.services.notifier.health import LIVE_FLOOR_S, PATHS, NotifierHealth
+from ringwatch.services.store import db
 from tests.api_fixtures import TEST_SECRET_KEY
 from tests.procs import free_port
 
@@ -25,7 +25,7 @@ from tests.procs import free_port
 def notifier(env: dict[str, str]) -> Iterator[str]:
     """A real notifier process answering health checks; yields their base URL once up."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "notifier",
+    proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "notifier",
                              "--health-host", "127.0.0.1", "--health-port", str(port)],
                             env={**env, "RINGWATCH_NOTIFIER_POLL_S": "0.2"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -11,17 +11,17 @@ import time
 
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from services.notifier.receiver import WebhookReceiver
-from services.settings import Settings
-from services.store import db, tokens
+from ringwatch.api.app import create_app
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import REACT_AT_ONCE, TEST_SECRET_KEY, WEBHOOK_TEST_SETTINGS, fleet_batch
 
 SECRET = "s3cret-for-tests"
 
 
 def notifier(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli.main", "notifier"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "notifier"], env=env)
 
 
 def test_killed_notifier_loses_nothing(database_url, clean_db) -> None:
@@ -62,7 +62,7 @@ def test_killed_notifier_loses_nothing(database_url, clean_db) -> None:
 def deliveries_when_settled(factory, timeout_s: float = 20.0) -> list[tuple[str, str]]:
     from sqlalchemy import select
 
-    from services.store.models import WebhookDelivery
+    from ringwatch.services.store.models import WebhookDelivery
 
     deadline = time.monotonic() + timeout_s
     while True:

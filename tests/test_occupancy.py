@@ -21,9 +21,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from agents.spec import BackendDefaults, GroupSpec, Occupant, RankInfo, RoundResult
-from services.scheduler import occupancy
-from services.scheduler.occupancy import (
+from ringwatch.agents.spec import BackendDefaults, GroupSpec, Occupant, RankInfo, RoundResult
+from ringwatch.services.scheduler import occupancy
+from ringwatch.services.scheduler.occupancy import (
     BackendOccupancy,
     KubernetesOccupancy,
     NoOccupancy,
@@ -250,7 +250,7 @@ def test_source_for_chooses_by_setting_and_environment(tmp_path) -> None:
 def test_the_settings_take_only_the_known_sources() -> None:
     from pydantic import ValidationError
 
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
     assert Settings(occupancy="slurm").occupancy == "slurm"
     defaults = Settings()

@@ -38,7 +38,7 @@ def server(database_url, clean_db, tmp_path):
 def stored_batches(server) -> int:
     from sqlalchemy import text
 
-    from services.store import db
+    from ringwatch.services.store import db
 
     with db.transaction(server["factory"]) as s:
         return int(s.execute(text("SELECT count(*) FROM probe_runs")).scalar() or 0)
@@ -46,7 +46,7 @@ def stored_batches(server) -> int:
 
 def start(env: dict[str, str], fabric: Path, state: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli.main", "scheduler", "--fabric", str(fabric),
+        [sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--fabric", str(fabric),
          "--interval", str(INTERVAL_S), "--health-port", "0", "--health-host", "127.0.0.1"],
         env={**env, "RINGWATCH_STATE_DIR": str(state), "RINGWATCH_SCHEDULER_LEASE_S": str(LEASE_S)},
         stdout=subprocess.DEVNULL, stderr=log.open("w"))

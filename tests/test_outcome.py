@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agents.outcome import error_findings, failed_ranks
-from agents.spec import GroupSpec
+from ringwatch.agents.outcome import error_findings, failed_ranks
+from ringwatch.agents.spec import GroupSpec
 
 SPEC = GroupSpec("intra_node", ("n/0", "n/1", "n/2"), ops=("allreduce",), sizes=(64,))
 

@@ -9,8 +9,8 @@ import base64
 import pytest
 from sqlalchemy import text
 
-from services.store import db
-from services.store import health as health_store
+from ringwatch.services.store import db
+from ringwatch.services.store import health as health_store
 from tests.api_fixtures import REACT_AT_ONCE, api_client, decode_pairs, fleet_batch, measurement
 
 NODES = [f"node-{i:03d}" for i in range(8)]

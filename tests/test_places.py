@@ -10,13 +10,13 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.hostlist import compress_hostlist, expand_hostlist
-from agents.places import finding_place, gpu_set, members_text, node_list, place
-from services.cli import slurm
-from services.cli.output import print_verdict
-from services.cli.status import FleetStatus, plain
-from services.notifier.channels import render_slack
-from services.scheduler.probe_table import format_table
+from ringwatch.agents.hostlist import compress_hostlist, expand_hostlist
+from ringwatch.agents.places import finding_place, gpu_set, members_text, node_list, place
+from ringwatch.services.cli import slurm
+from ringwatch.services.cli.output import print_verdict
+from ringwatch.services.cli.status import FleetStatus, plain
+from ringwatch.services.notifier.channels import render_slack
+from ringwatch.services.scheduler.probe_table import format_table
 from tests.procs import cli
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "scenario.json"
@@ -104,7 +104,7 @@ def test_status_writes_an_incidents_place_one_way() -> None:
 
 
 def test_the_drain_reason_the_webhook_and_the_probe_table_write_places_one_way() -> None:
-    from agents.spec import Measurement
+    from ringwatch.agents.spec import Measurement
 
     verdict = {"exclude": ["node-003"], "findings": [
         {"kind": "nvlink_degraded", "node": "node-003", "gpus": [2, 5], "severity": "critical"}]}

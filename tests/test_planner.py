@@ -7,16 +7,16 @@ from itertools import combinations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.groups import Group, nodes_of
-from agents.matchings import circle_matching
-from services.analyzer.evidence import Weighing
-from services.check.planner import (
+from ringwatch.agents.groups import Group, nodes_of
+from ringwatch.agents.matchings import circle_matching
+from ringwatch.services.analyzer.evidence import Weighing
+from ringwatch.services.check.planner import (
     ALL_PAIRS_MAX,
     AdaptivePlanner,
     circle_matchings,
     kept,
 )
-from services.check.shape import ProbeShape
+from ringwatch.services.check.shape import ProbeShape
 
 # Readings a union (the world group included) is cleared on at least.
 CLEAR = Weighing().confirm_clear
@@ -60,9 +60,9 @@ def test_the_kth_matching_is_the_tournaments_kth(n, k):
 
 def healthy_plan(nodes, rotation=0, **shape):
     """Every round the adaptive plan asks for when every result comes back healthy."""
-    from agents.spec import Measurement
-    from services.analyzer.assess import Thresholds, assess
-    from services.analyzer.localize import group_verdicts
+    from ringwatch.agents.spec import Measurement
+    from ringwatch.services.analyzer.assess import Thresholds, assess
+    from ringwatch.services.analyzer.localize import group_verdicts
 
     planner = AdaptivePlanner(nodes, ProbeShape(**shape), rotation=rotation)
     rounds, ms, verdicts = [], [], {}
@@ -128,10 +128,10 @@ def test_plan_passes_probe_settings_through():
 
 import math  # noqa: E402
 
-from agents.spec import Measurement  # noqa: E402
-from services.analyzer.assess import Assessment  # noqa: E402
-from services.analyzer.localize import GroupVerdict  # noqa: E402
-from services.check.planner import (  # noqa: E402
+from ringwatch.agents.spec import Measurement  # noqa: E402
+from ringwatch.services.analyzer.assess import Assessment  # noqa: E402
+from ringwatch.services.analyzer.localize import GroupVerdict  # noqa: E402
+from ringwatch.services.check.planner import (  # noqa: E402
     gpu_pair_rounds,
     pack,
     search_step,
@@ -327,7 +327,7 @@ def test_pack_keeps_rounds_disjoint():
 
 
 def test_group_deadline_grows_with_the_work_and_covers_forming() -> None:
-    from services.check.deadlines import FORM_S, group_deadline_s
+    from ringwatch.services.check.deadlines import FORM_S, group_deadline_s
 
     small = group_deadline_s("gloo", ["allreduce"], [8], warmup=1, iters=1)
     big = group_deadline_s("gloo", ["allreduce", "alltoall"], [1 << 22], warmup=5, iters=20)
@@ -364,9 +364,9 @@ def test_a_small_fleet_with_no_proven_node_still_probes_its_network():
 
 
 def _judged(groups, slow):
-    from agents.spec import Measurement
-    from services.analyzer.assess import Thresholds, assess
-    from services.analyzer.localize import group_verdicts
+    from ringwatch.agents.spec import Measurement
+    from ringwatch.services.analyzer.assess import Thresholds, assess
+    from ringwatch.services.analyzer.localize import group_verdicts
 
     ms = [Measurement(op=op, scope=g.scope, members=list(g.members), size_bytes=max(g.sizes),
                       dtype="float32", warmup=1, iters=1, time_us=1.0, algbw_gbs=10.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
-from services.store import db
+from ringwatch.services.store import db
 from tests.api_fixtures import api_client, fleet_batch, measurement
 
 NODES = ["node-000", "node-001", "node-002", "node-003"]
@@ -89,8 +89,8 @@ def test_nobody_completes_a_request_without_a_live_claim_or_with_a_forged_verdic
 def test_the_api_admits_exactly_the_finding_kinds_ringwatch_makes() -> None:
     from typing import get_args
 
-    from agents.spec import FINDING_KINDS
-    from api.schemas import FindingIn
+    from ringwatch.agents.spec import FINDING_KINDS
+    from ringwatch.api.schemas import FindingIn
 
     assert set(get_args(FindingIn.model_fields["kind"].annotation)) == set(FINDING_KINDS)
 
@@ -98,7 +98,7 @@ def test_the_api_admits_exactly_the_finding_kinds_ringwatch_makes() -> None:
 def test_unhealthy_verdict_queues_preflight_failed(api, clean_db) -> None:
     from sqlalchemy import select
 
-    from services.store.models import OutboxEvent
+    from ringwatch.services.store.models import OutboxEvent
 
     api.post("/v1/measurements", json=fleet_batch(slow_node="node-001"), headers=api.h["agent"])
     api.post("/v1/preflight", json={"nodes": NODES}, headers=api.h["reader"])

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from agents.groups import nodes_of, split_member
-from agents.sim import SimBackend
-from agents.spec import BackendDefaults, Finding, GroupSpec, Measurement, RankInfo, RoundResult
-from services.check import run_check
+from ringwatch.agents.groups import nodes_of, split_member
+from ringwatch.agents.sim import SimBackend
+from ringwatch.agents.spec import (
+    BackendDefaults,
+    Finding,
+    GroupSpec,
+    Measurement,
+    RankInfo,
+    RoundResult,
+)
+from ringwatch.services.check import run_check
 from tests.scenarios import DESIGN_SCENARIO
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.spec import GroupSpec, InjectedFault, Measurement
-from services.scheduler.ray_backend import RayBackend, ray_temp_dir
+from ringwatch.agents.spec import GroupSpec, InjectedFault, Measurement
+from ringwatch.services.scheduler.ray_backend import RayBackend, ray_temp_dir
 
 N0 = ("node-000/0", "node-000/1")
 N1 = ("node-001/0", "node-001/1")
@@ -248,7 +248,7 @@ def test_nccl_intra_node_round(tmp_path: Path) -> None:
 
 
 def test_format_table_is_nccl_tests_shaped() -> None:
-    from services.scheduler.probe_table import format_table
+    from ringwatch.services.scheduler.probe_table import format_table
 
     def m(op: str, size: int, members: tuple[str, ...], wrong: int = 0) -> Measurement:
         return Measurement(op=op, scope="intra_node", members=list(members), size_bytes=size,
@@ -286,8 +286,8 @@ def test_hang_suspects_reads_progress_from_the_store() -> None:
 
     import torch.distributed as dist
 
-    from agents.outcome import hang_suspects
-    from agents.probe import arrived_key, done_key, entered_key
+    from ringwatch.agents.outcome import hang_suspects
+    from ringwatch.agents.probe import arrived_key, done_key, entered_key
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from agents import profiles
-from agents.sim import SimBackend
-from agents.spec import Measurement
-from services.analyzer.assess import PREFLIGHT_THRESHOLDS, assess
-from services.check import run_check
-from services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.agents import profiles
+from ringwatch.agents.sim import SimBackend
+from ringwatch.agents.spec import Measurement
+from ringwatch.services.analyzer.assess import PREFLIGHT_THRESHOLDS, assess
+from ringwatch.services.check import run_check
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
 from tests.api_fixtures import api_client
 from tests.procs import cli
 
@@ -217,7 +217,7 @@ def test_monitoring_opens_one_incident_and_the_stored_preflight_agrees(clean_db)
         assert [f["kind"] for f in verdict["findings"]] == ["fabric_below_rated"]
     from sqlalchemy import text
 
-    from services.store import db
+    from ringwatch.services.store import db
     with db.transaction(clean_db) as s:
         events = s.execute(text("SELECT event_type, payload->'finding'->>'kind' FROM outbox_events")
                            ).all()

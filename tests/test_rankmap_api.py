@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from services.settings import Settings
-from services.store import db, tokens
+from ringwatch.api.app import create_app
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import fleet_batch
 
 PATH = "/v1/rank-maps/check"

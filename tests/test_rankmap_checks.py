@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.errors import BadInput
-from services.rankmap import checks
-from services.rankmap.checks import RankEntry
+from ringwatch.services.errors import BadInput
+from ringwatch.services.rankmap import checks
+from ringwatch.services.rankmap.checks import RankEntry
 
 
 def contiguous(slots: list[int]) -> list[RankEntry]:

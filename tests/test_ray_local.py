@@ -25,8 +25,8 @@ import ray
 import torch.distributed as dist
 import yaml
 
-from agents.probe import store_server
-from services.scheduler.ray_backend import ray_temp_dir, refused
+from ringwatch.agents.probe import store_server
+from ringwatch.services.scheduler.ray_backend import ray_temp_dir, refused
 from tests.procs import cli
 
 BASE = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "base"
@@ -81,7 +81,7 @@ def test_probe_local_listens_on_loopback_alone(tmp_path: Path) -> None:
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("w") as stdout, err.open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.main", "probe", "--local", "2",
+            [sys.executable, "-m", "ringwatch.services.cli.main", "probe", "--local", "2",
              "--gpus-per-node", "2", "--json", "--ops", "allreduce", "--sizes", "64K",
              "--iters", "2", "--warmup", "1",
              "--inject", '{"kind": "hang", "node": "node-001", "gpu": 1}'],
@@ -120,7 +120,7 @@ def test_probe_local_listens_on_loopback_alone(tmp_path: Path) -> None:
 TOKEN_HEAD = """
 import sys
 from ray.cluster_utils import Cluster
-from services.scheduler.ray_backend import _unregistered
+from ringwatch.services.scheduler.ray_backend import _unregistered
 
 head = None
 with _unregistered(lambda: head.address if head else None):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.sim import SimBackend
-from services.scheduler import cycle as cycle_module
-from services.scheduler.cycle import ProbeOptions, run_scheduler
-from services.scheduler.shipper import Shipper
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.scheduler import cycle as cycle_module
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_scheduler
+from ringwatch.services.scheduler.shipper import Shipper
 from tests.procs import free_port
 
 SMALL = {"nodes": 4, "gpus_per_node": 2, "gpu": "H100-SXM", "noise": 0.0, "seed": 1, "faults": []}

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from services.store import db, fleets, tokens
+from ringwatch.services.store import db, fleets, tokens
 from tests.threads import on_threads
 
 LEASE = "/v1/scheduler/lease"
@@ -161,12 +161,12 @@ def test_concurrent_asks_never_make_two_leaders(clean_db) -> None:
 def shift_python_clock(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every clock this process's own code reads runs ``seconds`` off: ``time.time``,
     ``datetime.now`` as the API's, services' and agents' modules see it, and
-    ``agents.spec.utcnow`` wherever it was imported: an API server whose clock is skewed."""
+    ``ringwatch.agents.spec.utcnow`` wherever it was imported: an API server whose clock is skewed."""
     import datetime as dt_module
 
-    import agents.spec
+    import ringwatch.agents.spec
 
-    real_dt, real_time, real_utcnow = dt_module.datetime, time.time, agents.spec.utcnow
+    real_dt, real_time, real_utcnow = dt_module.datetime, time.time, ringwatch.agents.spec.utcnow
     delta = timedelta(seconds=seconds)
 
     class Skewed(real_dt):  # type: ignore[misc,valid-type]
@@ -188,7 +188,7 @@ def shift_python_clock(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
 def test_a_skewed_api_clock_changes_nothing_the_database_clock_decides(
         api, clean_db, monkeypatch, skew_s) -> None:
     shift_python_clock(monkeypatch, skew_s)
-    from services.store import tokens as token_store
+    from ringwatch.services.store import tokens as token_store
 
     skewed_now = token_store.utcnow()
     # A lease shorter than the skew: were the API's clock to decide, 30 s ahead would see
@@ -302,7 +302,7 @@ def test_corrupt_slots_are_rebuilt_in_name_order_and_said_so(api, clean_db, capl
     set_slots(clean_db, raw)
     listed = api.get("/v1/scheduler/fleets", headers=api.h["reader"])
     assert listed.status_code == 200
-    with caplog.at_level(logging.WARNING, logger="services.store.fleets"):
+    with caplog.at_level(logging.WARNING, logger="ringwatch.services.store.fleets"):
         r = cycle(api, "s", ["node-002", "node-001", "node-000"])
     assert r.status_code == 200, r.text
     assert r.json() == {"fleet": "default", "cycle": 2,

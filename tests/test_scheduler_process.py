@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from agents.sim import SimBackend
-from services.scheduler.api_client import SchedulerApi
-from services.scheduler.cycle import ProbeOptions, serve_preflight
-from services.scheduler.shipper import Shipper
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.scheduler.api_client import SchedulerApi
+from ringwatch.services.scheduler.cycle import ProbeOptions, serve_preflight
+from ringwatch.services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
 from tests.procs import running_api
 
@@ -56,7 +56,7 @@ def test_preflight_of_a_dead_scheduler_completes_after_restart(server, tmp_path)
     dead = httpx.post(f"{api}/v1/preflight/claim", json={"worker": "dead", "lease_s": 1}, headers=h)
     assert dead.json()["id"] == req["id"]
 
-    sched = subprocess.Popen([sys.executable, "-m", "services.cli.main", "scheduler", "--fabric",
+    sched = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--fabric",
                               str(fabric), "--interval", "3600"], env=server,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -77,7 +77,7 @@ def test_preflight_of_a_dead_scheduler_completes_after_restart(server, tmp_path)
 
 
 def _scheduler_once(env: dict[str, str], fabric) -> str:
-    out = subprocess.run([sys.executable, "-m", "services.cli.main", "scheduler", "--fabric",
+    out = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "scheduler", "--fabric",
                           str(fabric), "--once"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -116,7 +116,7 @@ def test_monitoring_finds_what_preflight_finds(server, tmp_path) -> None:
         {"kind": "nic", "node": "node-011", "factor": 0.55},
         {"kind": "nvlink", "node": "node-003", "gpus": [2, 5], "factor": 0.5},
         {"kind": "net_path", "nodes": ["node-004", "node-009"], "factor": 0.5}]}))
-    fresh = subprocess.run([sys.executable, "-m", "services.cli.main", "preflight", "--fabric",
+    fresh = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "preflight", "--fabric",
                             str(fabric), "--json"], env=server, capture_output=True, text=True,
                            timeout=300)
     assert fresh.returncode == 1, fresh.stderr[-2000:]
@@ -219,7 +219,7 @@ def test_a_profiled_preflight_runs_the_jobs_groups_and_ships_ring_and_tree_apart
 
 def run_scheduler_once(backend: SimBackend, shipper: Shipper, client: SchedulerApi) -> bool:
     """One monitoring cycle shipped: the nodes become known to the API."""
-    from services.scheduler.cycle import run_scheduler
+    from ringwatch.services.scheduler.cycle import run_scheduler
 
     return run_scheduler(backend, shipper, ProbeOptions(), interval_s=3600, once=True,
                          api=client) == 1
@@ -227,7 +227,7 @@ def run_scheduler_once(backend: SimBackend, shipper: Shipper, client: SchedulerA
 
 def test_monitoring_with_a_profile_keeps_the_jobs_series_and_says_how_they_ran(
         server, tmp_path) -> None:
-    from services.scheduler.cycle import run_scheduler
+    from ringwatch.services.scheduler.cycle import run_scheduler
 
     api, h = server["RINGWATCH_API_URL"], {"Authorization": f"Bearer {ADMIN}"}
     backend = SimBackend({"nodes": 4, "gpus_per_node": 8, "noise": 0.02, "seed": 5,

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.scheduler.shipper import Shipper
-from services.scheduler.watch import SchedulerWatch
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.scheduler.watch import SchedulerWatch
 from tests.api_fixtures import fleet_batch
 from tests.procs import free_port, running_api
 
@@ -247,7 +247,7 @@ def spooled_ids(shipper: Shipper) -> list[str]:
 
 def test_the_bound_drops_the_oldest_first_and_says_so(tmp_path: Path, caplog) -> None:
     shipper = unreachable_shipper(tmp_path / "spool", max_bytes=3000)
-    caplog.set_level(logging.WARNING, logger="services.scheduler.shipper")
+    caplog.set_level(logging.WARNING, logger="ringwatch.services.scheduler.shipper")
     for i in range(3):  # exactly the bound: nothing goes
         shipper.spool(batch_of(f"b{i}", 1000))
     assert shipper.dropped == 0 and spooled_ids(shipper) == ["b0", "b1", "b2"]
@@ -317,7 +317,7 @@ def test_a_revoked_token_is_loud_names_its_prefix_only_and_keeps_the_batch(
                       headers=admin, timeout=30)
     assert made.status_code == 201, made.text
     token, token_id = made.json()["token"], made.json()["id"]
-    caplog.set_level(logging.INFO, logger="services.scheduler.shipper")
+    caplog.set_level(logging.INFO, logger="ringwatch.services.scheduler.shipper")
     shipper = Shipper(api, token, tmp_path / "spool", timeout_s=30, max_bytes=1 << 30)
     watch = SchedulerWatch("a", "sched-a:41", 300.0, host="sched-a")
 
@@ -368,7 +368,7 @@ def test_a_token_without_the_right_to_send_is_refused_loudly_too(
     admin = {"Authorization": f"Bearer {ADMIN}"}
     reader = httpx.post(f"{api}/v1/tokens", json={"role": "reader", "name": "not-an-agent"},
                         headers=admin, timeout=30).json()["token"]
-    caplog.set_level(logging.ERROR, logger="services.scheduler.shipper")
+    caplog.set_level(logging.ERROR, logger="ringwatch.services.scheduler.shipper")
     shipper = Shipper(api, reader, tmp_path / "spool", timeout_s=30)
     try:
         batch = fleet_batch(prefix="r")

@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from agents.spec import TIMING_CUDA_GRAPH, TIMING_HOST, InjectedFault, Measurement
-from services.selftest import nccl_tests, report
-from services.selftest.runner import SelftestOptions, SelftestResult, WorldResult, run_world
+from ringwatch.agents.spec import TIMING_CUDA_GRAPH, TIMING_HOST, InjectedFault, Measurement
+from ringwatch.services.selftest import nccl_tests, report
+from ringwatch.services.selftest.runner import (
+    SelftestOptions,
+    SelftestResult,
+    WorldResult,
+    run_world,
+)
 
-CLI = [sys.executable, "-m", "services.cli.main"]
+CLI = [sys.executable, "-m", "ringwatch.services.cli.main"]
 
 
 def _row(size: int, count: int, dtype: str, redop: str, oop: tuple[float, float, float, str],
@@ -216,8 +221,8 @@ def test_selftest_help_states_the_defaults_it_runs() -> None:
     import contextlib
     import io
 
-    from agents.spec import OPS
-    from services.cli.main import build_parser
+    from ringwatch.agents.spec import OPS
+    from ringwatch.services.cli.main import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["selftest"])

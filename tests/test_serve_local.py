@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from services.cli.api_process import wait_ready
-from services.notifier.receiver import WebhookReceiver
-from services.settings import LOCAL_KEY_FILE
+from ringwatch.services.cli.api_process import wait_ready
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.settings import LOCAL_KEY_FILE
 from tests.api_fixtures import TEST_SECRET_KEY, fleet_batch
 from tests.procs import cli, free_port
 
@@ -33,7 +33,7 @@ def _env(state: Path) -> dict[str, str]:
 
 def _serve(env: dict[str, str], port: int) -> tuple[subprocess.Popen, str]:
     """``ringwatch serve --port PORT`` once it answers; its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "serve", "--port", str(port)],
                             env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url, timeout_s=180)

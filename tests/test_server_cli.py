@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.scheduler.shipper import Shipper
+from ringwatch.services.scheduler.shipper import Shipper
 from tests.api_fixtures import fleet_batch
 from tests.procs import api_env, cli, free_port, start_server, stop_server
 
@@ -174,9 +174,9 @@ def test_an_unexpected_server_error_is_json_with_a_reference(admin_url) -> None:
     from fastapi.testclient import TestClient
     from sqlalchemy import text
 
-    from api.app import create_app
-    from services.settings import Settings
-    from services.store import db, tokens
+    from ringwatch.api.app import create_app
+    from ringwatch.services.settings import Settings
+    from ringwatch.services.store import db, tokens
 
     name = f"rw_broken_{uuid.uuid4().hex[:8]}"
     url = db.create_database(admin_url, name)
@@ -201,7 +201,7 @@ def test_an_unexpected_server_error_is_json_with_a_reference(admin_url) -> None:
 def test_serve_refuses_an_external_database_not_yet_migrated(admin_url, tmp_path) -> None:
     """An operator's database is migrated in its own step: serve says so in one line
     instead of answering /healthz while its notifier finds no tables."""
-    from services.store import db
+    from ringwatch.services.store import db
 
     name = f"rw_bare_{uuid.uuid4().hex[:8]}"
     url = db.create_database(admin_url, name)

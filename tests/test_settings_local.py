@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.notifier.secret_box import box_from_settings
-from services.notifier.url_policy import UrlRefused, check_url
-from services.settings import LOCAL_KEY_FILE, LOOPBACK_NETWORKS, Settings
+from ringwatch.services.notifier.secret_box import box_from_settings
+from ringwatch.services.notifier.url_policy import UrlRefused, check_url
+from ringwatch.services.settings import LOCAL_KEY_FILE, LOOPBACK_NETWORKS, Settings
 
 EXTERNAL = "postgresql+psycopg://ring@db.example:5432/fleet"
 RECEIVER = "http://127.0.0.1:9000/hook"

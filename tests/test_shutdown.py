@@ -23,15 +23,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.app import create_app
-from services.notifier.deadline import Cut, attempt_pool
-from services.notifier.receiver import WebhookReceiver
-from services.preflight import service as preflight_service
-from services.preflight.waiting import PreflightWaiters
-from services.settings import Settings
-from services.store import db, tokens
-from services.store import preflight as preflight_store
-from services.store.models import WebhookDelivery
+from ringwatch.api.app import create_app
+from ringwatch.services.notifier.deadline import Cut, attempt_pool
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.preflight import service as preflight_service
+from ringwatch.services.preflight.waiting import PreflightWaiters
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, tokens
+from ringwatch.services.store import preflight as preflight_store
+from ringwatch.services.store.models import WebhookDelivery
 from tests.api_fixtures import REACT_AT_ONCE, TEST_SECRET_KEY, WEBHOOK_TEST_SETTINGS, fleet_batch
 from tests.procs import api_env, start_server, stop_server
 
@@ -151,7 +151,7 @@ def test_a_stopping_waiter_list_answers_every_caller_as_it_stands(api, clean_db)
 
 
 def notifier(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli.main", "notifier"], env=env)
+    return subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", "notifier"], env=env)
 
 
 def notifier_env(database_url: str, **settings: str) -> dict[str, str]:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from agents.groups import member
-from agents.sim import SimBackend
-from agents.spec import GroupSpec
+from ringwatch.agents.groups import member
+from ringwatch.agents.sim import SimBackend
+from ringwatch.agents.spec import GroupSpec
 
 SIZE = 1 << 28
 
@@ -277,7 +277,7 @@ def test_nic_and_net_path_drift_move_their_node_pair_groups():
 
 
 def test_a_monitoring_cycle_begins_the_backends_cycle_at_its_rotation():
-    from services.scheduler.cycle import ProbeOptions, run_cycle
+    from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
 
     b = sim(nodes=4, gpus=2, faults=[{"kind": "nic", "node": "node-002", "factor": 1.0,
                                       "drift": 0.1}])

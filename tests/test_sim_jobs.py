@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from agents.contention import contention
-from agents.groups import member
-from agents.sim import Scenario, SimBackend
-from agents.spec import GroupSpec, Occupant
+from ringwatch.agents.contention import contention
+from ringwatch.agents.groups import member
+from ringwatch.agents.sim import Scenario, SimBackend
+from ringwatch.agents.spec import GroupSpec, Occupant
 
 # 4 GiB (modeled, never allocated): latency is well under 1% of the time, so the ratio of
 # two readings is the ratio of their links.

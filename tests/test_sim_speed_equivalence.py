@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from agents.sim import CostModel, SimBackend, _Group, node_name
+from ringwatch.agents.sim import CostModel, SimBackend, _Group, node_name
 
 OPS = ("allreduce", "alltoall", "allgather", "reducescatter", "sendrecv")
 

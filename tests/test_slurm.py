@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli import slurm
-from services.cli.errors import CliError
+from ringwatch.services.cli import slurm
+from ringwatch.services.cli.errors import CliError
 from tests.api_fixtures import fleet_batch
 from tests.procs import api_env, cli, free_port, start_server, stop_server
 from tests.test_extras import NOT_CLIENT
@@ -307,7 +307,7 @@ def _ringwatch_command(d: Path) -> Path:
     calls it (slurmd gives a prolog no PATH and no environment)."""
     shim = d / "ringwatch"
     shim.write_text(f'#!/bin/sh\nPYTHONPATH="{ROOT}" exec "{sys.executable}" '
-                    '-m services.cli.main "$@"\n')
+                    '-m ringwatch.services.cli.main "$@"\n')
     shim.chmod(0o755)
     return shim
 
@@ -649,7 +649,7 @@ def answering_scheduler(api: Api, slow_node: str) -> Iterator[list[dict]]:
     """A stand-in for `ringwatch scheduler` (which probes real fabrics): it claims each
     waiting preflight through the real API, ships a cycle in which ``slow_node`` is slow,
     and completes the request, so the API judges what it shipped. Yields the claims."""
-    from services.scheduler.api_client import SchedulerApi
+    from ringwatch.services.scheduler.api_client import SchedulerApi
 
     claimed: list[dict] = []
     stop = threading.Event()
@@ -734,7 +734,7 @@ def _lets_jobs_start(cluster: Slurm) -> None:
 
 def test_slurm_occupancy_names_the_job_on_a_node_and_frees_it_when_the_job_ends(
         slurm_cluster: Slurm) -> None:
-    from services.scheduler.occupancy import SlurmOccupancy, read_occupancy
+    from ringwatch.services.scheduler.occupancy import SlurmOccupancy, read_occupancy
 
     _lets_jobs_start(slurm_cluster)
     source = SlurmOccupancy(env=slurm_cluster.env)

@@ -11,9 +11,9 @@ import pynvml
 import pytest
 import torch
 
-from agents import telemetry
-from agents.probe import ProbeAgent
-from agents.telemetry import gpu_identity, read_gpu_telemetry, telemetry_findings
+from ringwatch.agents import telemetry
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.telemetry import gpu_identity, read_gpu_telemetry, telemetry_findings
 
 
 @dataclass

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from services.monitor.ingest import IngestRequest, ingest_batch
-from services.store import db, timeseries
-from services.store.models import series_1d, series_1h
-from services.store.timeseries import Retention, day_of
+from ringwatch.services.monitor.ingest import IngestRequest, ingest_batch
+from ringwatch.services.store import db, timeseries
+from ringwatch.services.store.models import series_1d, series_1h
+from ringwatch.services.store.timeseries import Retention, day_of
 from tests.api_fixtures import api_client, measurement
 
 NOW = datetime.now(UTC)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cli import status
-from services.store import db, tokens
+from ringwatch.services.cli import status
+from ringwatch.services.store import db, tokens
 from tests.api_fixtures import REACT_AT_ONCE, api_client
 
 DAY = timedelta(days=1)

@@ -13,18 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents.groups import split_member
-from agents.nccl_log import NcclLogReader
-from agents.nic_counters import NicError
-from agents.outcome import transport_of
-from agents.probe import ProbeAgent
-from agents.sim import Scenario, SimBackend
-from agents.spec import GroupSpec
-from agents.transport import error_text, nic_finding
-from services.check import run_check
-from services.cli.output import headline
-from services.notifier.receiver import WebhookReceiver
-from services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.agents.groups import split_member
+from ringwatch.agents.nccl_log import NcclLogReader
+from ringwatch.agents.nic_counters import NicError
+from ringwatch.agents.outcome import transport_of
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.sim import Scenario, SimBackend
+from ringwatch.agents.spec import GroupSpec
+from ringwatch.agents.transport import error_text, nic_finding
+from ringwatch.services.check import run_check
+from ringwatch.services.cli.output import headline
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
 from tests.api_fixtures import TEST_SECRET_KEY
 from tests.procs import api_env, cli, start_server, stop_server
 
@@ -127,7 +127,7 @@ def test_the_whole_path_at_fleet_scale(database_url, clean_db, tmp_path) -> None
             httpx.post(f"{api}/v1/webhooks", headers=h, timeout=30, json={
                 "url": rx.url, "secret": "a receiver's own secret",
                 "events": ["health.degraded"]}).raise_for_status()
-            run = subprocess.run([sys.executable, "-m", "services.cli.main", "scheduler",
+            run = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "scheduler",
                                   "--fabric", str(fabric), "--gpus-per-node", "8", "--once"],
                                  env=env, capture_output=True, text=True, timeout=600)
             assert run.returncode == 0, run.stderr[-2000:]
@@ -264,7 +264,7 @@ def test_a_cause_carries_the_slow_figure_it_explains() -> None:
 
 
 def test_slurm_drains_the_node_with_its_cause_as_the_reason() -> None:
-    from services.cli.slurm import reason_for
+    from ringwatch.services.cli.slurm import reason_for
 
     with SimBackend(_scenario(16, SYMBOLS | {"node": "node-004"})) as backend:
         cycle = run_cycle(backend, ProbeOptions())
@@ -299,8 +299,8 @@ def test_each_measurement_records_the_transports_its_group_took() -> None:
 
 
 def test_an_agent_removes_the_nccl_logs_of_agents_that_are_gone(tmp_path) -> None:
-    from agents.nccl_log import DEBUG_FILE_NAME, nccl_hostname
-    from agents.probe import _remove_dead_logs
+    from ringwatch.agents.nccl_log import DEBUG_FILE_NAME, nccl_hostname
+    from ringwatch.agents.probe import _remove_dead_logs
 
     host = nccl_hostname()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from agents.places import node_list
-from agents.sim import SimBackend
-from services.scheduler.api_client import SchedulerApi
-from services.scheduler.cycle import ProbeOptions, run_scheduler
-from services.scheduler.shipper import Shipper
-from services.store import db
-from services.store.models import Base
+from ringwatch.agents.places import node_list
+from ringwatch.agents.sim import SimBackend
+from ringwatch.services.scheduler.api_client import SchedulerApi
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_scheduler
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.store import db
+from ringwatch.services.store.models import Base
 from tests.api_fixtures import decode_pairs, fleet_batch
 from tests.procs import free_port, start_server, stop_server
 
@@ -75,7 +75,7 @@ def test_the_pair_map_follows_each_batch_and_forgets_removed_links(api) -> None:
     link rows are not shown from memory."""
     from datetime import UTC, datetime, timedelta
 
-    from services.store import db
+    from ringwatch.services.store import db
 
     def pairs() -> dict:
         return decode_pairs(api.get("/v1/fleet/pairs", headers=api.h["reader"]).json())
@@ -483,9 +483,9 @@ def test_a_link_slow_once_says_why_it_is_still_ok_on_the_page(served_2_of_3, pag
 def served_why(database_url, session_factory, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """A real API process fed one cycle of a 12 x 8 sim fleet where NCCL took sockets out of
     node-004 and node-007's NIC counts symbol errors (facts: each opens at once)."""
-    from agents.sim import SimBackend
-    from services.scheduler.cycle import ProbeOptions, run_cycle
-    from services.scheduler.shipper import Shipper
+    from ringwatch.agents.sim import SimBackend
+    from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
+    from ringwatch.services.scheduler.shipper import Shipper
     from tests.procs import api_env
 
     tables = ", ".join(t.name for t in Base.metadata.sorted_tables)

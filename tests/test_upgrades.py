@@ -18,9 +18,9 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from services.settings import Settings, get_settings
-from services.store import db
-from services.version import ringwatch_version
+from ringwatch.services.settings import Settings, get_settings
+from ringwatch.services.store import db
+from ringwatch.services.version import ringwatch_version
 from tests.procs import api_env, cli, free_port, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,7 +242,7 @@ def test_a_database_ahead_by_a_migration_that_does_more_than_add_is_refused(
     assert not ok and "9001" in why and "does more than add" in why, why
     env = api_env(fresh_url, tmp_path / "state", TOKEN)
     port = str(free_port())
-    served = subprocess.run([sys.executable, "-m", "services.cli.main", "serve", "--port", port],
+    served = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "serve", "--port", port],
                             env=env, capture_output=True, text=True, timeout=120)
     assert "migration 9001 does more than add" in _one_line(served)
     for argv in (("db", "wait", "--timeout", "600"), ("db", "upgrade")):
@@ -275,7 +275,7 @@ def test_ringwatch_version_says_pyprojects_version(tmp_path: Path) -> None:
     import tomllib
 
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    shown = subprocess.run([sys.executable, "-m", "services.cli.main", "--version"],
+    shown = subprocess.run([sys.executable, "-m", "ringwatch.services.cli.main", "--version"],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert shown.returncode == 0 and shown.stdout.strip() == f"ringwatch {version}", shown

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from typing import get_args
 
-from agents.spec import ALGOS, BACKENDS, FINDING_KINDS, OPS, REDOPS, SCOPES, TIMINGS, WireRedOp
-from agents.workloads import WORKLOADS, ProfileName
-from api.schemas import FindingIn, MeasurementBatch, MeasurementIn, PreflightIn
+from ringwatch.agents.spec import (
+    ALGOS,
+    BACKENDS,
+    FINDING_KINDS,
+    OPS,
+    REDOPS,
+    SCOPES,
+    TIMINGS,
+    WireRedOp,
+)
+from ringwatch.agents.workloads import WORKLOADS, ProfileName
+from ringwatch.api.schemas import FindingIn, MeasurementBatch, MeasurementIn, PreflightIn
 
 
 def _enum(model, field: str) -> list[str]:

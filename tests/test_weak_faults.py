@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from agents.groups import Group, nodes_of
-from agents.sim import SimBackend
-from agents.spec import Measurement, RoundResult
-from services.analyzer.assess import Thresholds, link_key
-from services.analyzer.evidence import DEGRADED, HEALTHY, UNDECIDED, Weighing, weigh
-from services.analyzer.judge import judge
-from services.check import CheckBudget, run_check
+from ringwatch.agents.groups import Group, nodes_of
+from ringwatch.agents.sim import SimBackend
+from ringwatch.agents.spec import Measurement, RoundResult
+from ringwatch.services.analyzer.assess import Thresholds, link_key
+from ringwatch.services.analyzer.evidence import DEGRADED, HEALTHY, UNDECIDED, Weighing, weigh
+from ringwatch.services.analyzer.judge import judge
+from ringwatch.services.check import CheckBudget, run_check
 
 SIM = Thresholds(degraded_ratio=0.85)
 
@@ -132,7 +132,7 @@ def test_a_check_stops_at_its_fabric_time_budget():
 
 
 def test_the_error_rates_are_settings(monkeypatch):
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
     monkeypatch.setenv("RINGWATCH_FALSE_ALARM", "0.001")
     monkeypatch.setenv("RINGWATCH_MAX_REPEATS", "8")
@@ -157,7 +157,7 @@ def test_a_gross_nic_fault_among_four_nodes_is_found_though_half_the_pairs_are_s
 
 
 def test_a_union_is_judged_by_its_path_model_not_by_its_few_peers():
-    from services.analyzer.assess import assess, slowest_path_share
+    from ringwatch.services.analyzer.assess import assess, slowest_path_share
 
     def group(nodes: list[int], busbw: float) -> Measurement:
         members = [f"node-{n:03d}/{g}" for n in nodes for g in range(2)]
@@ -182,7 +182,7 @@ def test_the_union_model_counts_each_node_pair_once_not_its_repeats():
     """The union model's centre is the node pairs' median: a pair that looked slow and was
     measured again twenty times must not drag it down and hide a slow path from the world
     group."""
-    from services.analyzer.assess import assess, slowest_path_share
+    from ringwatch.services.analyzer.assess import assess, slowest_path_share
 
     def group(nodes: list[int], busbw: float) -> Measurement:
         members = [f"node-{n:03d}/{g}" for n in nodes for g in range(2)]
@@ -203,7 +203,7 @@ def test_the_union_model_counts_each_node_pair_once_not_its_repeats():
 def test_a_world_group_below_the_hardware_floor_keeps_its_own_normal():
     """A world group runs at its slowest path, under the node pairs' hardware model's 90 %
     floor: its own normal, learnt by monitoring, is still what it is judged against."""
-    from services.analyzer.assess import assess
+    from ringwatch.services.analyzer.assess import assess
 
     members = [f"node-{n:03d}/{g}" for n in range(64) for g in range(2)]
     world = Measurement(op="alltoall", scope="world", members=members, size_bytes=1 << 28,
@@ -263,7 +263,7 @@ def test_one_slow_path_among_a_nodes_partners_is_not_taken_for_its_nic():
 def test_the_api_serves_each_links_normal_and_never_learns_a_slow_value(api):
     """``GET /v1/baselines`` gives a scheduler each link's own normal; a value the judgement
     found slow stays out of it, so a lasting loss never becomes the link's normal."""
-    from services.scheduler.api_client import SchedulerApi
+    from ringwatch.services.scheduler.api_client import SchedulerApi
     from tests.api_fixtures import fleet_batch, pair
 
     def auth(client, role: str) -> dict[str, str]:
@@ -300,7 +300,7 @@ def test_the_api_serves_each_links_normal_and_never_learns_a_slow_value(api):
 
 
 def test_a_scheduler_that_cannot_reach_the_api_reads_no_baselines():
-    from services.scheduler.api_client import SchedulerApi
+    from ringwatch.services.scheduler.api_client import SchedulerApi
     from tests.procs import free_port
 
     sched = SchedulerApi(f"http://127.0.0.1:{free_port()}", "token", worker="test",
@@ -345,7 +345,7 @@ def test_a_few_past_values_that_agree_by_chance_are_not_trusted_past_the_noise()
     """Five past values within 1 % of each other under 6.5 % noise: the link's own normal
     takes their median, but its uncertainty no smaller than its peers' spread, so a value
     8 % under that lucky median is not read as a loss of many sigmas."""
-    from services.analyzer.assess import assess
+    from ringwatch.services.analyzer.assess import assess
 
     rng = random.Random(8)
     peers = [intra(n, 100.0 * math.exp(rng.gauss(0, 0.065))) for n in range(1, 24)]

@@ -14,10 +14,10 @@ from datetime import timedelta
 
 import pytest
 
-from agents.spec import utcnow
-from services.notifier.loop import RetryPolicy
-from services.store import db
-from services.store.models import WebhookDelivery
+from ringwatch.agents.spec import utcnow
+from ringwatch.services.notifier.loop import RetryPolicy
+from ringwatch.services.store import db
+from ringwatch.services.store.models import WebhookDelivery
 from tests.api_fixtures import register_webhook as register
 from tests.test_notifier import make_notifier
 

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, text
 
-from services.notifier import url_policy
-from services.notifier.channels import sign, signature_header, verify
-from services.notifier.loop import Notifier
-from services.notifier.receiver import WebhookReceiver
-from services.notifier.secret_box import SEALED_PREFIX, SecretBox, box_from_settings
-from services.settings import Settings
-from services.store import db, events
-from services.store import webhooks as store
-from services.store.models import Webhook, WebhookDelivery
+from ringwatch.services.notifier import url_policy
+from ringwatch.services.notifier.channels import sign, signature_header, verify
+from ringwatch.services.notifier.loop import Notifier
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.notifier.secret_box import SEALED_PREFIX, SecretBox, box_from_settings
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import db, events
+from ringwatch.services.store import webhooks as store
+from ringwatch.services.store.models import Webhook, WebhookDelivery
 from tests.api_fixtures import TEST_SECRET_KEY, WEBHOOK_EVENTS, api_client, fleet_batch
 from tests.api_fixtures import register_webhook as register
 from tests.test_notifier import SECRET, drain, ingest, make_notifier

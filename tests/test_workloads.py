@@ -10,19 +10,19 @@ from typing import Any
 
 import pytest
 
-from agents import outcome
-from agents.collectives import default_sizes
-from agents.groups import Group, member
-from agents.probe import ProbeAgent
-from agents.sim import SimBackend, node_name
-from agents.spec import GroupSpec, InjectedFault, Measurement
-from agents.workloads import WORKLOADS, JobLayout, LayoutError, disjoint_rounds
-from services.analyzer.assess import link_key
-from services.check import run_check
-from services.check.planner import node_members
-from services.check.shape import ProbeShape
-from services.check.workload import identity, job_groups
-from services.cli.main import main as cli
+from ringwatch.agents import outcome
+from ringwatch.agents.collectives import default_sizes
+from ringwatch.agents.groups import Group, member
+from ringwatch.agents.probe import ProbeAgent
+from ringwatch.agents.sim import SimBackend, node_name
+from ringwatch.agents.spec import GroupSpec, InjectedFault, Measurement
+from ringwatch.agents.workloads import WORKLOADS, JobLayout, LayoutError, disjoint_rounds
+from ringwatch.services.analyzer.assess import link_key
+from ringwatch.services.check import run_check
+from ringwatch.services.check.planner import node_members
+from ringwatch.services.check.shape import ProbeShape
+from ringwatch.services.check.workload import identity, job_groups
+from ringwatch.services.cli.main import main as cli
 from tests.fake_cuda import FakeCuda
 from tests.test_nccl_path import run_agents
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from api.auth import DOCS_ASSETS_PREFIX, DOCS_PATH
+from ringwatch.api.auth import DOCS_ASSETS_PREFIX, DOCS_PATH
 
 SWAGGER_DIR = Path(__file__).resolve().parents[1] / "swagger"
 

@@ -5,9 +5,9 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 
-from api.deps import AdminDep, ReaderDep, SessionDep, SettingsDep
-from api.pages import decode_cursor, encode_cursor, link_next
-from api.schemas import (
+from ringwatch.api.deps import AdminDep, ReaderDep, SessionDep, SettingsDep
+from ringwatch.api.pages import decode_cursor, encode_cursor, link_next
+from ringwatch.api.schemas import (
     BaselineOut,
     HealthOut,
     LinkOut,
@@ -21,8 +21,8 @@ from api.schemas import (
     NodeStatesOut,
     SeriesOut,
 )
-from services.errors import BadInput
-from services.monitor import fleet
+from ringwatch.services.errors import BadInput
+from ringwatch.services.monitor import fleet
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
 

@@ -10,11 +10,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.deps import AgentDep, SessionDep, SettingsDep
-from api.limits import BodyPace, IngestSlots, drain_body, read_body
-from api.schemas import ErrorOut, IngestOut, MeasurementBatch
-from services.errors import Busy, TooLarge
-from services.monitor.ingest import (
+from ringwatch.api.deps import AgentDep, SessionDep, SettingsDep
+from ringwatch.api.limits import BodyPace, IngestSlots, drain_body, read_body
+from ringwatch.api.schemas import ErrorOut, IngestOut, MeasurementBatch
+from ringwatch.services.errors import Busy, TooLarge
+from ringwatch.services.monitor.ingest import (
     IngestLimits,
     IngestPolicy,
     IngestRequest,
@@ -22,8 +22,8 @@ from services.monitor.ingest import (
     Sender,
     ingest_batch,
 )
-from services.settings import Settings
-from services.store.tokens import Principal
+from ringwatch.services.settings import Settings
+from ringwatch.services.store.tokens import Principal
 
 router = APIRouter(prefix="/v1", tags=["measurements"])
 

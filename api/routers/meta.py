@@ -5,10 +5,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from api.deps import READ_ROLES, SettingsDep, require
-from services.errors import NotReady
-from services.monitor import metrics as fleet_metrics
-from services.store import db
+from ringwatch.api.deps import READ_ROLES, SettingsDep, require
+from ringwatch.services.errors import NotReady
+from ringwatch.services.monitor import metrics as fleet_metrics
+from ringwatch.services.store import db
 
 router = APIRouter(tags=["meta"])
 

@@ -5,11 +5,11 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from agents.workloads import JobLayout
-from api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
-from api.schemas import ClaimIn, CompleteIn, PreflightIn, PreflightOut
-from services.preflight import service
-from services.preflight.waiting import POLL_S, PreflightWaiters
+from ringwatch.agents.workloads import JobLayout
+from ringwatch.api.deps import AgentDep, ReaderDep, SessionDep, SettingsDep
+from ringwatch.api.schemas import ClaimIn, CompleteIn, PreflightIn, PreflightOut
+from ringwatch.services.preflight import service
+from ringwatch.services.preflight.waiting import POLL_S, PreflightWaiters
 
 router = APIRouter(prefix="/v1/preflight", tags=["preflight"])
 # A 202's Retry-After: seconds before a caller looks at its waiting request again.

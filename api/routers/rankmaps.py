@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter
 
-from api.deps import ReaderDep, SessionDep
-from api.schemas import RankMapCheckOut, RankMapIn
-from services.rankmap import service
+from ringwatch.api.deps import ReaderDep, SessionDep
+from ringwatch.api.schemas import RankMapCheckOut, RankMapIn
+from ringwatch.services.rankmap import service
 
 router = APIRouter(prefix="/v1/rank-maps", tags=["rank-maps"])
 

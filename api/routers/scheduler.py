@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from pydantic import AfterValidator
 
-from api.deps import WRITE_ROLES, ReaderDep, SessionDep, require
-from api.schemas import (
+from ringwatch.api.deps import WRITE_ROLES, ReaderDep, SessionDep, require
+from ringwatch.api.schemas import (
     FLEET_NAME_PATTERN,
     CycleIn,
     CycleOut,
@@ -18,9 +18,9 @@ from api.schemas import (
     LeaseOut,
     printable,
 )
-from services.errors import Forbidden
-from services.store import fleets
-from services.store.tokens import Principal
+from ringwatch.services.errors import Forbidden
+from ringwatch.services.store import fleets
+from ringwatch.services.store.tokens import Principal
 
 router = APIRouter(prefix="/v1/scheduler", tags=["scheduler"])
 

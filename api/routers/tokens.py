@@ -2,12 +2,12 @@
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from api.auth import bearer
-from api.deps import AdminDep, ReaderDep, SessionDep, SettingsDep
-from api.pages import link_next
-from api.schemas import TokenIn, TokenInfoOut, TokenOut, TokenSelfOut
-from services.errors import NotFound
-from services.store import tokens
+from ringwatch.api.auth import bearer
+from ringwatch.api.deps import AdminDep, ReaderDep, SessionDep, SettingsDep
+from ringwatch.api.pages import link_next
+from ringwatch.api.schemas import TokenIn, TokenInfoOut, TokenOut, TokenSelfOut
+from ringwatch.services.errors import NotFound
+from ringwatch.services.store import tokens
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 

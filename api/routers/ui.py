@@ -7,7 +7,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from api.auth import UI_PREFIX
+from ringwatch.api.auth import UI_PREFIX
 
 UI_DIR = Path(__file__).resolve().parents[1] / "ui"
 

@@ -4,8 +4,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response, status
 
-from api.deps import AdminDep, SessionDep, SettingsDep
-from api.schemas import (
+from ringwatch.api.deps import AdminDep, SessionDep, SettingsDep
+from ringwatch.api.schemas import (
     DeliveryOut,
     ErrorOut,
     WebhookIn,
@@ -14,7 +14,7 @@ from api.schemas import (
     WebhookRotateIn,
     WebhookSecretOut,
 )
-from services.notifier import service
+from ringwatch.services.notifier import service
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from bench.chaos.harness import Row, Stage, wait_until
-from services.store import tokens
+from ringwatch.services.store import tokens
 from tests.api_fixtures import fleet_batch, measurement
 
 
@@ -30,7 +30,7 @@ def _batch(**fields: Any) -> dict[str, Any]:
 
 
 def _scoped(stage: Stage, nodes: list[str]) -> str:
-    from services.store import db
+    from ringwatch.services.store import db
 
     with db.transaction(stage.factory) as s:
         return tokens.create_token(s, "agent", f"chaos-scoped-{uuid.uuid4().hex[:6]}",

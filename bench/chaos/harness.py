@@ -24,10 +24,16 @@ import httpx
 from sqlalchemy import text
 
 import bench
-from services.cli.api_process import ApiDidNotStart, free_port, serve_args, stop, wait_ready
-from services.config import STATE_DIR
-from services.notifier.receiver import WebhookReceiver
-from services.store import db, tokens
+from ringwatch.services.cli.api_process import (
+    ApiDidNotStart,
+    free_port,
+    serve_args,
+    stop,
+    wait_ready,
+)
+from ringwatch.services.config import STATE_DIR
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.store import db, tokens
 
 ROLES = ("reader", "agent", "admin")
 # Keep every fault's folder (process logs), not only those of faults that missed the target.
@@ -104,7 +110,7 @@ class Stage:
         """``ringwatch ARGS`` as a child process; its output goes to a log file in the folder."""
         self._logs += 1
         log = open(self.dir / f"{self._logs:02d}-{name}.log", "wb")  # noqa: SIM115 (kept by the child)
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "ringwatch.services.cli.main", *args],
                                 env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
@@ -260,7 +266,7 @@ def results_lost(stage: Stage, produced: int) -> tuple[int, int]:
 
 def drain(stage: Stage, sched: SimScheduler, token: str) -> None:
     """Send what a killed scheduler left in its spool, with the scheduler's own shipper."""
-    from services.scheduler.shipper import Shipper
+    from ringwatch.services.scheduler.shipper import Shipper
 
     shipper = Shipper(stage.api_url, token, sched.spool, timeout_s=30)
     try:

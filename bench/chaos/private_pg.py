@@ -11,7 +11,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-from services.config import STATE_DIR
+from ringwatch.services.config import STATE_DIR
 
 
 class PrivatePostgres:

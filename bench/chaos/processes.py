@@ -26,8 +26,8 @@ from bench.chaos.harness import (
     results_lost,
     wait_until,
 )
-from services.cli.api_process import stop
-from services.notifier.receiver import WebhookReceiver
+from ringwatch.services.cli.api_process import stop
+from ringwatch.services.notifier.receiver import WebhookReceiver
 from tests.api_fixtures import fleet_batch
 
 SECRET = "chaos-webhook-secret"
@@ -244,7 +244,7 @@ def kill_scheduler_mid_preflight(admin_url: str | None = None) -> Row:
     with the results of that preflight in flight (the database holds their write back, so
     the kill lands between claim and complete). A second scheduler must answer it once the
     first one's claim lease runs out; the results in flight must be stored."""
-    from services.scheduler.cycle import serve_preflight
+    from ringwatch.services.scheduler.cycle import serve_preflight
 
     lease_s = float(inspect.signature(serve_preflight).parameters["lease_s"].default)
     row = Row("kill -9 scheduler mid-preflight", False)
@@ -359,7 +359,7 @@ def two_notifiers(admin_url: str | None = None, fleets: int = 8, stall_s: float 
 
 
 def _closed_port_url() -> str:
-    from services.cli.api_process import free_port
+    from ringwatch.services.cli.api_process import free_port
 
     return f"http://127.0.0.1:{free_port()}/hook"
 

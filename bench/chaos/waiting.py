@@ -11,7 +11,7 @@ import time
 import httpx
 
 from bench.chaos.harness import Row, Stage, post_until_stored, wait_until
-from services.settings import Settings
+from ringwatch.services.settings import Settings
 from tests.api_fixtures import fleet_batch
 
 NODES = [f"node-{i:03d}" for i in range(4)]

@@ -9,7 +9,7 @@ import time
 import httpx
 
 from bench.chaos.harness import Row, Stage, wait_until
-from services.notifier.receiver import WebhookReceiver
+from ringwatch.services.notifier.receiver import WebhookReceiver
 
 SECRET = "chaos-webhook-secret"
 NOT_PRESENT = "not run: webhook hardening not present"
@@ -39,7 +39,7 @@ INTERNAL_URLS = (
 
 def hardened() -> bool:
     """Whether the webhook URL policy is part of this checkout."""
-    return importlib.util.find_spec("services.notifier.url_policy") is not None
+    return importlib.util.find_spec("ringwatch.services.notifier.url_policy") is not None
 
 
 def ssrf(admin_url: str | None = None) -> Row:
@@ -88,7 +88,7 @@ def ssrf(admin_url: str | None = None) -> Row:
 
 
 def stop_api(proc) -> None:
-    from services.cli.api_process import stop
+    from ringwatch.services.cli.api_process import stop
 
     stop(proc)
 
@@ -115,7 +115,7 @@ def replayed_signature(admin_url: str | None = None) -> Row:
     row = Row("replayed signatures", None, note=NOT_PRESENT)
     if not hardened():
         return row
-    from services.notifier.channels import verify
+    from ringwatch.services.notifier.channels import verify
 
     row.survived = False
     stage = Stage("replay", admin_url, env={"RINGWATCH_NOTIFIER_POLL_S": "0.2"})

@@ -14,10 +14,16 @@ from statistics import NormalDist
 
 import numpy as np
 
-from agents.groups import Group, group_nodes
-from agents.spec import Measurement
-from services.analyzer.evidence import MAD_TO_SIGMA, MEDIAN_SE, Weighing, noise_terms, stepped
-from services.config import RATED_FLOOR
+from ringwatch.agents.groups import Group, group_nodes
+from ringwatch.agents.spec import Measurement
+from ringwatch.services.analyzer.evidence import (
+    MAD_TO_SIGMA,
+    MEDIAN_SE,
+    Weighing,
+    noise_terms,
+    stepped,
+)
+from ringwatch.services.config import RATED_FLOOR
 
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]

@@ -21,13 +21,13 @@ from datetime import datetime
 from statistics import NormalDist
 from typing import Any
 
-from agents.groups import Group, nodes_of, split_member
-from agents.spec import Finding
-from services.analyzer.assess import Assessment
-from services.analyzer.evidence import Cusum, CusumPolicy
-from services.analyzer.faults import fault_key
-from services.analyzer.headline import deciding_result, headline_of
-from services.analyzer.localize import evidence_of
+from ringwatch.agents.groups import Group, nodes_of, split_member
+from ringwatch.agents.spec import Finding
+from ringwatch.services.analyzer.assess import Assessment
+from ringwatch.services.analyzer.evidence import Cusum, CusumPolicy
+from ringwatch.services.analyzer.faults import fault_key
+from ringwatch.services.analyzer.headline import deciding_result, headline_of
+from ringwatch.services.analyzer.localize import evidence_of
 
 # A ratio's sigma is never taken below this: links are never that steady, and a flat
 # series of identical values would otherwise make every tenth of a percent count.

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from agents.groups import member, node_order, split_member
-from agents.spec import Finding
-from services.analyzer.assess import Assessment
-from services.analyzer.hysteresis import AT_ONCE, Policy
+from ringwatch.agents.groups import member, node_order, split_member
+from ringwatch.agents.spec import Finding
+from ringwatch.services.analyzer.assess import Assessment
+from ringwatch.services.analyzer.hysteresis import AT_ONCE, Policy
 
 # Faults the probes report themselves, per rank.
 RANK_KINDS = frozenset({"hang", "probe_error", "data_corruption"})

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from agents import profiles
-from agents.groups import node_order
-from agents.spec import Finding, RankInfo
+from ringwatch.agents import profiles
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.spec import Finding, RankInfo
 
 KIND = "inventory_mismatch"
 VERSION_KEYS = ("driver", "cuda", "nccl")

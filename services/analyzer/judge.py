@@ -11,9 +11,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agents.groups import split_member
-from agents.spec import Finding, Measurement, RankInfo
-from services.analyzer.assess import (
+from ringwatch.agents.groups import split_member
+from ringwatch.agents.spec import Finding, Measurement, RankInfo
+from ringwatch.services.analyzer.assess import (
     AssessCache,
     Assessment,
     Expected,
@@ -21,17 +21,17 @@ from services.analyzer.assess import (
     Thresholds,
     assess,
 )
-from services.analyzer.faults import Coverage
-from services.analyzer.headline import deciding_result, headline_of
-from services.analyzer.inventory import inventory_findings
-from services.analyzer.localize import (
+from ringwatch.services.analyzer.faults import Coverage
+from ringwatch.services.analyzer.headline import deciding_result, headline_of
+from ringwatch.services.analyzer.inventory import inventory_findings
+from ringwatch.services.analyzer.localize import (
     GroupKey,
     GroupVerdict,
     VerdictCache,
     group_verdicts,
     localize,
 )
-from services.analyzer.shortfall import Explained, fleet_shortfall
+from ringwatch.services.analyzer.shortfall import Explained, fleet_shortfall
 
 
 def preset_of(m: Measurement) -> float | None:

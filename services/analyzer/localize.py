@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple, TypeVar
 
-from agents.groups import Group, group_nodes, node_order, split_member
-from agents.spec import EXCLUDING_KINDS, Finding, RankInfo
-from services.analyzer.assess import Assessment, PeerKey, peer_key, spans_paths
-from services.analyzer.evidence import (
+from ringwatch.agents.groups import Group, group_nodes, node_order, split_member
+from ringwatch.agents.spec import EXCLUDING_KINDS, Finding, RankInfo
+from ringwatch.services.analyzer.assess import Assessment, PeerKey, peer_key, spans_paths
+from ringwatch.services.analyzer.evidence import (
     MAD_TO_SIGMA,
     UNDECIDED,
     Decision,
@@ -31,7 +31,7 @@ from services.analyzer.evidence import (
     weigh_log_mean,
     weigh_mean,
 )
-from services.analyzer.headline import deciding_result, headline_of
+from ringwatch.services.analyzer.headline import deciding_result, headline_of
 
 # Best PCIe Gen5 x16 P2P copy rates sit near 55 GB/s; NVLink pairs do several times that.
 PCIE_CEILING_GBS = 64.0

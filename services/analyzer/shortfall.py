@@ -24,11 +24,11 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-from agents.groups import node_order
-from agents.profiles import scope_class
-from agents.spec import Finding
-from services.analyzer.assess import Assessment
-from services.analyzer.headline import deciding_result, headline_of
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.profiles import scope_class
+from ringwatch.agents.spec import Finding
+from ringwatch.services.analyzer.assess import Assessment
+from ringwatch.services.analyzer.headline import deciding_result, headline_of
 
 KIND = "fabric_below_rated"
 HARDWARE_SOURCES = frozenset({"rated", "preset"})

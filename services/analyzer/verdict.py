@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.groups import node_order
-from agents.spec import Finding
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.spec import Finding
 
 
 def exclude_of(findings: list[Finding]) -> list[str]:

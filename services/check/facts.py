@@ -13,12 +13,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.groups import member as member_key
-from agents.groups import node_order, split_member
-from agents.nvlink_fabric import domain_findings, fabric_by_node
-from agents.spec import Finding, ProbeBackend
-from agents.telemetry import counter_findings
-from agents.transport import node_nic_findings
+from ringwatch.agents.groups import member as member_key
+from ringwatch.agents.groups import node_order, split_member
+from ringwatch.agents.nvlink_fabric import domain_findings, fabric_by_node
+from ringwatch.agents.spec import Finding, ProbeBackend
+from ringwatch.agents.telemetry import counter_findings
+from ringwatch.agents.transport import node_nic_findings
 
 # Readings by member (``NODE/GPU``), as ``ProbeBackend.counters`` returns them.
 Readings = dict[str, dict[str, Any]]

@@ -20,21 +20,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from agents.groups import node_order
-from agents.spec import EXCLUDING_KINDS, GroupSpec, Measurement, ProbeBackend, RankInfo
-from agents.workloads import JobLayout, fabric_ops, workload
-from services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
-from services.analyzer.judge import JudgeCache, Judgement, judge
-from services.analyzer.verdict import build_verdict
-from services.check import facts
-from services.check.planner import AdaptivePlanner, layout_of
-from services.check.rounds import Progress, Rounds
-from services.check.shape import ProbeShape, ProbeSpec
-from services.check.workload import resolve_job, run_job_phase
-from services.config import CHECK_MAX_FABRIC_S, CHECK_MAX_ROUNDS, CHECK_MAX_WALL_S
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.spec import EXCLUDING_KINDS, GroupSpec, Measurement, ProbeBackend, RankInfo
+from ringwatch.agents.workloads import JobLayout, fabric_ops, workload
+from ringwatch.services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
+from ringwatch.services.analyzer.judge import JudgeCache, Judgement, judge
+from ringwatch.services.analyzer.verdict import build_verdict
+from ringwatch.services.check import facts
+from ringwatch.services.check.planner import AdaptivePlanner, layout_of
+from ringwatch.services.check.rounds import Progress, Rounds
+from ringwatch.services.check.shape import ProbeShape, ProbeSpec
+from ringwatch.services.check.workload import resolve_job, run_job_phase
+from ringwatch.services.config import CHECK_MAX_FABRIC_S, CHECK_MAX_ROUNDS, CHECK_MAX_WALL_S
 
 if TYPE_CHECKING:
-    from services.settings import Settings
+    from ringwatch.services.settings import Settings
 
 # The undecided groups a verdict lists by name; more are counted.
 UNDECIDED_LISTED = 100

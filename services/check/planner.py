@@ -14,11 +14,11 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from agents.groups import Group, group_nodes, member, node_order
-from agents.matchings import circle_matching, circle_matchings
-from agents.spec import GroupSpec, RankInfo
-from services.analyzer.evidence import Decision
-from services.analyzer.localize import (
+from ringwatch.agents.groups import Group, group_nodes, member, node_order
+from ringwatch.agents.matchings import circle_matching, circle_matchings
+from ringwatch.agents.spec import GroupSpec, RankInfo
+from ringwatch.services.analyzer.evidence import Decision
+from ringwatch.services.analyzer.localize import (
     GroupKey,
     GroupVerdict,
     NicCase,
@@ -28,8 +28,8 @@ from services.analyzer.localize import (
     proven_nodes,
     weigh_nics,
 )
-from services.check.shape import ProbeShape
-from services.config import CHECK_MAX_ROUNDS
+from ringwatch.services.check.shape import ProbeShape
+from ringwatch.services.config import CHECK_MAX_ROUNDS
 
 T = TypeVar("T")
 Nodes = dict[str, list[int]]

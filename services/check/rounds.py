@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agents import profiles
-from agents.spec import Finding, GroupSpec, Measurement, RoundResult
+from ringwatch.agents import profiles
+from ringwatch.agents.spec import Finding, GroupSpec, Measurement, RoundResult
 
 # Where a check says what it runs, a line at a time (each round's groups).
 Progress = Callable[[str], None]

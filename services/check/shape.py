@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from agents.collectives import DEFAULT_SIZES, default_sizes
-from agents.spec import GroupSpec, ProbeBackend
-from services.check.deadlines import group_deadline_s
+from ringwatch.agents.collectives import DEFAULT_SIZES, default_sizes
+from ringwatch.agents.spec import GroupSpec, ProbeBackend
+from ringwatch.services.check.deadlines import group_deadline_s
 
 DEFAULT_OPS: tuple[str, ...] = ("allreduce", "alltoall")
 

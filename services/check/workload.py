@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from agents.groups import Group, nodes_of
-from agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
-from agents.workloads import COMM_KINDS, JobLayout, Workload, disjoint_rounds
-from services.analyzer.evidence import MAD_TO_SIGMA
-from services.check.planner import node_members
-from services.check.rounds import Progress, Rounds
-from services.check.shape import ProbeShape
+from ringwatch.agents.groups import Group, nodes_of
+from ringwatch.agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
+from ringwatch.agents.workloads import COMM_KINDS, JobLayout, Workload, disjoint_rounds
+from ringwatch.services.analyzer.evidence import MAD_TO_SIGMA
+from ringwatch.services.check.planner import node_members
+from ringwatch.services.check.rounds import Progress, Rounds
+from ringwatch.services.check.shape import ProbeShape
 
 Comms = Mapping[str, Sequence[tuple[str, ...]]]
 # The identity's time ratio (RS + AG) / AR of a healthy group sits near 1 (a ring

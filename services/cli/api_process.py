@@ -25,7 +25,7 @@ def start_api(env: dict[str, str], *, notifier: bool = True, timeout_s: float = 
     """``ringwatch serve`` on the port of ``env["RINGWATCH_API_URL"]``; returns once
     ``/healthz`` answers 200, stops the child and raises ApiDidNotStart otherwise."""
     api_url = env["RINGWATCH_API_URL"]
-    args = [sys.executable, "-m", "services.cli.main", *serve_args(api_url, notifier)]
+    args = [sys.executable, "-m", "ringwatch.services.cli.main", *serve_args(api_url, notifier)]
     return wait_ready(subprocess.Popen(args, env=env), api_url, timeout_s)
 
 

@@ -10,10 +10,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.groups import node_order
-from agents.places import node_list
-from agents.spec import InjectedFault, ProbeBackend
-from services.cli.errors import CliError
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.places import node_list
+from ringwatch.agents.spec import InjectedFault, ProbeBackend
+from ringwatch.services.cli.errors import CliError
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
             raise CliError("--backend sim needs --fabric FILE")
         if name != "sim":
             raise CliError(f"--fabric runs the sim backend, not {name}")
-        from agents.sim import SimBackend
+        from ringwatch.agents.sim import SimBackend
 
         try:
             return SimBackend.from_file(args.fabric)
@@ -76,17 +76,17 @@ def make_backend(args: argparse.Namespace, progress: Callable[[str], None] | Non
     if args.local:
         # The local cluster's ranks are known before it starts: a fault aimed elsewhere is
         # refused now rather than silently never happening.
-        from agents.sim import node_name
+        from ringwatch.agents.sim import node_name
 
         _check_injected(injected, {(node_name(i), g) for i in range(args.local)
                                    for g in range(args.gpus_per_node)})
     if name == "nccl" and args.local:
         # The local ranks are this machine's GPUs: refuse before any cluster starts. On a
         # cluster (--address) every agent checks its own node as it starts.
-        from agents.device import check_cuda
+        from ringwatch.agents.device import check_cuda
 
         check_cuda(args.local * args.gpus_per_node - 1)
-    from services.scheduler.ray_backend import RayBackend
+    from ringwatch.services.scheduler.ray_backend import RayBackend
 
     backend = RayBackend(backend=name, local_nodes=args.local, ranks_per_node=args.gpus_per_node,
                          address=args.address, injected=injected,
@@ -119,6 +119,6 @@ def _repeats(args: argparse.Namespace, backend: str) -> int:
 
 
 def _state_dir() -> Path:
-    from services.settings import get_settings
+    from ringwatch.services.settings import get_settings
 
     return get_settings().state_dir

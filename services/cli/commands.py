@@ -17,22 +17,22 @@ import time
 from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
-from agents.groups import node_order
-from agents.places import node_list
-from services import logs
-from services.cli.backends import has_backend, make_backend, parse_injected
-from services.cli.errors import CliError
-from services.cli.output import print_json, print_tokens, print_verdict, say, visible
-from services.config import settings_in_environment
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.places import node_list
+from ringwatch.services import logs
+from ringwatch.services.cli.backends import has_backend, make_backend, parse_injected
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.output import print_json, print_tokens, print_verdict, say, visible
+from ringwatch.services.config import settings_in_environment
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import httpx
 
-    from services.analyzer.assess import Thresholds
-    from services.check import CheckBudget
-    from services.settings import Settings
+    from ringwatch.services.analyzer.assess import Thresholds
+    from ringwatch.services.check import CheckBudget
+    from ringwatch.services.settings import Settings
 
 # Progress lines that the next one replaces on a terminal: a check's rounds, a wait.
 _TRANSIENT = re.compile(r"^(?:\S+ )?(?:\S+ )?(?:job )?round \d+|.*waiting for a scheduler")
@@ -77,13 +77,13 @@ progress = _Progress()
 
 
 def _probe_options(args: argparse.Namespace):
-    from agents.spec import OPS
-    from services.check.shape import DEFAULT_OPS
-    from services.scheduler.cycle import ProbeOptions
+    from ringwatch.agents.spec import OPS
+    from ringwatch.services.check.shape import DEFAULT_OPS
+    from ringwatch.services.scheduler.cycle import ProbeOptions
 
     ops = tuple(o.strip() for o in (args.ops or ",".join(DEFAULT_OPS)).split(",") if o.strip())
     if getattr(args, "profile", None):
-        from agents.workloads import fabric_ops, workload
+        from ringwatch.agents.workloads import fabric_ops, workload
 
         ops = fabric_ops(workload(args.profile), ops)
 
@@ -103,9 +103,9 @@ def _fits(options: Any, backend: Any) -> None:
     """A profile's layout that cannot fit the backend's ranks is refused before a cycle."""
     if options.profile is None:
         return
-    from agents.workloads import LayoutError
-    from services.check.planner import layout_of
-    from services.check.workload import resolve_job
+    from ringwatch.agents.workloads import LayoutError
+    from ringwatch.services.check.planner import layout_of
+    from ringwatch.services.check.workload import resolve_job
 
     try:
         resolve_job(options.job, layout_of(backend.ranks(), None))
@@ -116,9 +116,9 @@ def _fits(options: Any, backend: Any) -> None:
 def _check_redop(args: argparse.Namespace, ops: tuple[str, ...], redop: str) -> None:
     """A reduction the backend or dtype cannot run (avg on gloo) is bad input, refused
     before any cluster starts."""
-    from agents.collectives import check_redop
-    from agents.spec import REDUCING_OPS, redop_for
-    from services.cli.backends import default_backend
+    from ringwatch.agents.collectives import check_redop
+    from ringwatch.agents.spec import REDUCING_OPS, redop_for
+    from ringwatch.services.cli.backends import default_backend
 
     if redop != "sum" and not any(op in REDUCING_OPS for op in ops):
         raise CliError(f"--redop {redop} needs a reducing op in --ops ({', '.join(REDUCING_OPS)})")
@@ -135,7 +135,7 @@ def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
     one bandwidth-bound size), the same a preflight uses."""
     if not args.preset:
         return None
-    from agents import collectives
+    from ringwatch.agents import collectives
 
     backend = args.backend or ("sim" if getattr(args, "fabric", None) else "gloo")
     return tuple(collectives.preset_sizes(args.preset, backend))
@@ -145,7 +145,7 @@ def _preset_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
-    from services.store import db
+    from ringwatch.services.store import db
 
     settings = get_settings()
     if args.db_command == "stop":
@@ -157,7 +157,7 @@ def cmd_db(args: argparse.Namespace) -> int:
         return 0
     url = _database_url(settings)
     if args.db_command == "maintain":
-        from services.store import timeseries
+        from ringwatch.services.store import timeseries
 
         engine = db.make_maintenance_engine(url)
         try:
@@ -192,7 +192,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 def _downgrade(url: str, at: str | None, to: str, wait_s: float) -> int:
     """Undo migrations down to ``to`` (a migration, or a release's version for its
     migration), one release back at most (services.store.db.RELEASES)."""
-    from services.store import db
+    from ringwatch.services.store import db
 
     where, head = db.describe_url(url), db.head_revision()
     floor_release, floor = db.downgrade_floor()
@@ -230,7 +230,7 @@ def _downgrade(url: str, at: str | None, to: str, wait_s: float) -> int:
 def _serve_ahead(url: str, at: str) -> None:
     """Leave a database a newer ringwatch migrated as it is where this code may serve on it
     (every migration past this code's only adds); else one line, exit 2."""
-    from services.store import db
+    from ringwatch.services.store import db
 
     engine = db.make_engine(url, pool_size=1, max_overflow=0)
     try:
@@ -250,7 +250,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> int:
     from sqlalchemy import create_engine
     from sqlalchemy.exc import SQLAlchemyError
 
-    from services.store import db
+    from ringwatch.services.store import db
 
     head, where = db.head_revision(), db.describe_url(url)
     engine = create_engine(db.normalize_url(url), connect_args={"connect_timeout": 10})
@@ -298,8 +298,8 @@ def cmd_token(args: argparse.Namespace) -> int:
             raise CliError("--expires-in-days must be 0 (never) or more")
     if args.api:
         return _token_via_api(args)
-    from services.errors import RingwatchError
-    from services.store import db, tokens
+    from ringwatch.services.errors import RingwatchError
+    from ringwatch.services.store import db, tokens
 
     settings = get_settings()
     factory = db.make_session_factory(db.make_engine(_database_url(settings)))
@@ -388,16 +388,16 @@ def _token_info(row) -> dict[str, Any]:
 
 
 def _notifier(settings):
-    from services.notifier.loop import Notifier
-    from services.store import db
+    from ringwatch.services.notifier.loop import Notifier
+    from ringwatch.services.store import db
 
     factory = db.make_session_factory(db.make_engine(_database_url(settings)))
     return Notifier.from_settings(factory, settings)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from api.app import create_app
-    from services.store import db
+    from ringwatch.api.app import create_app
+    from ringwatch.services.store import db
 
     settings = _serving_settings(get_settings(), args.host, args.port)
     settings.check_secrets()
@@ -465,7 +465,7 @@ def _serve_banner(settings: Settings, args: argparse.Namespace, database: str) -
     line = (f"ringwatch serve: API at {where} (OpenAPI at /docs{links}), database {database}, "
             f"webhook notifier {notifier}")
     if settings.local:
-        from services.settings import LOCAL_KEY_FILE
+        from ringwatch.services.settings import LOCAL_KEY_FILE
 
         key = settings.state_dir / LOCAL_KEY_FILE
         own = key.exists() and key.read_text().strip() == settings.secret_key.get_secret_value()
@@ -521,7 +521,7 @@ def _schema_ready(settings: Settings, url: str) -> None:
     """Bring the embedded database that ``serve`` started to this code's schema; refuse an
     external one that is not there, in one line (its migrations are its operator's to run,
     in their own step: ``ringwatch db upgrade``)."""
-    from services.store import db
+    from ringwatch.services.store import db
 
     at, head = db.current_revision(url), db.head_revision()
     if at == head:
@@ -543,7 +543,7 @@ def _maintain_forever(settings, stop: threading.Event) -> None:
     replica at a time does the work (an advisory lock), the others skip."""
     import logging
 
-    from services.store import db, timeseries
+    from ringwatch.services.store import db, timeseries
 
     log = logging.getLogger("ringwatch.maintenance")
     engine = db.make_maintenance_engine(_database_url(settings))
@@ -562,14 +562,14 @@ def _maintain_forever(settings, stop: threading.Event) -> None:
 
 
 def cmd_notifier(args: argparse.Namespace) -> int:
-    from services.store import db
+    from ringwatch.services.store import db
 
     # On the embedded database, the key and the receivers of the `serve` beside it.
     settings = get_settings().with_local_defaults()
     notifier = _notifier(settings)
     health, line = None, ""
     if args.health_port is not None:
-        from services.notifier.health import PATHS, NotifierHealth
+        from ringwatch.services.notifier.health import PATHS, NotifierHealth
 
         check = NotifierHealth(notifier, notifier.factory.kw["bind"], settings.notifier_poll_s)
         try:
@@ -598,11 +598,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     import socket
     from dataclasses import replace
 
-    from services.check import CheckBudget
-    from services.scheduler.api_client import SchedulerApi
-    from services.scheduler.cycle import Sharing, run_scheduler
-    from services.scheduler.occupancy import source_for
-    from services.scheduler.shipper import Shipper
+    from ringwatch.services.check import CheckBudget
+    from ringwatch.services.scheduler.api_client import SchedulerApi
+    from ringwatch.services.scheduler.cycle import Sharing, run_scheduler
+    from ringwatch.services.scheduler.occupancy import source_for
+    from ringwatch.services.scheduler.shipper import Shipper
 
     settings = get_settings()
     settings.check_secrets()
@@ -658,7 +658,7 @@ def _scheduler_watch(args: argparse.Namespace, fleet: str, holder: str,
     """The scheduler's /healthz and /metrics where --health-port asks for them."""
     if args.health_port is None:
         return None, None
-    from services.scheduler.watch import SchedulerWatch
+    from ringwatch.services.scheduler.watch import SchedulerWatch
 
     watch = SchedulerWatch(fleet, holder, interval_s)
     try:
@@ -697,8 +697,8 @@ def _stop_on_signals(stop: threading.Event, who: str = "scheduler",
 def cmd_probe(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from services.scheduler.cycle import run_cycle
-    from services.scheduler.probe_table import format_table
+    from ringwatch.services.scheduler.cycle import run_cycle
+    from ringwatch.services.scheduler.probe_table import format_table
 
     settings = _check_settings()
     options = replace(_probe_options(args), nvlink_partitioned=_partitioned(settings))
@@ -727,10 +727,15 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def cmd_selftest(args: argparse.Namespace) -> int:
     import subprocess
 
-    from agents.collectives import check_redop, preset_sizes
-    from agents.spec import OPS, redop_for
-    from services.selftest import nccl_tests, report
-    from services.selftest.runner import SelftestOptions, gpu_count, node_name, run_selftest
+    from ringwatch.agents.collectives import check_redop, preset_sizes
+    from ringwatch.agents.spec import OPS, redop_for
+    from ringwatch.services.selftest import nccl_tests, report
+    from ringwatch.services.selftest.runner import (
+        SelftestOptions,
+        gpu_count,
+        node_name,
+        run_selftest,
+    )
 
     ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
     bad = [o for o in ops if o not in OPS]
@@ -796,7 +801,7 @@ def _with_node(text: str, node: str) -> str:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from services.cli.hostlist import expand_hostlist
+    from ringwatch.services.cli.hostlist import expand_hostlist
 
     try:
         nodes = expand_hostlist(args.nodes) if args.nodes else None
@@ -805,8 +810,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if args.nodes is not None and not nodes:
         raise CliError("--nodes is empty")
     if has_backend(args):
-        from agents.workloads import LayoutError
-        from services.check import ProbeSpec, run_check
+        from ringwatch.agents.workloads import LayoutError
+        from ringwatch.services.check import ProbeSpec, run_check
 
         settings = _check_settings()
         job = _job_layout(args)
@@ -842,13 +847,13 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 def get_settings() -> Settings:
     """This process's settings: pydantic loads here, on first use, not with the CLI (a
     check on defaults and ``--help`` never need it)."""
-    from services.settings import get_settings as read_once
+    from ringwatch.services.settings import get_settings as read_once
 
     return read_once()
 
 
 def _database_url(settings: Settings) -> str:
-    from services.store import db
+    from ringwatch.services.store import db
 
     return db.resolve_database_url(settings.database_url, settings.state_dir)
 
@@ -867,8 +872,8 @@ def _partitioned(settings: Settings | None) -> bool:
 
 def _check_config(settings: Settings | None, backend: str) -> tuple[Thresholds, CheckBudget]:
     """The thresholds and budget of a check on ``backend``."""
-    from services.analyzer.assess import thresholds_for
-    from services.check import CheckBudget
+    from ringwatch.services.analyzer.assess import thresholds_for
+    from ringwatch.services.check import CheckBudget
 
     if settings is None:
         return thresholds_for(backend), CheckBudget()
@@ -877,7 +882,7 @@ def _check_config(settings: Settings | None, backend: str) -> tuple[Thresholds, 
 
 def _job_layout(args: argparse.Namespace):
     """The job's tp/pp/dp from the command line (None: the profile's default layout)."""
-    from agents.workloads import JobLayout
+    from ringwatch.agents.workloads import JobLayout
 
     given = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
     if not given:
@@ -948,7 +953,7 @@ def _api_message(resp: httpx.Response) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import httpx
 
-    from services.cli import status
+    from ringwatch.services.cli import status
 
     settings = get_settings()
     _require_reader_token(settings)
@@ -965,7 +970,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from services.cli import completion
+    from ringwatch.services.cli import completion
 
     # The parser is handed down by the command line (main imports this module, not the
     # other way round).
@@ -974,7 +979,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 
 def cmd_check_rankmap(args: argparse.Namespace) -> int:
-    from services.rankmap import checks
+    from ringwatch.services.rankmap import checks
 
     entries = _read_rank_table(args.file)
     result = _api_rankmap_check(entries)
@@ -995,8 +1000,8 @@ RANKMAP_HOSTS_SKIPPED = 3
 
 
 def _read_rank_table(path: str) -> list:
-    from services.errors import BadInput
-    from services.rankmap import checks
+    from ringwatch.services.errors import BadInput
+    from ringwatch.services.rankmap import checks
 
     try:
         if path == "-":
@@ -1018,7 +1023,7 @@ def _api_rankmap_check(entries: list) -> dict[str, Any] | None:
     """The full check from the API at RINGWATCH_API_URL; None when no API answers there."""
     import httpx
 
-    from services.rankmap import checks
+    from ringwatch.services.rankmap import checks
 
     settings = get_settings()
     if not settings.token:
@@ -1090,24 +1095,24 @@ def _describe_rank_finding(f: dict[str, Any]) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from services.cli.demo import run_demo
+    from ringwatch.services.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from services.cli.nodes import cmd_node as run_node
+    from ringwatch.services.cli.nodes import cmd_node as run_node
 
     return run_node(args)
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from services.cli.slurm import cmd_slurm as run_slurm
+    from ringwatch.services.cli.slurm import cmd_slurm as run_slurm
 
     return run_slurm(args)
 
 
 def cmd_kubernetes(args: argparse.Namespace) -> int:
-    from services.cli.kubernetes import cmd_kubernetes as run_kubernetes
+    from ringwatch.services.cli.kubernetes import cmd_kubernetes as run_kubernetes
 
     return run_kubernetes(args)

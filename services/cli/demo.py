@@ -21,19 +21,19 @@ from typing import Any
 
 import httpx
 
-from agents.groups import node_order
-from agents.places import finding_place, members_text, node_list
-from agents.spec import InjectedFault
-from services.analyzer.hysteresis import Policy
-from services.check import CheckBudget
-from services.cli import api_process
-from services.cli.errors import CliError
-from services.cli.output import print_verdict
-from services.notifier.receiver import WebhookReceiver
-from services.scheduler.cycle import ProbeOptions, run_cycle
-from services.scheduler.shipper import Shipper
-from services.settings import Settings, get_settings
-from services.store import db, tokens
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.places import finding_place, members_text, node_list
+from ringwatch.agents.spec import InjectedFault
+from ringwatch.services.analyzer.hysteresis import Policy
+from ringwatch.services.check import CheckBudget
+from ringwatch.services.cli import api_process
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.output import print_verdict
+from ringwatch.services.notifier.receiver import WebhookReceiver
+from ringwatch.services.scheduler.cycle import ProbeOptions, run_cycle
+from ringwatch.services.scheduler.shipper import Shipper
+from ringwatch.services.settings import Settings, get_settings
+from ringwatch.services.store import db, tokens
 
 DEMO_SECRET = "ringwatch-demo-secret"
 # One rank of node-001 at a quarter of its bandwidth. gloo times CPU processes, and on a
@@ -213,7 +213,7 @@ def _start_api(url: str, port: int, stack: ExitStack) -> str:
 
 
 def _backend(args: argparse.Namespace, settings: Settings):
-    from services.scheduler.ray_backend import RayBackend
+    from ringwatch.services.scheduler.ray_backend import RayBackend
 
     return RayBackend(backend="gloo", local_nodes=args.nodes, ranks_per_node=args.gpus_per_node,
                       address=None, injected=[], temp_dir=settings.state_dir / "ray",

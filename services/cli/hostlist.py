@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from agents.hostlist import MAX_HOSTS, expand_hostlist, expand_hostlists, split_top
+from ringwatch.agents.hostlist import MAX_HOSTS, expand_hostlist, expand_hostlists, split_top
 
 __all__ = ["MAX_HOSTS", "expand_hostlist", "expand_hostlists", "split_top"]

@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from services import logs
-from services.cli.errors import CliError
-from services.cli.output import say, visible
-from services.kubernetes.remediation import (
+from ringwatch.services import logs
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.output import say, visible
+from ringwatch.services.kubernetes.remediation import (
     DEFAULT_EFFECT,
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_TAINTED_SHARE,
@@ -36,8 +36,8 @@ from services.kubernetes.remediation import (
 )
 
 if TYPE_CHECKING:
-    from services.kubernetes.client import KubernetesApi, ServiceAccount
-    from services.kubernetes.remediation import Plan
+    from ringwatch.services.kubernetes.client import KubernetesApi, ServiceAccount
+    from ringwatch.services.kubernetes.remediation import Plan
 
 INTERVAL_S = 60.0
 # GPU feature discovery's label, the one deploy/kubernetes/base/gpu-agents.yaml selects by.
@@ -70,7 +70,7 @@ def _seconds(text: str) -> float:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from services.cli.main import add_api_option
+    from ringwatch.services.cli.main import add_api_option
 
     p = sub.add_parser("kubernetes", help="label and taint Kubernetes nodes by ringwatch's "
                                           "verdicts (the Slurm drain's equivalent), and an "
@@ -124,8 +124,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_kubernetes(args: argparse.Namespace) -> int:
     if args.kubernetes_command == "check":
         return check(args, time.monotonic())
-    from services.kubernetes.client import ServiceAccount
-    from services.settings import get_settings
+    from ringwatch.services.kubernetes.client import ServiceAccount
+    from ringwatch.services.settings import get_settings
 
     settings = get_settings()
     if not settings.token:
@@ -165,7 +165,7 @@ class Sync:
     def cycle(self) -> int:
         """0: every change made (or, in a dry run, said); 1: some left undone; 2: an API
         could not be read, and nothing changed."""
-        from services.kubernetes.client import KubernetesError
+        from ringwatch.services.kubernetes.client import KubernetesError
 
         try:
             states = fleet_states(self.api_url, self.token)
@@ -180,8 +180,8 @@ class Sync:
             return 2
 
     def _act(self, kube: KubernetesApi, states: Mapping[str, Mapping[str, Any]]) -> int:
-        from services.kubernetes.client import NODES_PATH, KubernetesError
-        from services.kubernetes.remediation import KubeNode, match_nodes, plan
+        from ringwatch.services.kubernetes.client import NODES_PATH, KubernetesError
+        from ringwatch.services.kubernetes.remediation import KubeNode, match_nodes, plan
 
         a = self.args
         params = {"labelSelector": a.node_selector} if a.node_selector else {}
@@ -247,7 +247,7 @@ def fleet_states(api_url: str, token: str) -> dict[str, dict[str, Any]]:
 def check(args: argparse.Namespace, started: float) -> int:
     """Exit 0: healthy, or no answer (fail-open, with a line on stderr). Exit 1: ringwatch
     excludes the node (the reason on stdout), or no answer with --on-error closed."""
-    from services.cli.slurm import GateConfig, ask_within, no_answer_reason, reason_for
+    from ringwatch.services.cli.slurm import GateConfig, ask_within, no_answer_reason, reason_for
 
     node = args.node or os.environ.get("NODE_NAME")
     if not node:

@@ -13,14 +13,14 @@ import sys
 import time
 import warnings
 
-from agents.spec import OPS, REDOPS, ProbeSetupError
-from services import logs
-from services.cli import commands, kubernetes, nodes, slurm
-from services.cli.backends import add_backend_args
-from services.cli.errors import CliError
-from services.cli.extras import missing_extra
-from services.cli.output import visible
-from services.version import ringwatch_version
+from ringwatch.agents.spec import OPS, REDOPS, ProbeSetupError
+from ringwatch.services import logs
+from ringwatch.services.cli import commands, kubernetes, nodes, slurm
+from ringwatch.services.cli.backends import add_backend_args
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.extras import missing_extra
+from ringwatch.services.cli.output import visible
+from ringwatch.services.version import ringwatch_version
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -45,8 +45,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 def _names(text: str) -> list[str]:
     """Node names, comma-separated or as a Slurm host list, each by the rule the API names
     nodes by."""
-    from agents.groups import check_node_name
-    from services.cli.hostlist import expand_hostlist
+    from ringwatch.agents.groups import check_node_name
+    from ringwatch.services.cli.hostlist import expand_hostlist
 
     try:
         names = expand_hostlist(text)
@@ -68,7 +68,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_profile_option(p: argparse.ArgumentParser) -> None:
-    from agents.workloads import WORKLOADS
+    from ringwatch.agents.workloads import WORKLOADS
 
     p.add_argument("--profile", choices=tuple(WORKLOADS),
                    help="probe what this kind of job runs (docs/workloads.md): its ops join "

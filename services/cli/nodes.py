@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agents.places import node_list
-from services.cli.errors import CliError
-from services.cli.output import print_json, visible
+from ringwatch.agents.places import node_list
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.output import print_json, visible
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from services.cli.main import add_api_option
+    from ringwatch.services.cli.main import add_api_option
 
     p = sub.add_parser("node", help="the fleet's nodes through the API, as an admin: retire "
                                     "nodes from the fleet")
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_node(args: argparse.Namespace) -> int:
     import httpx
 
-    from services.settings import get_settings
+    from ringwatch.services.settings import get_settings
 
     settings = get_settings()
     if not settings.token:
@@ -53,7 +53,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def _expand(texts: list[str]) -> list[str]:
-    from services.cli.hostlist import expand_hostlists
+    from ringwatch.services.cli.hostlist import expand_hostlists
 
     try:
         names = expand_hostlists(texts)

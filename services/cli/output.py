@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from agents.places import finding_place, node_list
+from ringwatch.agents.places import finding_place, node_list
 
 
 def visible(text: str) -> str:

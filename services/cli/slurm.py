@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agents.places import finding_place
-from services import logs
-from services.cli.errors import CliError
-from services.cli.output import visible, with_cause
+from ringwatch.agents.places import finding_place
+from ringwatch.services import logs
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.output import visible, with_cause
 
 if TYPE_CHECKING:
     import httpx
@@ -611,7 +611,7 @@ def check(config: GateConfig, node: str, started: float) -> int:
 def resume(config: GateConfig, nodes_arg: str | None) -> int:
     """Exit 0 when every node ringwatch drained is back (or there was none), 1 when some
     stay drained: ringwatch still excludes them, or could not say."""
-    from services.cli.hostlist import expand_hostlist
+    from ringwatch.services.cli.hostlist import expand_hostlist
 
     try:
         wanted = expand_hostlist(nodes_arg) if nodes_arg else None

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from agents.places import finding_place
-from services.cli.errors import CliError
-from services.cli.output import headline, visible
-from services.config import TOKEN_EXPIRY_WARN_S
+from ringwatch.agents.places import finding_place
+from ringwatch.services.cli.errors import CliError
+from ringwatch.services.cli.output import headline, visible
+from ringwatch.services.config import TOKEN_EXPIRY_WARN_S
 
 # Incidents listed at most; the count says how many more are open.
 MAX_LISTED = 20

@@ -111,7 +111,7 @@ def match_nodes(kube: Iterable[KubeNode], ringwatch: Iterable[str],
     (before the first dot, any case) where only one node has that (as the occupancy source
     matches them). A node two of ringwatch's names match takes the exact one."""
     # Imported here, as the occupancy source is the scheduler's and imports more.
-    from services.scheduler.occupancy import match_names
+    from ringwatch.services.scheduler.occupancy import match_names
 
     by_value: dict[str, str | None] = {}
     for node in kube:

@@ -12,16 +12,16 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.groups import node_order, series_key, split_member
-from services.analyzer.assess import Thresholds
-from services.analyzer.hysteresis import LinkState, Policy, standing
-from services.config import TOKEN_EXPIRY_WARN_S
-from services.errors import BadInput, NodeNotFound, NotFound
-from services.store import health as health_store
-from services.store import measurements as store
-from services.store import metrics as metrics_store
-from services.store import nodes as node_store
-from services.store import timeseries
+from ringwatch.agents.groups import node_order, series_key, split_member
+from ringwatch.services.analyzer.assess import Thresholds
+from ringwatch.services.analyzer.hysteresis import LinkState, Policy, standing
+from ringwatch.services.config import TOKEN_EXPIRY_WARN_S
+from ringwatch.services.errors import BadInput, NodeNotFound, NotFound
+from ringwatch.services.store import health as health_store
+from ringwatch.services.store import measurements as store
+from ringwatch.services.store import metrics as metrics_store
+from ringwatch.services.store import nodes as node_store
+from ringwatch.services.store import timeseries
 
 
 def nodes(session: Session, *, after: str | None = None,
@@ -66,7 +66,7 @@ def node_states(session: Session,
     keeps per node (own NVLink groups; median of its node pairs); ``excluded_by``, the kinds
     of the findings for which a preflight naming the node excludes it (empty: none)."""
     # Imported here: stored_verdict imports this module's require_nodes.
-    from services.monitor.stored_verdict import exclusions
+    from ringwatch.services.monitor.stored_verdict import exclusions
 
     excluded = exclusions(session)
     out = []

@@ -24,20 +24,26 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.groups import group_nodes, series_key
-from agents.spec import Finding, RankInfo, split_series_op
-from agents.spec import Measurement as ProbeMeasurement
-from services.analyzer.assess import HISTORY_WINDOW, Assessment, Thresholds, link_key
-from services.analyzer.drift import drift_observations, step_drift, unexplained
-from services.analyzer.evidence import CusumPolicy
-from services.analyzer.faults import RANK_KINDS, Coverage, fault_key, fault_nodes, policy_for
-from services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, step
-from services.analyzer.judge import Judgement, judge
-from services.store import drift as drift_store
-from services.store import events
-from services.store import health as store
-from services.store.models import FaultState
-from services.store.models import Finding as FindingRow
+from ringwatch.agents.groups import group_nodes, series_key
+from ringwatch.agents.spec import Finding, RankInfo, split_series_op
+from ringwatch.agents.spec import Measurement as ProbeMeasurement
+from ringwatch.services.analyzer.assess import HISTORY_WINDOW, Assessment, Thresholds, link_key
+from ringwatch.services.analyzer.drift import drift_observations, step_drift, unexplained
+from ringwatch.services.analyzer.evidence import CusumPolicy
+from ringwatch.services.analyzer.faults import (
+    RANK_KINDS,
+    Coverage,
+    fault_key,
+    fault_nodes,
+    policy_for,
+)
+from ringwatch.services.analyzer.hysteresis import DEGRADED, OK, LinkState, Policy, step
+from ringwatch.services.analyzer.judge import Judgement, judge
+from ringwatch.services.store import drift as drift_store
+from ringwatch.services.store import events
+from ringwatch.services.store import health as store
+from ringwatch.services.store.models import FaultState
+from ringwatch.services.store.models import Finding as FindingRow
 
 
 @dataclass

@@ -10,18 +10,18 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from agents.groups import case_twins, node_order, nodes_of, series_key
-from agents.spec import Occupant, RankInfo, utcnow
-from services.analyzer.assess import Thresholds, thresholds_for
-from services.analyzer.evidence import CusumPolicy
-from services.analyzer.faults import RANK_KINDS
-from services.analyzer.hysteresis import Policy
-from services.config import MAX_CLOCK_SKEW_S
-from services.errors import BadInput, Conflict, Forbidden, TooLarge, TooManyRequests
-from services.monitor.health import HealthChanges, apply_round
-from services.store import measurements as store
-from services.store import nodes as node_store
-from services.store import timeseries
+from ringwatch.agents.groups import case_twins, node_order, nodes_of, series_key
+from ringwatch.agents.spec import Occupant, RankInfo, utcnow
+from ringwatch.services.analyzer.assess import Thresholds, thresholds_for
+from ringwatch.services.analyzer.evidence import CusumPolicy
+from ringwatch.services.analyzer.faults import RANK_KINDS
+from ringwatch.services.analyzer.hysteresis import Policy
+from ringwatch.services.config import MAX_CLOCK_SKEW_S
+from ringwatch.services.errors import BadInput, Conflict, Forbidden, TooLarge, TooManyRequests
+from ringwatch.services.monitor.health import HealthChanges, apply_round
+from ringwatch.services.store import measurements as store
+from ringwatch.services.store import nodes as node_store
+from ringwatch.services.store import timeseries
 
 # What an Occupant is made of: a stored occupant's other keys (reason, since) are ours.
 OCCUPANT_FIELDS = frozenset(f.name for f in fields(Occupant))

@@ -33,20 +33,20 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session, sessionmaker
 
-from agents.groups import is_node_name, split_member
-from agents.nccl_log import TRANSPORTS
-from agents.nic_counters import THRESHOLDS
-from services.analyzer.hysteresis import DEGRADED, OK
-from services.config import TOKEN_EXPIRY_WARN_S
-from services.monitor.stored_verdict import excluded_nodes
-from services.store import db
-from services.store import health as health_store
-from services.store import measurements as measurement_store
-from services.store import metrics as store
-from services.store.heartbeats import LOOPS, HeartbeatRow, heartbeats
-from services.store.measurements import SHIPPER_HOSTS_PER_TOKEN
-from services.store.preflight import LATENCY_BOUNDS
-from services.store.tokens import ROLES
+from ringwatch.agents.groups import is_node_name, split_member
+from ringwatch.agents.nccl_log import TRANSPORTS
+from ringwatch.agents.nic_counters import THRESHOLDS
+from ringwatch.services.analyzer.hysteresis import DEGRADED, OK
+from ringwatch.services.config import TOKEN_EXPIRY_WARN_S
+from ringwatch.services.monitor.stored_verdict import excluded_nodes
+from ringwatch.services.store import db
+from ringwatch.services.store import health as health_store
+from ringwatch.services.store import measurements as measurement_store
+from ringwatch.services.store import metrics as store
+from ringwatch.services.store.heartbeats import LOOPS, HeartbeatRow, heartbeats
+from ringwatch.services.store.measurements import SHIPPER_HOSTS_PER_TOKEN
+from ringwatch.services.store.preflight import LATENCY_BOUNDS
+from ringwatch.services.store.tokens import ROLES
 
 # nccl-tests' GB/s are 10^9 bytes a second.
 BYTES_PER_GB = 1e9

@@ -20,14 +20,14 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.groups import node_order
-from agents.spec import Finding, utcnow
-from services.analyzer.faults import FLEET_KIND
-from services.analyzer.verdict import build_verdict, exclude_of
-from services.errors import NodeNotFound
-from services.monitor.fleet import require_nodes
-from services.store import health as health_store
-from services.store import preflight as preflight_store
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.spec import Finding, utcnow
+from ringwatch.services.analyzer.faults import FLEET_KIND
+from ringwatch.services.analyzer.verdict import build_verdict, exclude_of
+from ringwatch.services.errors import NodeNotFound
+from ringwatch.services.monitor.fleet import require_nodes
+from ringwatch.services.store import health as health_store
+from ringwatch.services.store import preflight as preflight_store
 
 
 def verdict_from_store(session: Session, nodes: list[str], max_age_s: float) -> dict[str, Any]:

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agents.places import finding_place
-from services.store import events
+from ringwatch.agents.places import finding_place
+from ringwatch.services.store import events
 
 Render = Callable[[str, int, dict[str, Any]], dict[str, Any]]
 

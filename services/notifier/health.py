@@ -21,8 +21,8 @@ from typing import Protocol
 
 from sqlalchemy import Engine
 
-from services.health_port import READ_TIMEOUT_S, BoundedServer
-from services.store import db
+from ringwatch.services.health_port import READ_TIMEOUT_S, BoundedServer
+from ringwatch.services.store import db
 
 # The loop is alive while it came round within this many poll intervals, and never less than
 # LIVE_FLOOR_S: a connection attempt to a database that vanished may hold a pass for about

@@ -29,23 +29,23 @@ import httpcore
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-from agents.spec import utcnow
-from services.logs import OutageLog
-from services.notifier import url_policy
-from services.notifier.channels import CHANNELS, signature_header
-from services.notifier.deadline import Cut, attempt_pool
-from services.notifier.secret_box import (
+from ringwatch.agents.spec import utcnow
+from ringwatch.services.logs import OutageLog
+from ringwatch.services.notifier import url_policy
+from ringwatch.services.notifier.channels import CHANNELS, signature_header
+from ringwatch.services.notifier.deadline import Cut, attempt_pool
+from ringwatch.services.notifier.secret_box import (
     SEALED_PREFIX,
     SecretBox,
     SecretUnreadable,
     box_from_settings,
     open_secret,
 )
-from services.settings import SHUTDOWN_TIMEOUT_S, Settings
-from services.store import db, heartbeats
-from services.store import webhooks as store
-from services.store.events import OUTBOX_CHANNEL
-from services.store.models import OutboxEvent, Webhook, WebhookDelivery
+from ringwatch.services.settings import SHUTDOWN_TIMEOUT_S, Settings
+from ringwatch.services.store import db, heartbeats
+from ringwatch.services.store import webhooks as store
+from ringwatch.services.store.events import OUTBOX_CHANNEL
+from ringwatch.services.store.models import OutboxEvent, Webhook, WebhookDelivery
 
 log = logging.getLogger(__name__)
 

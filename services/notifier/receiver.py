@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from services.notifier.channels import verify
+from ringwatch.services.notifier.channels import verify
 
 
 class WebhookReceiver:

@@ -14,9 +14,9 @@ from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.pbkdf2 import PBKDF2HMAC
 
-from services.config import PLACEHOLDER_SECRET
-from services.errors import NotConfigured
-from services.settings import LOCAL_KEY_FILE, Settings, local_secret_key
+from ringwatch.services.config import PLACEHOLDER_SECRET
+from ringwatch.services.errors import NotConfigured
+from ringwatch.services.settings import LOCAL_KEY_FILE, Settings, local_secret_key
 
 SEALED_PREFIX = "fernet:"
 MIN_PASSPHRASE = 16

@@ -12,13 +12,13 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from services.errors import NotConfigured, NotFound
-from services.notifier.secret_box import SecretUnreadable, require_box
-from services.notifier.url_policy import check_url
-from services.settings import Settings
-from services.store import events as outbox
-from services.store import webhooks as store
-from services.store.models import Webhook
+from ringwatch.services.errors import NotConfigured, NotFound
+from ringwatch.services.notifier.secret_box import SecretUnreadable, require_box
+from ringwatch.services.notifier.url_policy import check_url
+from ringwatch.services.settings import Settings
+from ringwatch.services.store import events as outbox
+from ringwatch.services.store import webhooks as store
+from ringwatch.services.store.models import Webhook
 
 
 def _out(hook: Webhook) -> dict[str, Any]:

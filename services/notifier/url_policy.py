@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from services.errors import RingwatchError
+from ringwatch.services.errors import RingwatchError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

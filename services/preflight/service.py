@@ -16,17 +16,17 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from agents.groups import node_order
-from agents.spec import FINDING_KINDS as KNOWN_KINDS
-from agents.spec import utcnow
-from agents.workloads import JobLayout, LayoutError
-from services.errors import BadInput, NotFound, RingwatchError, TooManyRequests
-from services.monitor.stored_verdict import verdict_from_store, verdicts_from_store
-from services.store import db, events
-from services.store import measurements as measurement_store
-from services.store import preflight as store
-from services.store.batches import Batches
-from services.store.models import PreflightRequest
+from ringwatch.agents.groups import node_order
+from ringwatch.agents.spec import FINDING_KINDS as KNOWN_KINDS
+from ringwatch.agents.spec import utcnow
+from ringwatch.agents.workloads import JobLayout, LayoutError
+from ringwatch.services.errors import BadInput, NotFound, RingwatchError, TooManyRequests
+from ringwatch.services.monitor.stored_verdict import verdict_from_store, verdicts_from_store
+from ringwatch.services.store import db, events
+from ringwatch.services.store import measurements as measurement_store
+from ringwatch.services.store import preflight as store
+from ringwatch.services.store.batches import Batches
+from ringwatch.services.store.models import PreflightRequest
 
 
 def _out(req: PreflightRequest | store.Recorded) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from typing import Any
 from anyio import to_thread
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.errors import TooManyRequests
-from services.preflight import service
-from services.store import db
-from services.store import preflight as store
+from ringwatch.services.errors import TooManyRequests
+from ringwatch.services.preflight import service
+from ringwatch.services.store import db
+from ringwatch.services.store import preflight as store
 
 POLL_S = 0.25
 

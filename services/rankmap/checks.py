@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any
 
-from agents.groups import is_node_name
-from agents.spec import Finding
-from services.errors import BadInput
+from ringwatch.agents.groups import is_node_name
+from ringwatch.agents.spec import Finding
+from ringwatch.services.errors import BadInput
 
 # A host is named by the fleet's node-name rule (agents.groups.NODE_NAME), as the API
 # takes a rank table's hosts.

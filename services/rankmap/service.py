@@ -11,11 +11,11 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from agents.spec import EXCLUDING_KINDS, Finding
-from services.errors import BadInput
-from services.rankmap import checks
-from services.rankmap.checks import RankEntry, rank_mapping
-from services.store import rankmap as store
+from ringwatch.agents.spec import EXCLUDING_KINDS, Finding
+from ringwatch.services.errors import BadInput
+from ringwatch.services.rankmap import checks
+from ringwatch.services.rankmap.checks import RankEntry, rank_mapping
+from ringwatch.services.store import rankmap as store
 
 # Links that lie inside one node: degraded, they are that node's fault.
 NODE_SCOPES = ("intra_node", "gpu_pair")

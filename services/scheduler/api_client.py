@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 
-from agents.groups import Group
-from services.analyzer.assess import LinkKey
-from services.scheduler.leader import LeaseRefused, NotLeader
-from services.scheduler.shipper import token_prefix
+from ringwatch.agents.groups import Group
+from ringwatch.services.analyzer.assess import LinkKey
+from ringwatch.services.scheduler.leader import LeaseRefused, NotLeader
+from ringwatch.services.scheduler.shipper import token_prefix
 
 log = logging.getLogger(__name__)
 

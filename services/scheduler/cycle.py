@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from agents.groups import node_of, node_order
-from agents.hostlist import compress_hostlist
-from agents.spec import (
+from ringwatch.agents.groups import node_of, node_order
+from ringwatch.agents.hostlist import compress_hostlist
+from ringwatch.agents.spec import (
     Finding,
     Measurement,
     Occupant,
@@ -28,24 +28,24 @@ from agents.spec import (
     RankInfo,
     utcnow,
 )
-from agents.workloads import JobLayout, LayoutError
-from services.analyzer.assess import LinkKey, Thresholds
-from services.check import CheckBudget, ProbeSpec, run_check
-from services.check.planner import layout_of
-from services.config import TOKEN_EXPIRY_WARN_S
-from services.scheduler.leader import (
+from ringwatch.agents.workloads import JobLayout, LayoutError
+from ringwatch.services.analyzer.assess import LinkKey, Thresholds
+from ringwatch.services.check import CheckBudget, ProbeSpec, run_check
+from ringwatch.services.check.planner import layout_of
+from ringwatch.services.config import TOKEN_EXPIRY_WARN_S
+from ringwatch.services.scheduler.leader import (
     RENEW_SHARE,
     FleetLease,
     LeaseLost,
     LeaseRefused,
     NotLeader,
 )
-from services.scheduler.occupancy import OccupancySource, backend_view, read_occupancy
+from ringwatch.services.scheduler.occupancy import OccupancySource, backend_view, read_occupancy
 
 if TYPE_CHECKING:  # httpx under both: `ringwatch probe --fabric` sends nothing
-    from services.scheduler.api_client import SchedulerApi
-    from services.scheduler.shipper import Shipper
-    from services.scheduler.watch import SchedulerWatch
+    from ringwatch.services.scheduler.api_client import SchedulerApi
+    from ringwatch.services.scheduler.shipper import Shipper
+    from ringwatch.services.scheduler.watch import SchedulerWatch
 
 Progress = Callable[[str], None]
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.scheduler.api_client import SchedulerApi
+    from ringwatch.services.scheduler.api_client import SchedulerApi
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
 
-from agents.hostlist import expand_hostlist
-from agents.spec import Occupant, ProbeBackend
-from services.kubernetes.client import (
+from ringwatch.agents.hostlist import expand_hostlist
+from ringwatch.agents.spec import Occupant, ProbeBackend
+from ringwatch.services.kubernetes.client import (
     NODES_PATH,
     PAGE,
     SERVICE_ACCOUNT_CA,
@@ -304,8 +304,8 @@ class SlurmOccupancy:
     def _call(self, name: str, *args: str) -> str:
         # The prolog's helpers, where Slurm's commands are looked for and run: imported here,
         # so that reading the settings (which name this module's choices) loads no more.
-        from services.cli.errors import CliError
-        from services.cli.slurm import find_slurm_command, run_bounded
+        from ringwatch.services.cli.errors import CliError
+        from ringwatch.services.cli.slurm import find_slurm_command, run_bounded
 
         try:
             command = find_slurm_command(name, self.slurm_bin)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from agents.collectives import plan
-from agents.places import members_text
-from agents.spec import REDUCING_OPS, Measurement
-from agents.transport import transport_name
+from ringwatch.agents.collectives import plan
+from ringwatch.agents.places import members_text
+from ringwatch.agents.spec import REDUCING_OPS, Measurement
+from ringwatch.agents.transport import transport_name
 
 _HEADER = (
     f"#{'size':>11}  {'count':>12}  {'type':>8}  {'redop':>6}  {'op':>13}  {'time':>10}  "

@@ -29,12 +29,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from agents import outcome
-from agents.collectives import check_redop, plan
-from agents.groups import node_of
-from agents.outcome import hang_suspects, rank_progress
-from agents.probe import ProbeAgent, store_server
-from agents.spec import (
+from ringwatch.agents import outcome
+from ringwatch.agents.collectives import check_redop, plan
+from ringwatch.agents.groups import node_of
+from ringwatch.agents.outcome import hang_suspects, rank_progress
+from ringwatch.agents.probe import ProbeAgent, store_server
+from ringwatch.agents.spec import (
     BackendDefaults,
     Finding,
     GroupSpec,

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from services.logs import OutageLog, reason_of
+from ringwatch.services.logs import OutageLog, reason_of
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from services.health_port import READ_TIMEOUT_S, BoundedServer
+from ringwatch.services.health_port import READ_TIMEOUT_S, BoundedServer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # However short the interval, a loop that came round within this many seconds is alive: a

@@ -7,12 +7,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.places import finding_place
-from agents.spec import TIMING_CUDA_GRAPH, Finding
-from services.cli.output import visible
-from services.scheduler.probe_table import format_table
-from services.selftest import nccl_tests
-from services.selftest.runner import SelftestOptions, SelftestResult
+from ringwatch.agents.places import finding_place
+from ringwatch.agents.spec import TIMING_CUDA_GRAPH, Finding
+from ringwatch.services.cli.output import visible
+from ringwatch.services.scheduler.probe_table import format_table
+from ringwatch.services.selftest import nccl_tests
+from ringwatch.services.selftest.runner import SelftestOptions, SelftestResult
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import outcome, telemetry
-from agents.device import check_cuda
-from agents.probe import store_server
-from agents.spec import Finding, GroupSpec, InjectedFault, Measurement
+from ringwatch.agents import outcome, telemetry
+from ringwatch.agents.device import check_cuda
+from ringwatch.agents.probe import store_server
+from ringwatch.agents.spec import Finding, GroupSpec, InjectedFault, Measurement
 
 Progress = Callable[[str], None]
 
@@ -75,7 +75,7 @@ def gpu_count(backend: str) -> int:
     """GPUs this machine can probe; ProbeSetupError (one line) when it has none for nccl."""
     if backend != "nccl":
         return 0
-    from agents import device
+    from ringwatch.agents import device
 
     check_cuda(0)
     return device.cuda.device_count()
@@ -84,7 +84,7 @@ def gpu_count(backend: str) -> int:
 def _rank_main(backend: str, node: str, index: int, spec: dict[str, Any], rank: int, port: int,
                group_id: str, replies: Any, faults: list[dict[str, Any]]) -> None:
     """One rank's process: an agent on GPU ``index`` (or a CPU slot) runs the group."""
-    from agents.probe import ProbeAgent
+    from ringwatch.agents.probe import ProbeAgent
 
     agent = ProbeAgent(node, index, backend, host="127.0.0.1")
     agent.set_injected(faults)

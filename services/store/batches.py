@@ -20,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.store import db
+from ringwatch.services.store import db
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -35,7 +35,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.types import TIMESTAMP
 
-from services.logs import OutageLog
+from ringwatch.services.logs import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def make_engine(url: str, *, pool_size: int | None = None, max_overflow: int | N
     _MAX_OVERFLOW, _POOL_TIMEOUT_S, _CONNECT_TIMEOUT_S, _STATEMENT_TIMEOUT_MS; sized in
     docs/operations.md, "Database connections"); the keywords for a process that needs
     otherwise (make_maintenance_engine)."""
-    from services.settings import get_settings
+    from ringwatch.services.settings import get_settings
 
     settings = get_settings()
     connect_args: dict[str, object] = {"connect_timeout": max(1, round(settings.db_connect_timeout_s))}

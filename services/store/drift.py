@@ -10,7 +10,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from services.store.models import DriftState
+from ringwatch.services.store.models import DriftState
 
 # Rows per statement: five parameters each, well inside Postgres' 65535 per statement.
 CHUNK = 5000

@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
-from services.store.models import OutboxEvent
+from ringwatch.services.store.models import OutboxEvent
 
 # Postgres NOTIFY channel: a notifier listening on it wakes when an event commits.
 OUTBOX_CHANNEL = "ringwatch_outbox"

@@ -19,8 +19,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from agents import matchings as seats
-from services.errors import NotLeader
+from ringwatch.agents import matchings as seats
+from ringwatch.services.errors import NotLeader
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from sqlalchemy import Integer, Text, any_, bindparam, func, insert, select, tex
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
-from services.store.models import FaultState, Finding, LinkHealth
+from ringwatch.services.store.models import FaultState, Finding, LinkHealth
 
 
 def get_links(session: Session, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], Any]:

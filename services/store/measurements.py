@@ -10,9 +10,9 @@ from sqlalchemy import Integer, Text, any_, func, literal, select, text, tuple_
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.orm import Session
 
-from agents.groups import group_nodes, series_key, split_member
-from agents.spec import series_op
-from services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun
+from ringwatch.agents.groups import group_nodes, series_key, split_member
+from ringwatch.agents.spec import series_op
+from ringwatch.services.store.models import Gpu, GpuCounters, Group, Node, ProbeRun
 
 
 def _names(values: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import case, func, or_, select, text
 from sqlalchemy.orm import Session
 
-from services.store.models import (
+from ringwatch.services.store.models import (
     ApiToken,
     Finding,
     LinkHealth,
@@ -19,7 +19,7 @@ from services.store.models import (
     ProbeRun,
     WebhookDelivery,
 )
-from services.store.preflight import LATENCY_BOUNDS
+from ringwatch.services.store.preflight import LATENCY_BOUNDS
 
 
 class LinkRow(NamedTuple):

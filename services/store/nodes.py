@@ -16,7 +16,7 @@ from typing import NamedTuple
 from sqlalchemy import Connection, Engine, select, text
 from sqlalchemy.orm import Session
 
-from services.store.models import Node
+from ringwatch.services.store.models import Node
 
 log = logging.getLogger(__name__)
 

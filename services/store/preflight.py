@@ -25,7 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, DOUBLE_PRECISION
 from sqlalchemy.orm import Session
 
-from services.store.models import Node, PreflightRequest
+from ringwatch.services.store.models import Node, PreflightRequest
 
 # Upper bounds (seconds) of the latency buckets a verdict is counted in: an answer from
 # stored results takes milliseconds, one a scheduler probes for takes its check (seconds to

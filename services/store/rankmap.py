@@ -13,7 +13,7 @@ from sqlalchemy import Text, any_, literal, or_, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
-from services.store.models import Finding, Gpu, LinkHealth, Node
+from ringwatch.services.store.models import Finding, Gpu, LinkHealth, Node
 
 
 def _any_of(values: Collection[str]) -> Any:

@@ -29,8 +29,8 @@ from typing import Any
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from services.store import heartbeats, nodes
-from services.store.models import is_partition, measurements, series_1d, series_1h
+from ringwatch.services.store import heartbeats, nodes
+from ringwatch.services.store.models import is_partition, measurements, series_1d, series_1h
 
 log = logging.getLogger(__name__)
 

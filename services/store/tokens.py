@@ -15,11 +15,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, or_, select, text, update
 from sqlalchemy.orm import Session
 
-from agents.groups import case_twins, check_node_name
-from agents.spec import utcnow
-from services.errors import BadInput
-from services.store import nodes as node_store
-from services.store.models import ApiToken
+from ringwatch.agents.groups import case_twins, check_node_name
+from ringwatch.agents.spec import utcnow
+from ringwatch.services.errors import BadInput
+from ringwatch.services.store import nodes as node_store
+from ringwatch.services.store.models import ApiToken
 
 ROLES = ("agent", "reader", "admin")
 # Characters of a token's text shown to tell it apart ("rw_" and five of its 43 random

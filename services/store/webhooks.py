@@ -17,9 +17,9 @@ from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from services.store import events as outbox
-from services.store.models import OutboxEvent, Webhook
-from services.store.models import WebhookDelivery as Delivery
+from ringwatch.services.store import events as outbox
+from ringwatch.services.store.models import OutboxEvent, Webhook
+from ringwatch.services.store.models import WebhookDelivery as Delivery
 
 
 def create_webhook(session: Session, url: str, secret: str, events: list[str],
