@@ -117,7 +117,8 @@ def test_one_incident_shows_one_headline_on_every_surface(clean_db, receiver, ca
         assert h["expected_gbs"] == pytest.approx(20.0)
         assert (sent["measured_gbs"], sent["expected_gbs"]) == (h["busbw_gbs"], h["expected_gbs"])
         slack = render_slack(event["event"], event["body"]["sequence"], event["body"])
-        assert slack["text"].endswith(f"node-002: {h['text']}")
+        # The place as every text surface prints it (agents/places.py), then the headline.
+        assert slack["text"].endswith(f"node-002 GPUs 0-1: {h['text']}")
 
         (incident,) = api.get("/v1/findings?status=open", headers=api.h["reader"]).json()
         assert incident["detail"]["headline"] == h

@@ -209,21 +209,23 @@ def test_the_wheel_carries_the_migrations_where_ringwatch_looks_for_them(tmp_pat
 
     from ringwatch.services.store import db
 
-    # Installed, services/store/db.py is <site-packages>/services/store/db.py.
+    # Installed, services/store/db.py is <site-packages>/ringwatch/services/store/db.py.
     assert Path(db.__file__).resolve().parents[2] / "migrations" == db.MIGRATIONS_DIR
     import shutil
 
     # Built from a copy: a build writes its build tree and metadata beside the sources.
     src = tmp_path / "src"
     src.mkdir()
-    for part in ("pyproject.toml", "README.md", "agents", "services", "api", "migrations"):
+    for part in ("pyproject.toml", "setup.py", "README.md", "ringwatch", "agents", "services",
+                 "api", "migrations"):
         copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
-        copy(ROOT / part, src / part)  # type: ignore[operator]
+        copy(ROOT / part, src / part, **({"symlinks": True} if part == "ringwatch" else {}))  # type: ignore[operator]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path), str(src)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("ringwatch-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {f"migrations/{p.relative_to(ROOT / 'migrations')}" for p in
+    # Installed as ringwatch.migrations, beside ringwatch.services (MIGRATIONS_DIR).
+    shipped = {f"ringwatch/migrations/{p.relative_to(ROOT / 'migrations')}" for p in
                (ROOT / "migrations").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert shipped and shipped <= names, sorted(shipped - names)
 
