@@ -182,7 +182,8 @@ def test_a_command_that_is_not_a_ringwatch_install_is_told_apart() -> None:
 def _working_tree_files() -> list[str]:
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [n for n in listed.split("\0") if n and (ROOT / n).is_file()]
+    # Files, and the links of ringwatch/ to the top-level folders (kept as links).
+    return [n for n in listed.split("\0") if n and ((ROOT / n).is_file() or (ROOT / n).is_symlink())]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -204,13 +205,13 @@ def checkout(tmp_path_factory) -> Path:
     tree = tmp_path_factory.mktemp("checkout") / "ringwatch"
     for name in _working_tree_files():
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, tree / name)
+        shutil.copy2(ROOT / name, tree / name, follow_symlinks=False)
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.org", "-c",
            "init.defaultBranch=main", "-c", "commit.gpgsign=false"]
     for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "this working tree"],
                  ["update-server-info"]):  # served over git's plain HTTP (served_over_http)
         subprocess.run([*git, *argv], cwd=tree, check=True, capture_output=True)
-    stale = tree / "build" / "lib" / "services" / "stale_module_of_an_earlier_build.py"
+    stale = tree / "build" / "lib" / "ringwatch" / "services" / "stale_module_of_an_earlier_build.py"
     stale.parent.mkdir(parents=True)
     stale.write_text("gone = True\n")
     made = subprocess.run(["make", "wheel"], cwd=tree, env=_clean_env(), capture_output=True,

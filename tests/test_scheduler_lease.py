@@ -176,7 +176,7 @@ def shift_python_clock(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
 
     monkeypatch.setattr(time, "time", lambda: real_time() + seconds)
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(("api", "services", "agents")):
+        if module is None or not name.startswith("ringwatch."):
             continue
         if getattr(module, "datetime", None) is real_dt:
             monkeypatch.setattr(module, "datetime", Skewed)
