@@ -190,7 +190,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     """An environment that leaks neither this test's virtual environment nor its settings,
     with constraints.txt standing for a GPU host's own torch."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RINGWATCH_", "PIP_CONSTRAINT", "PYTHON"))
+           if not k.startswith(("RINGWATCH_", "PIP_CONSTRAINT", "PYTHON", "MAKE", "MFLAGS"))
            and k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not p.startswith(str(ROOT / ".venv")))
@@ -214,7 +214,9 @@ def checkout(tmp_path_factory) -> Path:
     stale = tree / "build" / "lib" / "ringwatch" / "services" / "stale_module_of_an_earlier_build.py"
     stale.parent.mkdir(parents=True)
     stale.write_text("gone = True\n")
-    made = subprocess.run(["make", "wheel"], cwd=tree, env=_clean_env(), capture_output=True,
+    # Under `make test` the outer make's MAKELEVEL would have this one print its directory.
+    made = subprocess.run(["make", "--no-print-directory", "wheel"], cwd=tree, env=_clean_env(),
+                          capture_output=True,
                           text=True, timeout=600)
     assert made.returncode == 0, made.stdout + made.stderr
     assert made.stdout.strip().endswith("dist/ringwatch-0.2.0-py3-none-any.whl"), made.stdout
