@@ -38,6 +38,7 @@ from ringwatch.services.store import preflight as store
 from ringwatch.services.store.models import Node, PreflightRequest
 from tests.api_fixtures import api_client, fleet_batch
 from tests.procs import api_env, start_server, stop_server
+from tests.test_slurm import _scontrol_recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "rw_gate_" + uuid.uuid4().hex
@@ -199,15 +200,6 @@ def _token(env: dict[str, str], role: str) -> str:
                    headers={"Authorization": f"Bearer {ADMIN}"})
     r.raise_for_status()
     return r.json()["token"]
-
-
-def _scontrol_recorder(tmp_path: Path) -> tuple[Path, Path]:
-    """A folder whose scontrol only records its arguments, one per line (RINGWATCH_SLURM_BIN)."""
-    bin_dir, calls = tmp_path / "slurm-bin", tmp_path / "scontrol-calls"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    return bin_dir, calls
 
 
 def test_a_prolog_behind_other_callers_queues_drains_the_node_with_an_open_hang(
