@@ -263,6 +263,33 @@ def test_a_cause_carries_the_slow_figure_it_explains() -> None:
     assert "headline" not in alone and headline(alone) == alone["cause"]
 
 
+def test_a_counter_cause_beside_a_slow_nic_carries_its_figure() -> None:
+    """NIC errors counted on a node whose NIC is also slow: the check names the node for its
+    cause alone, with the slow figure beside it, as the API names it on ingest."""
+    with SimBackend(_scenario(16, SYMBOLS, {"kind": "nic", "node": "node-009",
+                                            "factor": 0.6})) as backend:
+        verdict = run_check(backend).verdict()
+    mine = [f for f in verdict["findings"]
+            if "node-009" in (f.get("node"), *(f.get("nodes") or ()))]
+    assert [f["kind"] for f in mine] == ["nic_errors"]
+    assert mine[0]["measured_gbs"] < mine[0]["expected_gbs"]
+    assert mine[0]["headline"]["ratio"] < 0.8
+    assert "node-009" in verdict["exclude"]
+
+
+def test_a_cause_takes_no_headline_from_another_faults_groups() -> None:
+    """A node whose NIC counts errors but whose bandwidth is untouched, in a fleet where a
+    slow path elsewhere slows the world group and the search's unions through every node:
+    the cause's headline would have to come from its own node pairs, and they were fine."""
+    path = {"kind": "net_path", "nodes": ["node-001", "node-014"], "factor": 0.5}
+    with SimBackend(_scenario(24, SYMBOLS, path)) as backend:
+        verdict = run_check(backend).verdict()
+    (cause,) = [f for f in verdict["findings"] if f["kind"] == "nic_errors"]
+    assert cause["node"] == "node-009"
+    assert any(f["kind"] == "net_path_degraded" for f in verdict["findings"])
+    assert "headline" not in cause and cause.get("measured_gbs") is None
+
+
 def test_slurm_drains_the_node_with_its_cause_as_the_reason() -> None:
     from ringwatch.services.cli.slurm import reason_for
 

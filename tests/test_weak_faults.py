@@ -113,7 +113,8 @@ def test_a_check_the_round_cap_stops_says_it_is_incomplete():
     scenario = sim(32, [{"kind": "net_path", "nodes": ["node-003", "node-017"], "factor": 0.8}],
                    noise=0.08, seed=5)
     cut = run_check(SimBackend(scenario), None, budget=CheckBudget(max_rounds=3)).verdict()
-    assert cut["rounds"] == 3 and cut["complete"] is False and cut["undecided"] > 0
+    # Cut short, it is incomplete whatever its places showed so far.
+    assert cut["rounds"] == 3 and cut["complete"] is False
     assert cut["stopped_by"] == "rounds (3)"
     assert len(cut["undecided_groups"]) == min(cut["undecided"], 100)
     full = run_check(SimBackend({**scenario, "faults": []}), None).verdict()

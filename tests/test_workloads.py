@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from bench.detection import found as fault_found
 from ringwatch.agents import outcome
 from ringwatch.agents.collectives import default_sizes
 from ringwatch.agents.groups import Group, member
@@ -21,7 +22,7 @@ from ringwatch.services.analyzer.assess import link_key
 from ringwatch.services.check import run_check
 from ringwatch.services.check.planner import node_members
 from ringwatch.services.check.shape import ProbeShape
-from ringwatch.services.check.workload import identity, job_groups
+from ringwatch.services.check.workload import SLOW_SHARE, identity, job_groups
 from ringwatch.services.cli.main import main as cli
 from tests.fake_cuda import FakeCuda
 from tests.test_nccl_path import run_agents
@@ -124,6 +125,69 @@ def test_a_degradation_in_the_tree_alone_is_found_and_named_with_its_algorithm()
     # NCCL's own choice and the ring on the same node are fine: nothing on the fabric.
     assert verdict["findings"] == [] and not verdict["healthy"]
     assert verdict["workload"]["ok"] is False
+
+
+def test_every_slow_group_of_a_row_is_named_not_only_the_slowest() -> None:
+    # Two nodes slow under the tree alone share one row (tp, AllReduce 16 MiB, tree): the
+    # slower must not hide the other. A third slows NCCL's own choice only, another row.
+    faults = [{"kind": "fallback", "node": "node-005", "op": "allreduce", "algo": "tree",
+               "factor": 0.5},
+              {"kind": "fallback", "node": "node-011", "op": "allreduce", "algo": "tree",
+               "factor": 0.6},
+              {"kind": "fallback", "node": "node-002", "op": "allreduce", "factor": 0.6}]
+    verdict = run_check(sim(16, *faults), profile="ddp").verdict()
+    workload = verdict["workload"]
+    found = [(f["nodes"], f.get("algo")) for f in workload["findings"]
+             if f["kind"] == "communicator_slow"]
+    assert sorted(found, key=str) == sorted(
+        [(["node-005"], "tree"), (["node-011"], "tree"), (["node-002"], None)], key=str)
+    tree = next(r for r in workload["communicators"]
+                if (r["kind"], r.get("algo")) == ("tp", "tree"))
+    # Slowest first; the slowest keeps its own fields.
+    assert tree["slow_nodes"] == [["node-005"], ["node-011"]]
+    assert tree["slowest_nodes"] == ["node-005"] and tree["slow_below"] == SLOW_SHARE
+    assert all(fault_found(f, verdict) for f in faults)
+    ring = next(r for r in workload["communicators"]
+                if (r["kind"], r.get("algo")) == ("tp", "ring"))
+    assert "slow_nodes" not in ring and ring["slowest_share"] > SLOW_SHARE
+
+
+def test_at_high_noise_a_group_is_named_only_beyond_its_kinds_spread() -> None:
+    # At 8 % noise healthy groups reach far under their row's median (here a data-parallel
+    # rail, which spans every node, under 80 % of its row's): the bar falls below
+    # SLOW_SHARE to four spreads of the kind's groups, and a node at a third of the median
+    # is named below it all the same.
+    slow = {"kind": "fallback", "node": "node-040", "op": "allreduce", "algo": "tree",
+            "factor": 0.35}
+    workload = run_check(SimBackend({"nodes": 64, "gpus_per_node": 8, "noise": 0.08,
+                                     "variation": 0.05, "seed": 9, "faults": [slow]}),
+                         profile="ddp").verdict()["workload"]
+    rows = workload["communicators"]
+    assert all(r["slow_below"] < SLOW_SHARE for r in rows), rows
+    assert any(r["kind"] == "dp" and r["slowest_share"] < SLOW_SHARE for r in rows)
+    assert [(r["kind"], r.get("algo")) for r in rows if "slow_nodes" in r] == [("tp", "tree")]
+    assert [f["nodes"] for f in workload["findings"]] == [["node-040"]]
+
+
+def test_a_verdict_lists_a_transport_fallback_once_though_every_job_round_saw_it() -> None:
+    socket = {"kind": "transport", "node": "node-003", "transport": "socket"}
+    verdict = run_check(sim(16, socket), profile="ddp").verdict()
+    assert [(f["kind"], f.get("node")) for f in verdict["findings"]] == [
+        ("transport_fallback", "node-003")]
+    assert fault_found(socket, verdict)
+    workload = [(f["kind"], tuple(f["nodes"]), f.get("communicator"), f.get("op"),
+                 f.get("size_bytes"), f.get("algo")) for f in verdict["workload"]["findings"]]
+    assert len(workload) == len(set(workload))
+
+
+def test_an_allreduce_fallback_across_every_rail_is_one_identity_finding_per_size() -> None:
+    # Each of the eight data-parallel rails spans every node: each breaks the identity at
+    # each size, and each says the same (these nodes, dp, that size).
+    fallback = {"kind": "fallback", "node": "node-002", "op": "allreduce", "factor": 0.5}
+    found = run_check(sim(8, fallback), profile="fsdp").verdict()["workload"]["findings"]
+    dp = [f["size_bytes"] for f in found
+          if f["kind"] == "collective_identity" and f["communicator"] == "dp"]
+    assert sorted(dp) == sorted(WORKLOADS["fsdp"].comms["dp"].sizes)
 
 
 def test_a_fault_free_fleet_passes_every_profile() -> None:

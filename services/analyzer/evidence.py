@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import lru_cache
 from statistics import NormalDist
 from typing import Any
 
@@ -156,12 +157,43 @@ class Weighing:
     # it is dropped from the search for good) is cleared on at least this many
     # measurements: one reading high by the noise must not lose a path.
     confirm_clear: int = 2
+    # The smallest loss a check is built to find (the size its recall is held to): a group
+    # that names a place is decided once its evidence shows it cannot hide a loss this
+    # large (``can_hide``), and a union of many paths is weighed against the shortfall one
+    # path this slow would leave on it (``union_min_loss``).
+    smallest_loss: float = 0.15
+    # "Cannot hide": the mean sits this many of its standard deviations (lasting offset,
+    # centre's error and noise together) above the smallest loss.
+    hide_z: float = 2.5
+    # The chance that one check excludes any healthy GPU pair, node or NIC, or names a
+    # healthy path: a slow decision of one link must also stand against the noise measured
+    # in the run, below the edge of the healthy band, at this rate shared among the places
+    # the check judged (``stands_apart``).
+    false_exclusion_rate: float = 0.01
+    # Where the healthy band of one kind's links ends below their centre, in between-link
+    # standard deviations: a healthy link may sit this low for good, and is never excluded
+    # for it.
+    exclusion_band_z: float = 2.0
 
     @property
     def terminal_z(self) -> float:
         """The one-sided normal quantile of ``false_alarm``: where a link whose repeats ran
         out is decided degraded (``weigh``'s ``terminal``)."""
         return NormalDist().inv_cdf(1.0 - self.false_alarm)
+
+    def family_z(self, places: int) -> float:
+        """The one-sided normal quantile a slow decision's noise must pass in a check that
+        judged ``places`` places: ``false_exclusion_rate`` shared among them (a union
+        bound)."""
+        return _family_z(self.false_exclusion_rate, max(places, 1))
+
+    def union_min_loss(self, nodes: int) -> float:
+        """The loss a union of ``nodes`` nodes is weighed against: what one path losing
+        ``smallest_loss`` takes off it, now that it runs at the slowest of its paths
+        (``assess.slowest_path_share``), where that is less than ``min_loss``. A world group
+        of 1024 nodes is expected at 0.866 of its node pairs: a path 15 % slow takes it
+        only to 0.85, 1.8 % under, and a union weighed against a 10 % loss cleared it."""
+        return _union_min_loss(self.smallest_loss, self.min_loss, self.variation_prior, nodes)
 
     @property
     def upper(self) -> float:
@@ -172,6 +204,52 @@ class Weighing:
     def lower(self) -> float:
         """Log-likelihood ratio at which "healthy" is decided."""
         return math.log(self.miss / (1 - self.false_alarm))
+
+
+@lru_cache(maxsize=256)
+def _family_z(rate: float, places: int) -> float:
+    return NormalDist().inv_cdf(1.0 - rate / places)
+
+
+@lru_cache(maxsize=4096)
+def _union_min_loss(smallest: float, min_loss: float, variation: float, nodes: int) -> float:
+    paths = max(nodes * (nodes - 1) // 2, 1)
+    share = math.exp(-variation * NormalDist().inv_cdf(1.0 - 1.0 / (paths + 1)))
+    return min(min_loss, max(1.0 - (1.0 - smallest) / share, 0.005))
+
+
+@lru_cache(maxsize=4096)
+def slowest_spread_share(nodes: int) -> float:
+    """How far the slowest of a union's paths strays from where it is expected, as a share
+    of how far one path does: the least of P normal draws has a standard deviation of about
+    (pi / sqrt 6) / sqrt(2 ln P) of theirs (its Gumbel limit), a third of it at 64 nodes.
+    Weighed with one path's lasting offset, a union's test could neither clear it nor hold
+    it against the small shortfall one slow path leaves on it (``union_min_loss``)."""
+    paths = max(nodes * (nodes - 1) // 2, 1)
+    if paths < 3:
+        return 1.0
+    return min(1.0, (math.pi / math.sqrt(6.0)) / math.sqrt(2.0 * math.log(paths)))
+
+
+def can_hide(m: float, s2: float, w: Weighing) -> bool:
+    """Whether a group whose mean log ratio is ``m``, of variance ``s2`` (its lasting offset,
+    its centre's error and the noise left in the mean), could still hide a loss of
+    ``w.smallest_loss``: its mean is not ``w.hide_z`` standard deviations above it."""
+    return m - math.log(1.0 - w.smallest_loss) <= w.hide_z * math.sqrt(s2)
+
+
+def stands_apart(m: float, noise_var: float, variation: float, places: int,
+                 w: Weighing) -> bool:
+    """Whether a slow decision stands at the check's false-exclusion rate: the mean log
+    ratio ``m`` lies below the edge of the healthy band (``exclusion_band_z`` lasting
+    offsets under the centre, where a healthy link may sit for good) by ``family_z(places)``
+    standard errors of the noise left in it (``noise_var``: the measured noise over the
+    repeats, and the centre's error). A healthy link anywhere in its band passes it with
+    probability at most ``false_exclusion_rate / places`` at each look: so a check of
+    ``places`` places excludes a healthy one at about that rate at most (docs/analysis.md,
+    "The false-exclusion rate", for the looks a sequential test takes)."""
+    edge = math.log(max(1.0 - w.exclusion_band_z * variation, 1e-6))
+    return m - edge <= -w.family_z(places) * math.sqrt(max(noise_var, 1e-12))
 
 
 def noise_terms(values: Sequence[float]) -> tuple[float, int]:
@@ -311,6 +389,13 @@ def held_open(d: Decision) -> Decision:
     leaned to."""
     return replace(d, decision=UNDECIDED, provisional=False,
                    confidence=_confidence(UNDECIDED, d.llr))
+
+
+def cleared_now(d: Decision) -> Decision:
+    """``d`` decided healthy, its repeats done (``can_hide`` says no loss of the check's
+    smallest size fits its evidence)."""
+    return replace(d, decision=HEALTHY, exhausted=True, provisional=False,
+                   confidence=_confidence(HEALTHY, d.llr))
 
 
 def unconfirmed(d: Decision) -> Decision:

@@ -169,9 +169,15 @@ def _place(f: Finding) -> Place:
 
 
 def _places(members: Sequence[str]) -> list[Place]:
-    """Every place a group's results are through, as ``_place`` names a finding's."""
+    """Every place a group's results are through, as ``_place`` names a finding's: a node
+    pair's through both its ends' networks, a group inside a node through its NVLink and
+    its GPU pair; a group of more than two nodes through no one node's."""
     places = [split_member(m) for m in members]
     nodes = {n for n, _ in places}
+    if len(nodes) > 2:
+        # The world group and the search's unions run at their slowest path, anyone's: a
+        # shortfall of theirs is no figure of one node's network.
+        return []
     if len(nodes) > 1:
         return [("net", n, NO_GPUS) for n in nodes]
     node = next(iter(nodes), None)

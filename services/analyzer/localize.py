@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import NamedTuple, TypeVar
 
 from ringwatch.agents.groups import Group, group_nodes, node_order, split_member
@@ -24,8 +24,12 @@ from ringwatch.services.analyzer.evidence import (
     Decision,
     Weighing,
     by_majority,
+    can_hide,
+    cleared_now,
     held_open,
     noise_terms,
+    slowest_spread_share,
+    stands_apart,
     stepped,
     unconfirmed,
     weigh_log_mean,
@@ -119,6 +123,9 @@ class GroupVerdict:
     # the run measured it, over the whole run (``group_verdicts``).
     noise: Mapping[str, float] = field(default_factory=dict)
     variation: Mapping[PeerKey, float] = field(default_factory=dict)
+    # How many places the judgement judged (``places_of``): a slow decision of one link
+    # stands at the check's false-exclusion rate shared among them (``stands_apart``).
+    places: int = 1
     _decisions: dict[str, Decision] | None = field(default=None, repr=False)
     # ``_pair_mean`` by op: a node pair's evidence is asked for by both its ends' NICs, in
     # every pass of the NIC and path rules.
@@ -164,11 +171,38 @@ class GroupVerdict:
             noise, variation = spread, (spread if len(live) > 1 else 0.0)
         else:
             variation = self.lasting_variation(s)
-        d = weigh_log_mean(s.log_mean, len(live), noise=max(noise, self.weighing.min_noise),
-                           variation=variation, centre_se=s.centre_se, w=self.weighing,
+        w = self.weighing
+        if self.prunes:
+            # A union runs at its slowest path: weighed against what one path of the
+            # smallest loss would take off it, not against that loss itself, and with the
+            # lasting offset of the slowest of its paths, not of one path.
+            loss = w.union_min_loss(len(self.nodes))
+            if loss < w.min_loss:
+                w = _with_min_loss(w, loss)
+            if measured:
+                variation *= slowest_spread_share(len(self.nodes))
+        noise = max(noise, self.weighing.min_noise)
+        d = weigh_log_mean(s.log_mean, len(live), noise=noise,
+                           variation=variation, centre_se=s.centre_se, w=w,
                            futility=measured,
                            early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
                            terminal=len(self.members) == 2 and len(self.nodes) == 1)
+        if d.degraded and measured and self.is_one_link and not stands_apart(
+                s.log_mean, noise ** 2 / len(live) + s.centre_se ** 2, variation, self.places,
+                w):
+            # Slow by the test, but not yet by the noise measured at the check's
+            # false-exclusion rate: a healthy link low in its band and two unlucky readings
+            # look so. Measured again; at its last repeat still so, it stays a suspect.
+            d = held_open(d)
+        if (measured and self.is_one_link and not d.degraded and not d.cleared
+                and len(live) >= w.confirm_clear
+                and not can_hide(s.log_mean, variation ** 2 + s.centre_se ** 2
+                                 + noise ** 2 / len(live), w)):
+            # One link that cannot hide a loss of the smallest size the check is built to
+            # find: decided, and not measured again. (A ring or a union runs at its
+            # slowest edge, a few percent under its peers with one edge that slow: only
+            # its own test clears it.)
+            d = cleared_now(d)
         if d.degraded and not measured:
             # Slow on a stand-in: it must stand at the noisiest fabric planned for too, or
             # wait (measured again) until the run has measured its noise.
@@ -177,7 +211,9 @@ class GroupVerdict:
                                   variation=cautious if len(live) > 1 else 0.0,
                                   centre_se=s.centre_se, w=self.weighing).degraded:
                 d = held_open(d)
-        if self.prunes and len(live) < self.weighing.confirm_clear:
+        # The world group is the search's only gate (cleared, no path is looked for at
+        # all): one more reading than a union, whose regions three unions cover.
+        if self.prunes and len(live) < self.weighing.confirm_clear + (self.scope == "world"):
             return unconfirmed(d)
         return d
 
@@ -265,6 +301,11 @@ class GroupVerdict:
         return min(rated, key=lambda a: a.ratio or 0.0) if rated else None
 
 
+@lru_cache(maxsize=64)
+def _with_min_loss(w: Weighing, loss: float) -> Weighing:
+    return replace(w, min_loss=loss)
+
+
 def _median(values: list[float]) -> float:
     """``statistics.median`` with the one- and two-value cases (most groups' repeats) done
     directly: the judgement takes millions of these in a large check."""
@@ -310,6 +351,11 @@ class VerdictCache:
     variation: dict[PeerKey, float] = field(default_factory=dict)
     verdicts: dict[GroupKey, GroupVerdict] = field(default_factory=dict)
     pooled: Pooled = field(default_factory=dict)
+    # What ``places_of`` counted so far: the groups, the links among them and their nodes.
+    counted: set[GroupKey] = field(default_factory=set)
+    links: int = 0
+    local_nodes: set[str] = field(default_factory=set)
+    places: int = 1
 
     def changes(self, items: list[Assessment]) -> list[int] | None:
         """The indices of ``items`` not folded yet, where it is the last list grown or with
@@ -385,25 +431,46 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     variation = variation_of(c.firsts.values(), noise, w)
     ops = _changed(c.noise, noise)
     kinds = _changed(c.variation, variation)
+    places = places_of(c, touched)
+    moved = places != c.places
     out: dict[GroupKey, GroupVerdict] = {}
     # In the order of each group's first judged assessment, as a fresh fold finds them.
     for key in sorted(c.by_group, key=c.first.__getitem__):
         by_op = c.by_group[key]
         v = c.verdicts.get(key)
         if v is None or key in touched or not ops.isdisjoint(by_op) or (kinds and any(
-                peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)):
+                peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)) or (
+                moved and v.is_one_link):
             v = GroupVerdict(key[0], key[1].members, tuple(sorted(group_nodes(key[1].members))), by_op=by_op,
                              weighing=w,
                              _summaries=c.summaries, _checked={
                                  op: c.summaries[(key[0], key[1], op)] for op in by_op})
-        v.noise, v.variation = noise, variation
+        v.noise, v.variation, v.places = noise, variation, places
         out[key] = v
     alive = {id(v) for v in out.values()}
     c.pooled = {k: d for k, d in c.pooled.items() if all(id(v) in alive for v in k)}
     for v in out.values():
         v._pooled = c.pooled
-    c.noise, c.variation, c.verdicts = noise, variation, out
+    c.noise, c.variation, c.verdicts, c.places = noise, variation, out, places
     return out
+
+
+def places_of(c: VerdictCache, new: Iterable[GroupKey]) -> int:
+    """How many places the judgement of ``c``'s groups judges (``new``: those folded since
+    it last counted), for the false-exclusion rate (``Weighing.family_z``): each GPU pair
+    and node pair measured, each node's NVLink and its NIC; rounded up to a power of two,
+    so that a check's rounds seldom move it (each move weighs every link again)."""
+    for key in new:
+        if key in c.counted:
+            continue
+        c.counted.add(key)
+        scope, members = key[0], key[1].members
+        if len(members) == 2 or scope == "intra_node":
+            c.links += 1
+        if scope in ("intra_node", "gpu_pair"):
+            c.local_nodes.add(split_member(members[0])[0])
+    count = max(c.links + 2 * len(c.local_nodes), 1)
+    return 1 << (count - 1).bit_length()
 
 
 def _summary(cache: SummaryCache, key: GroupKey, op: str, items: list[Assessment]) -> OpSummary:
@@ -764,7 +831,8 @@ def _pool_nic(groups: list[GroupVerdict], w: Weighing) -> Decision | None:
             continue
         repeats = sum(len(v.by_op.get(op, ())) for v in groups)
         d = _pool(means, repeats, w)
-        if d.degraded and (len(means) < 2 or not _pool(means[1:], repeats, w).degraded):
+        if d.degraded and (len(means) < 2 or not _pool(means[1:], repeats, w).degraded
+                           or not _nic_stands(means, groups[0].places, w)):
             d = replace(d, decision=UNDECIDED)
         decisions.append(d)
     if not decisions:
@@ -785,6 +853,19 @@ def _pool(means: list[PairEvidence], repeats: int, w: Weighing) -> Decision:
     centre_se = _median([x.centre_se for x in means])
     own = (1.0 - OWN_SHARE_OTHER) * _median([x.variation for x in means]) ** 2
     return weigh_mean(m, 1.0 / weight + centre_se ** 2 + own, repeats, w)
+
+
+def _nic_stands(means: list[PairEvidence], places: int, w: Weighing) -> bool:
+    """A NIC's slow decision stands at the check's false-exclusion rate
+    (``evidence.stands_apart``): the pairs' mean below the healthy band by the noise left
+    in it, weighed over its partners as ``_pool`` weighs them."""
+    noise = [max(x.own_variance - OWN_SHARE_OTHER * x.variation ** 2, 1e-12) for x in means]
+    weight = sum(1.0 / x.own_variance for x in means)
+    m = sum(x.mean / x.own_variance for x in means) / weight
+    noise_var = sum(n / x.own_variance ** 2 for n, x in zip(noise, means, strict=True)) / weight ** 2
+    centre_se = _median([x.centre_se for x in means])
+    return stands_apart(m, noise_var + centre_se ** 2, _median([x.variation for x in means]),
+                        places, w)
 
 
 def weigh_nics(of_node: Mapping[str, list[GroupVerdict]]) -> dict[str, NicCase]:

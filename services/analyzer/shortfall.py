@@ -96,9 +96,12 @@ def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float,
                        key=node_order)
         if len(below) < 2 or len(below) < FLEET_SHARE * len(by_node):
             continue
-        shared = sorted({i for n in below for i in by_node[n]})
-        explained = _within_fleet_level(out, shared, {n: by_node[n] for n in below},
-                                        degraded_ratio)
+        # The fleet's shortfall, once it is one, explains every node's readings below the
+        # hardware at the fleet's level, not only those of the nodes below in all of them:
+        # under noise a node at the fleet's level reads above its floor now and then, and
+        # its other readings were then localized as a slow NIC of its own.
+        shared = sorted({i for idx in by_node.values() for i in idx if _below(out[i])})
+        explained = _within_fleet_level(out, shared, dict(by_node), degraded_ratio)
         findings.append(_finding(cls, below, len(by_node), [out[i] for i in explained]))
         for i in explained:
             out[i] = explain(out[i])

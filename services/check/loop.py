@@ -24,7 +24,8 @@ from ringwatch.agents.groups import node_order
 from ringwatch.agents.spec import EXCLUDING_KINDS, GroupSpec, Measurement, ProbeBackend, RankInfo
 from ringwatch.agents.workloads import JobLayout, fabric_ops, workload
 from ringwatch.services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
-from ringwatch.services.analyzer.judge import JudgeCache, Judgement, judge
+from ringwatch.services.analyzer.judge import JudgeCache, Judgement, explain, judge
+from ringwatch.services.analyzer.localize import dedupe
 from ringwatch.services.analyzer.verdict import build_verdict
 from ringwatch.services.check import facts
 from ringwatch.services.check.planner import AdaptivePlanner, layout_of
@@ -36,6 +37,8 @@ from ringwatch.services.config import CHECK_MAX_FABRIC_S, CHECK_MAX_ROUNDS, CHEC
 if TYPE_CHECKING:
     from ringwatch.services.settings import Settings
 
+# What the judgement names from busbw alone: on a node a fact excludes, the fact is its name.
+BANDWIDTH_KINDS = frozenset({"nvlink_degraded", "nic_degraded", "net_path_degraded"})
 # The undecided groups a verdict lists by name; more are counted.
 UNDECIDED_LISTED = 100
 
@@ -88,14 +91,18 @@ class CheckResult(Rounds):
 
     @property
     def undecided_groups(self) -> list[dict[str, Any]]:
-        """Groups the check measured but could not decide either way (never exclusions).
-        A group wholly on nodes the verdict already excludes (a hang, wrong data, a
-        transport fallback named them) needs no decision: it is not counted."""
+        """Places the check measured but could not decide (never exclusions): GPU pairs,
+        node pairs and two-GPU nodes neither named nor shown unable to hide a loss of the
+        check's smallest size (``Weighing.smallest_loss``; ``evidence.can_hide``). A ring
+        of a node's GPUs, the world group and the search's unions only steer the plan
+        (their GPU pairs and node pairs are the places); a group on a node the verdict
+        already excludes (a hang, wrong data, a slow NIC named it) needs no decision."""
         excluded = {f.node for f in self.judgement.findings
                     if f.kind in EXCLUDING_KINDS and f.node is not None}
         return [{"scope": v.scope, "nodes": list(v.nodes)}
                 for v in self.judgement.verdicts.values()
-                if not v.bad and not v.cleared and not set(v.nodes) <= excluded]
+                if v.is_one_link and not v.bad and not v.cleared
+                and excluded.isdisjoint(v.nodes)]
 
     def verdict(self) -> dict[str, Any]:
         """The verdict (docs/formats.md): fabric and wall time, whether the budget cut the
@@ -186,9 +193,10 @@ def run_check(
             result.measurements, shape.sizes, progress)
         result.absorb(job_run)
         # What the job's groups showed of the ranks themselves (a hang, wrong data, an
-        # error) is a finding like any other; their speed is the workload section's.
-        result.judgement = replace(result.judgement,
-                                   findings=result.judgement.findings + job_run.probe_findings)
+        # error) is a finding like any other; their speed is the workload section's. Each
+        # round of them reports it again (a node's transport): the verdict lists it once.
+        result.judgement = replace(result.judgement, findings=dedupe(
+            [*result.judgement.findings, *job_run.probe_findings]))
     _take_facts(result, facts.judge_facts(before, facts.read(backend, layout),
                                           partitioned=spec.nvlink_partitioned))
     return result
@@ -198,9 +206,16 @@ def _take_facts(result: CheckResult, read: facts.Facts) -> None:
     """The facts' findings are what the probes reported (shipped with the batch, judged by
     the API as the check judged them) and part of the judgement (the verdict excludes
     their nodes); their readings are kept."""
+    # A cause read on a node (its NIC counters, its NVLink fabric state) carries the slow
+    # figure it explains where the node's own groups measured slow, and the node is named
+    # for it alone: as the API judges the batch, where the facts come in with the probes'
+    # findings and no bandwidth finding is made on a node they exclude.
+    explain(read.findings, result.judgement.assessments)
+    named = {f.node for f in read.findings if f.kind in EXCLUDING_KINDS and f.node}
+    kept = [f for f in result.judgement.findings
+            if f.kind not in BANDWIDTH_KINDS or named.isdisjoint({f.node, *(f.nodes or ())})]
     result.probe_findings += read.findings
-    result.judgement = replace(result.judgement,
-                               findings=result.judgement.findings + read.findings)
+    result.judgement = replace(result.judgement, findings=kept + read.findings)
     result.counters, result.facts = read.snapshots, read.nodes
 
 

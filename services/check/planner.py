@@ -71,6 +71,9 @@ MAX_REPAIRS_PER_NODE = 4
 # group undecided: a tail of stragglers. While more are undecided (a small fleet dense
 # with faults) they wait, so that partners are chosen on everything the round can tell.
 STRAGGLER_SHARE = 0.1
+# Readings of a node's ring after which an undecided ring is followed up by its GPU pairs
+# rather than measured again (``_ring_done``).
+RING_REPEATS = 4
 # A check's round cap (the budget's, RINGWATCH_CHECK_MAX_ROUNDS): with every group decided
 # in at most ``Weighing.max_repeats`` measurements a plan ends well before it.
 MAX_ROUNDS = CHECK_MAX_ROUNDS
@@ -339,7 +342,8 @@ class AdaptivePlanner:
             ops = x.pending_ops
             if not ops and (scope, members) in paths:
                 ops = tuple(op for op, d in sorted(x.decisions.items()) if d.pending)
-            if ops and _only_steers(x) and all(_leads(x, x.decisions[op]) for op in ops):
+            if ops and _only_steers(x) and (all(_leads(x, x.decisions[op]) for op in ops)
+                                            or _ring_done(x, ops)):
                 # Nothing is concluded from this group but where to look next, and what is
                 # not cleared is looked into anyway: once it clearly leans slow, its
                 # narrower tests (GPU pairs, the search's smaller unions) run instead of its
@@ -532,6 +536,16 @@ def _leads(x: GroupVerdict, d: Decision) -> bool:
     following it costs its node all the GPU-pair rounds."""
     return d.llr >= x.weighing.follow_up_llr and (
         x.scope != "intra_node" or d.repeats >= x.weighing.confirm_repeats)
+
+
+def _ring_done(x: GroupVerdict, ops: tuple[str, ...]) -> bool:
+    """A node's ring that ``RING_REPEATS`` readings leave undecided is not measured again:
+    it runs at the slowest of its GPU pairs, so one sitting a little low for good neither
+    clears nor leans slow, and under noise of several percent it was measured up to
+    ``max_repeats`` times, every round of it a round of the whole fleet's rings. Its GPU
+    pairs are tested instead (it stays a suspect), and they name a link or clear it."""
+    return x.scope == "intra_node" and all(
+        x.decisions[op].repeats >= RING_REPEATS for op in ops)
 
 
 def _only_steers(x: GroupVerdict) -> bool:

@@ -11,6 +11,7 @@ the fabric alike, and this is what the job sees of that fabric.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import defaultdict
@@ -33,8 +34,18 @@ Comms = Mapping[str, Sequence[tuple[str, ...]]]
 # IDENTITY_MIN_TOLERANCE (one ratio of three timings carries their noise).
 IDENTITY_Z = 4.0
 IDENTITY_MIN_TOLERANCE = 0.25
-# A communicator this far below its kind's median busbw is named as the job's slowest.
+# A communicator this far below its row's median busbw (same kind, op, size, algorithm) is
+# slow. Every slow one of a row is named, not only the slowest: two faulty nodes must not
+# hide each other.
 SLOW_SHARE = 0.8
+# ...and only when it also lies further below than this many robust spreads of its kind's
+# groups, so that at high noise the tail of a thousand healthy groups is not named. The
+# spread is read from at least SLOW_MIN_PAIRS pairs of the kind's groups; fewer have
+# SLOW_SHARE alone.
+SLOW_Z = 4.0
+SLOW_MIN_PAIRS = 8
+# What a workload finding names beside its kind and place: two alike in all of it are one.
+NAMED_BY = ("communicator", "op", "size_bytes", "algo")
 
 
 def resolve_job(job: JobLayout | None, layout: Mapping[str, Sequence[int]]) -> JobLayout:
@@ -73,7 +84,7 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
     if work.identity_sizes:
         table, off = identity(fabric, {m.group: m.scope for m in fabric}, fabric_sizes)
         summary["identity"] = table + summary["identity"]
-        summary["findings"] = [f.to_dict() for f in off] + summary["findings"]
+        summary["findings"] = [f.to_dict() for f in once(off)] + summary["findings"]
     summary["ok"] = not summary["findings"]
     return job_run, summary
 
@@ -122,41 +133,89 @@ def kinds(comms: Comms) -> dict[Group, str]:
 def judge_job(workload: Workload, layout: JobLayout, comms: Comms,
               ms: Sequence[Measurement]) -> dict[str, Any]:
     """The verdict's ``workload`` section for what the job's groups measured: per kind, op,
-    size and algorithm, how many groups, their median busbw and the slowest group (a
-    ``communicator_slow`` finding when it falls below ``SLOW_SHARE`` of the median); the
-    identity ratios of the job's groups and their ``collective_identity`` findings."""
+    size and algorithm, how many groups, their median busbw, the slowest group, and every
+    group below the row's bar (``slow_below``: ``SLOW_SHARE`` of the median, lower where
+    the noise of the kind's groups reaches further), each a ``communicator_slow`` finding;
+    the identity ratios of the job's groups and their ``collective_identity`` findings.
+    Each finding is listed once (``once``)."""
     kind_of = kinds(comms)
     series: dict[tuple[str, str, int, str | None], list[Measurement]] = defaultdict(list)
     for m in ms:
         kind = kind_of.get(m.group)
         if kind is not None and not m.wrong:
             series[(kind, m.op, m.size_bytes, m.algo)].append(m)
+    bars = slow_bars(series)
     rows, findings = [], []
     for (kind, op, size, algo), group in sorted(series.items(), key=lambda kv: (
             COMM_KINDS.index(kv[0][0]), kv[0][1], kv[0][2], kv[0][3] or "")):
         median = statistics.median(m.busbw_gbs for m in group)
-        slowest = min(group, key=lambda m: m.busbw_gbs)
+        by_speed = sorted(group, key=lambda m: m.busbw_gbs)
+        slowest = by_speed[0]
         share = slowest.busbw_gbs / median if median > 0 else 1.0
+        bar = bars[kind]
         row: dict[str, Any] = {
             "kind": kind, "op": op, "size_bytes": size, "groups": len(group),
             "busbw_gbs": round(median, 3),
             "time_us": round(statistics.median(m.time_us for m in group), 3),
             "slowest_busbw_gbs": round(slowest.busbw_gbs, 3), "slowest_share": round(share, 3),
+            "slow_below": round(bar, 3),
         }
         if algo is not None:
             row["algo"] = algo
-        if share < SLOW_SHARE:
+        slow = [m for m in by_speed if median > 0 and m.busbw_gbs < bar * median]
+        if slow:
             row["slowest_nodes"] = slowest.nodes
-            findings.append(Finding(
-                kind="communicator_slow", nodes=slowest.nodes, severity="warning",
-                measured_gbs=slowest.busbw_gbs, expected_gbs=median,
-                detail={"communicator": kind, "share": round(share, 3), "op": op,
-                        "size_bytes": size, **({"algo": algo} if algo else {})}))
+            row["slow_nodes"] = [m.nodes for m in slow]
+        findings += [Finding(
+            kind="communicator_slow", nodes=m.nodes, severity="warning",
+            measured_gbs=m.busbw_gbs, expected_gbs=median,
+            detail={"communicator": kind, "share": round(m.busbw_gbs / median, 3), "op": op,
+                    "size_bytes": size, **({"algo": algo} if algo else {})}) for m in slow]
         rows.append(row)
     table, off = identity(ms, kind_of, workload.identity_sizes)
     return {"profile": workload.name, "layout": layout.to_dict(),
             "groups": {k: len(v) for k, v in comms.items()}, "communicators": rows,
-            "identity": table, "findings": [f.to_dict() for f in findings + off]}
+            "identity": table, "findings": [f.to_dict() for f in once(findings + off)]}
+
+
+def slow_bars(series: Mapping[tuple[str, str, int, str | None], Sequence[Measurement]]
+              ) -> dict[str, float]:
+    """Per kind of group, the share of a row's median under which a group is slow:
+    ``SLOW_SHARE``, or lower where ``SLOW_Z`` robust spreads of the kind's groups reach
+    further. A row of many groups at high noise has healthy groups far under its median;
+    a row of few (eight data-parallel rails) cannot say its own spread, so the spread is
+    pooled over the kind's rows from the differences of groups measured one after the
+    other in a row: free of the row's median (which a row of eight pulls toward itself,
+    a spread from it a sixth short), a slow group in two of them at most, their median
+    taken. Neighbours alike (one rack) make it smaller: the bar then nears SLOW_SHARE."""
+    diffs: dict[str, list[float]] = defaultdict(list)
+    for (kind, _, _, _), group in series.items():
+        logs = [math.log(m.busbw_gbs) for m in group if m.busbw_gbs > 0]
+        diffs[kind] += [abs(a - b) for a, b in itertools.pairwise(logs)]
+    bars = {}
+    for kind, ds in diffs.items():
+        if len(ds) < SLOW_MIN_PAIRS:
+            bars[kind] = SLOW_SHARE
+            continue
+        spread = statistics.median(ds) * MAD_TO_SIGMA / math.sqrt(2)
+        bars[kind] = min(SLOW_SHARE, math.exp(-SLOW_Z * spread))
+    return bars
+
+
+def once(findings: Sequence[Finding]) -> list[Finding]:
+    """Each finding once: two of one kind, at one place (node, GPU, GPUs, nodes), naming
+    the same communicator, op, size and algorithm are one, the first kept (judge_job lists
+    a row's groups slowest first, so the worse stays). Two groups of a row can share a
+    place: two tensor-parallel groups of four GPUs on one node."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for f in findings:
+        key = (f.kind, f.node, f.gpu, tuple(f.gpus or ()), tuple(f.nodes or ()),
+               tuple(f.detail.get(k) for k in NAMED_BY))
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
 
 
 # ---- ReduceScatter + AllGather = AllReduce -----------------------------------------------
