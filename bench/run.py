@@ -12,7 +12,8 @@ import os
 import sys
 import time
 
-BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "monitoring", "floors",
+BENCHMARKS = ("probes", "nccl_path", "alerts", "detection", "weak_faults", "scenario_sets",
+              "monitoring", "floors",
               "scale", "workloads", "ui", "pairs", "ingest_memory", "check_cost", "roles", "why",
               "occupancy", "agent_lifecycle", "busy_fleet", "rotation_coverage", "spool_size",
               "ingest_findings", "launch_gate")

@@ -1,7 +1,7 @@
 """Scenario sets: preflights on sim fleets no test or other benchmark uses, scored fault by fault.
 
 Each set is drawn from its own seed: fleets of 64-2048 x 8 GPUs, measurement noise of
-1-8 %, between-link variation of 2-5 %, up to 8 faults a fleet of every kind the sim
+1-8 %, between-link variation of 2-5 %, up to 8 places at fault a fleet, of every kind the sim
 models, weak (15-25 % loss) and strong (25-60 %) alike, node-pair paths losing 15-20 %,
 a counter or transport cause on a node whose bandwidth is also slow, fleets whose whole
 network or NVLink falls short of the hardware model, and fault-free fleets at 6-8 % noise.
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.detection import FALLBACK_PROFILE, FOUND_AS, GPUS, fault_of, fallback_nodes, matches
+from bench.detection import FALLBACK_PROFILE, FOUND_AS, GPUS, fallback_nodes, fault_of, matches
 from ringwatch.agents.sim import SimBackend, node_name
 from ringwatch.services.check import run_check
 
@@ -186,13 +186,13 @@ def seen(fault: dict[str, Any], sc: dict[str, Any], verdict: dict[str, Any]) -> 
 def stray(f: dict[str, Any], sc: dict[str, Any]) -> bool:
     """A finding at no fault's place: not the shortfall of a short fleet, not on a fault's
     node, nor a path between a fault's nodes."""
-    if f["kind"] == "fleet_shortfall":
+    if f["kind"] == "fabric_below_rated":
         return not ("net_gbs" in sc or "nvlink_gbs" in sc)
     nodes = finding_nodes(f)
     if not nodes:
         return True
     touched = set().union(*(place_nodes(x) for x in sc["faults"])) if sc["faults"] else set()
-    if f["kind"] == "net_path":
+    if f["kind"] == "net_path_degraded":
         return not any(nodes == place_nodes(x) for x in sc["faults"]) and not nodes & faulty_nodes(sc)
     return not nodes & touched
 

@@ -17,8 +17,9 @@ def test_the_benchmark_draws_every_kind_the_sim_has() -> None:
     rng = random.Random(5)
     scenarios = [detection.random_scenario(rng, 64, 5, 0.03) for _ in range(40)]
     assert {f["kind"] for sc in scenarios for f in sc["faults"]} == set(FAULT_KINDS)
-    # The workload section names one slowest communicator per kind, op and size: a second
-    # fallback could not be told apart.
+    # One fallback a scenario, as when the workload section named only the slowest of a
+    # row, where a second could not be told apart (it names every slow one now; the draw
+    # is kept so that the figures compare with earlier runs).
     assert max(sum(f["kind"] == "fallback" for f in sc["faults"]) for sc in scenarios) == 1
 
 

@@ -34,10 +34,11 @@ Comms = Mapping[str, Sequence[tuple[str, ...]]]
 # IDENTITY_MIN_TOLERANCE (one ratio of three timings carries their noise).
 IDENTITY_Z = 4.0
 IDENTITY_MIN_TOLERANCE = 0.25
-# A communicator this far below its row's median busbw (same kind, op, size, algorithm) is
+# A communicator this far below its row's median busbw (same kind, op, size, algorithm: a
+# loss of the check's smallest size, 15 %) is
 # slow. Every slow one of a row is named, not only the slowest: two faulty nodes must not
 # hide each other.
-SLOW_SHARE = 0.8
+SLOW_SHARE = 0.85
 # ...and only when it also lies further below than this many robust spreads of its kind's
 # groups, so that at high noise the tail of a thousand healthy groups is not named. The
 # spread is read from at least SLOW_MIN_PAIRS pairs of the kind's groups; fewer have
