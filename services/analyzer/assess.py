@@ -10,7 +10,6 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from statistics import NormalDist
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from ringwatch.services.analyzer.evidence import (
     MEDIAN_SE,
     Weighing,
     noise_terms,
+    slowest_path_share,
     stepped,
 )
 from ringwatch.services.config import RATED_FLOOR
@@ -459,15 +459,6 @@ def spans_paths(scope: str, nodes: int) -> bool:
 
 def _is_union(m: Measurement) -> bool:
     return spans_paths(m.scope, len(m.nodes))
-
-
-def slowest_path_share(nodes: int, variation: float) -> float:
-    """Where a healthy group of ``nodes`` nodes runs, as a share of its median node pair: it
-    loads every path between its nodes and runs at the slowest, the expected least of
-    nodes * (nodes - 1) / 2 paths whose lasting offsets spread by ``variation`` (normal: a
-    bounded spread ends sooner, so this errs low, towards fewer false leads)."""
-    paths = max(nodes * (nodes - 1) // 2, 1)
-    return math.exp(-variation * NormalDist().inv_cdf(1.0 - 1.0 / (paths + 1)))
 
 
 @dataclass

@@ -187,13 +187,16 @@ class Weighing:
         bound)."""
         return _family_z(self.false_exclusion_rate, max(places, 1))
 
-    def union_min_loss(self, nodes: int) -> float:
+    def union_min_loss(self, nodes: int, variation: float | None = None) -> float:
         """The loss a union of ``nodes`` nodes is weighed against: what one path losing
         ``smallest_loss`` takes off it, now that it runs at the slowest of its paths
-        (``assess.slowest_path_share``), where that is less than ``min_loss``. A world group
+        (``slowest_path_share``), where that is less than ``min_loss``. A world group
         of 1024 nodes is expected at 0.866 of its node pairs: a path 15 % slow takes it
-        only to 0.85, 1.8 % under, and a union weighed against a 10 % loss cleared it."""
-        return _union_min_loss(self.smallest_loss, self.min_loss, self.variation_prior, nodes)
+        only to 0.85, 1.8 % under, and a union weighed against a 10 % loss cleared it.
+        ``variation``: the node pairs' lasting spread where the run measured it (else the
+        prior)."""
+        return _union_min_loss(self.smallest_loss, self.min_loss,
+                               self.variation_prior if variation is None else variation, nodes)
 
     @property
     def upper(self) -> float:
@@ -212,9 +215,18 @@ def _family_z(rate: float, places: int) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _union_min_loss(smallest: float, min_loss: float, variation: float, nodes: int) -> float:
+def slowest_path_share(nodes: int, variation: float) -> float:
+    """Where a healthy group of ``nodes`` nodes runs, as a share of its median node pair: it
+    loads every path between its nodes and runs at the slowest, the expected least of
+    nodes * (nodes - 1) / 2 paths whose lasting offsets spread by ``variation`` (normal: a
+    bounded spread ends sooner, so this errs low, towards fewer false leads)."""
     paths = max(nodes * (nodes - 1) // 2, 1)
-    share = math.exp(-variation * NormalDist().inv_cdf(1.0 - 1.0 / (paths + 1)))
+    return math.exp(-variation * NormalDist().inv_cdf(1.0 - 1.0 / (paths + 1)))
+
+
+@lru_cache(maxsize=4096)
+def _union_min_loss(smallest: float, min_loss: float, variation: float, nodes: int) -> float:
+    share = slowest_path_share(nodes, variation)
     return min(min_loss, max(1.0 - (1.0 - smallest) / share, 0.005))
 
 

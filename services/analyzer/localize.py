@@ -28,6 +28,7 @@ from ringwatch.services.analyzer.evidence import (
     cleared_now,
     held_open,
     noise_terms,
+    slowest_path_share,
     slowest_spread_share,
     stands_apart,
     stepped,
@@ -172,17 +173,25 @@ class GroupVerdict:
         else:
             variation = self.lasting_variation(s)
         w = self.weighing
+        log_mean = s.log_mean
         if self.prunes:
             # A union runs at its slowest path: weighed against what one path of the
             # smallest loss would take off it, not against that loss itself, and with the
-            # lasting offset of the slowest of its paths, not of one path.
-            loss = w.union_min_loss(len(self.nodes))
+            # lasting offset of the slowest of its paths, not of one path. Where the run
+            # measured how its node pairs spread, it is expected at the slowest of paths
+            # spread so, not under the prior (assess models it so).
+            k = len(self.nodes)
+            pairs_spread = self._pairs_spread(op)
+            if pairs_spread is not None:
+                log_mean -= math.log(slowest_path_share(k, pairs_spread)
+                                     / slowest_path_share(k, w.variation_prior))
+            loss = w.union_min_loss(k, pairs_spread)
             if loss < w.min_loss:
                 w = _with_min_loss(w, loss)
             if measured:
-                variation *= slowest_spread_share(len(self.nodes))
+                variation *= slowest_spread_share(k)
         noise = max(noise, self.weighing.min_noise)
-        d = weigh_log_mean(s.log_mean, len(live), noise=noise,
+        d = weigh_log_mean(log_mean, len(live), noise=noise,
                            variation=variation, centre_se=s.centre_se, w=w,
                            futility=measured,
                            early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
@@ -216,6 +225,13 @@ class GroupVerdict:
         if self.prunes and len(live) < self.weighing.confirm_clear + (self.scope == "world"):
             return unconfirmed(d)
         return d
+
+    def _pairs_spread(self, op: str) -> float | None:
+        """How far this run's node pairs sit from each other for good on ``op``, where it
+        measured it (``measured_variation``; the kind of the fewest ranks across nodes)."""
+        pairs = [(key[4], x) for key, x in self.variation.items()
+                 if key[0] == op and key[1] == "inter_node"]
+        return min(pairs)[1] if pairs else None
 
     @cached_property
     def key(self) -> GroupKey:
