@@ -103,7 +103,8 @@ def judge(
                       cache.assess if cache is not None else None)
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
     assessments, fleet = fleet_shortfall(assessed, thresholds.degraded_ratio,
-                                         cache.explained if cache is not None else None)
+                                         cache.explained if cache is not None else None,
+                                         below_ratio=1.0 - thresholds.weighing.min_loss)
     verdicts = group_verdicts(assessments, thresholds.weighing,
                               cache.verdicts if cache is not None else None)
     findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)

@@ -449,6 +449,9 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     kinds = _changed(c.variation, variation)
     places = places_of(c, touched)
     moved = places != c.places
+    # A one-link group's slow decision depends on the places judged, a union's on how the
+    # node pairs spread (``GroupVerdict._pairs_spread``): each is weighed again when those
+    # move.
     out: dict[GroupKey, GroupVerdict] = {}
     # In the order of each group's first judged assessment, as a fresh fold finds them.
     for key in sorted(c.by_group, key=c.first.__getitem__):
@@ -456,7 +459,7 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         v = c.verdicts.get(key)
         if v is None or key in touched or not ops.isdisjoint(by_op) or (kinds and any(
                 peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)) or (
-                moved and v.is_one_link):
+                moved and v.is_one_link) or (kinds and v.prunes):
             v = GroupVerdict(key[0], key[1].members, tuple(sorted(group_nodes(key[1].members))), by_op=by_op,
                              weighing=w,
                              _summaries=c.summaries, _checked={
