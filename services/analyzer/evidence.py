@@ -164,7 +164,7 @@ class Weighing:
     smallest_loss: float = 0.15
     # "Cannot hide": the mean sits this many of its standard deviations (lasting offset,
     # centre's error and noise together) above the smallest loss.
-    hide_z: float = 2.5
+    hide_z: float = 2.0
     # The chance that one check excludes any healthy GPU pair, node or NIC, or names a
     # healthy path: a slow decision of one link must also stand against the noise measured
     # in the run, below the edge of the healthy band, at this rate shared among the places
