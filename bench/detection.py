@@ -113,7 +113,8 @@ def matches(fault: dict[str, Any], f: dict[str, Any]) -> bool:
     if kind == "fallback" or f["kind"] != FOUND_AS[kind]:
         return False
     if kind == "net_path":
-        return f.get("nodes") == sorted(fault["nodes"])
+        # As sets: a verdict lists nodes in node order (node-259 before node-1136).
+        return set(f.get("nodes") or ()) == set(fault["nodes"])
     if f.get("node") != fault["node"]:
         return False
     if kind in ("nvlink", "pcie_only"):

@@ -57,6 +57,16 @@ def test_a_cause_beside_a_slowdown_is_exact_only_with_its_figure() -> None:
     assert sets.exact(slow, sc, {"findings": [{"kind": "nic_degraded", "node": "node-004"}]})
 
 
+def test_a_path_matches_whatever_order_its_nodes_are_named_in() -> None:
+    """A verdict names a path's nodes in node order (node-259 before node-1136), a scenario
+    file in any order: the same path either way."""
+    path = {"kind": "net_path", "nodes": ["node-1136", "node-259"], "factor": 0.75}
+    named = {"kind": "net_path_degraded", "nodes": ["node-259", "node-1136"]}
+    sc = {"nodes": 1306, "faults": [path]}
+    assert sets.exact(path, sc, {"findings": [named]})
+    assert not sets.exact(path, sc, {"findings": [{**named, "nodes": ["node-259", "node-113"]}]})
+
+
 def test_a_stray_is_a_finding_at_no_faults_place() -> None:
     path = {"kind": "net_path", "nodes": ["node-001", "node-009"], "factor": 0.8}
     nic = {"kind": "nic", "node": "node-020", "factor": 0.6}
