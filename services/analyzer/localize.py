@@ -185,9 +185,7 @@ class GroupVerdict:
             if pairs_spread is not None:
                 log_mean -= math.log(slowest_path_share(k, pairs_spread)
                                      / slowest_path_share(k, w.variation_prior))
-            loss = w.union_min_loss(k, pairs_spread)
-            if loss < w.min_loss:
-                w = _with_min_loss(w, loss)
+            w = _union_weighing(w, min(w.min_loss, w.union_min_loss(k, pairs_spread)))
             if measured:
                 variation *= slowest_spread_share(k)
         noise = max(noise, self.weighing.min_noise)
@@ -317,9 +315,10 @@ class GroupVerdict:
         return min(rated, key=lambda a: a.ratio or 0.0) if rated else None
 
 
-@lru_cache(maxsize=64)
-def _with_min_loss(w: Weighing, loss: float) -> Weighing:
-    return replace(w, min_loss=loss)
+@lru_cache(maxsize=256)
+def _union_weighing(w: Weighing, loss: float) -> Weighing:
+    """How a union is weighed: against ``loss``, at the union's miss rate."""
+    return replace(w, min_loss=loss, miss=w.union_miss)
 
 
 def _median(values: list[float]) -> float:
