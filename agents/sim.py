@@ -486,6 +486,10 @@ class Fabric:
         self.transports: dict[tuple[str, ...], str] = {}
         for f in s.faults:
             self._apply(f)
+        # The nodes with a PCIe pair or a pair's transport fault: only theirs are looked up
+        # pair by pair (SimBackend._transport; a union of thousands of nodes runs often).
+        self.odd_pair_nodes = {int(n) for n in np.nonzero(self.pcie.any(axis=(1, 2)))[0]}
+        self.odd_pair_nodes |= {n for n, _, _ in self.pair_transport}
         # The jobs running this cycle, and the one holding each node.
         self.jobs = s.running(cycle)
         self.job_of: dict[int, SimJob] = {}
@@ -953,7 +957,8 @@ class SimBackend(BackendDefaults):
 
     def _rank(self, i: int, g: int) -> RankInfo:
         f = self.fabric
-        p2p = {str(p): (PCIE_WORD if f.pcie[i, g, p] else f.hw.nvlink_word)
+        odd = i in f.odd_pair_nodes
+        p2p = {str(p): (PCIE_WORD if odd and f.pcie[i, g, p] else f.hw.nvlink_word)
                for p in range(f.g) if p != g}
         return RankInfo(node=node_name(i), local_index=g, hostname=node_name(i),
                         gpu_uuid=f"GPU-sim-{i:05d}-{g}", pci_bus_id=f"0000:{0x18 + g:02x}:00.0",
@@ -971,7 +976,9 @@ class SimBackend(BackendDefaults):
                 if place is None:
                     node, idx = split_member(name)
                     place = self._index[node], idx
-                    if len(places) >= CACHE_LIMIT:
+                    # Every rank of the fleet fits: at 16384 x 8 the cache was cleared again
+                    # and again, and every group's names parsed anew.
+                    if len(places) >= max(CACHE_LIMIT, self.fabric.n * self.fabric.g):
                         places.clear()
                     places[name] = place
                 nodes.append(place[0])
@@ -1119,6 +1126,8 @@ class SimBackend(BackendDefaults):
                 if len(gpus) < 2:
                     continue
                 seen.add("p2p_nvlink")
+                if n not in f.odd_pair_nodes:
+                    continue
                 pairs = [(a, b) for a in gpus for b in gpus if a < b]
                 seen |= {"p2p_pcie" for a, b in pairs if f.pcie[n, a, b]}
                 seen |= {t for (m, a, b), t in f.pair_transport.items()

@@ -92,18 +92,22 @@ def test_a_check_sweeps_young_objects_less_often_and_puts_the_threshold_back() -
     from ringwatch.services.check import loop
 
     before = gc.get_threshold()
-    seen = []
+    seen, frozen = [], []
     backend = SimBackend({"nodes": 4, "gpus_per_node": 4, "gpu": "H100-SXM"})
     run_round = backend.run_round
 
     def watched(groups):  # what the collector is set to while the check runs
         seen.append(gc.get_threshold())
+        frozen.append(gc.get_freeze_count())
         return run_round(groups)
 
     backend.run_round = watched  # type: ignore[method-assign]
     run_check(backend)
     assert seen and all(t[0] >= loop.YOUNG_THRESHOLD for t in seen)
-    assert gc.get_threshold() == before
+    assert all(min(t[1:]) >= loop.OLDER_THRESHOLD for t in seen)
+    # Each round's survivors are out of the sweeps while it runs, and back after it.
+    assert len(frozen) > 1 and all(n > 0 for n in frozen[1:])
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
 def test_a_few_noisy_gpu_pairs_judge_a_healthy_one_fairly() -> None:

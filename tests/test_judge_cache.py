@@ -7,9 +7,11 @@ import random
 
 import pytest
 
+from ringwatch.agents.groups import Group
 from ringwatch.agents.sim import SimBackend
-from ringwatch.services.analyzer.assess import PREFLIGHT_THRESHOLDS
+from ringwatch.services.analyzer.assess import PREFLIGHT_THRESHOLDS, KindGroups, node_weights
 from ringwatch.services.analyzer.judge import JudgeCache, Judgement, judge
+from ringwatch.services.analyzer.localize import NicMemo, by_node, proven_nodes, weigh_nics
 from ringwatch.services.check import loop, run_check
 
 
@@ -90,3 +92,50 @@ def test_other_settings_start_the_cache_afresh(other):
         kwargs = {"thresholds": t, "history": {
             (m.series, m.scope, m.size_bytes, m.dtype, m.group): [m.busbw_gbs * 2] * 10}}
     assert seen(judge(ms, [], cache=cache, **kwargs)) == seen(judge(ms, [], **kwargs))
+
+
+def test_the_check_reads_from_its_indexes_what_a_pass_over_every_verdict_gives(monkeypatch):
+    """The check keeps what the rules and the plan read of the verdicts from round to round
+    (``VerdictIndex``, ``NicMemo``): after every round the verdicts come in the order a
+    fresh judgement gives them, and the node pairs by node, the slow pairs, the groups with
+    ops pending and the NICs weighed are those a pass over every verdict finds."""
+    real = loop.judge
+    rounds = []
+
+    def both(*args, **kwargs):
+        cache = kwargs.get("cache")
+        cached = real(*args, **kwargs)
+        if cache is not None:
+            kwargs.pop("cache")
+            assert list(cached.verdicts) == list(real(*args, **kwargs).verdicts)
+            v, index = cached.verdicts, cache.localize.index
+            blamed = cached.blamed
+            pairs = [x for (scope, _), x in v.items() if scope == "inter_node"
+                     and len(x.nodes) == 2 and blamed.isdisjoint(x.nodes)]
+            assert index.by_node(blamed) == by_node(pairs)
+            assert index.slow_pairs(blamed) == [x for x in pairs if x.bad]
+            assert index.with_pending() == [(k, x) for k, x in v.items() if x.pending_ops]
+            memo = NicMemo()
+            memo.update(by_node(pairs))
+            assert memo.nics == weigh_nics(by_node(pairs))
+            assert memo.proven == proven_nodes(by_node(pairs), memo.nics)
+            rounds.append(len(v))
+        return cached
+
+    monkeypatch.setattr(loop, "judge", both)
+    verdict = run_check(SimBackend(scenario(6))).verdict()
+    assert len(rounds) == verdict["rounds"] >= 10
+    assert {f["kind"] for f in verdict["findings"]} >= {"nic_degraded", "nvlink_degraded"}
+
+
+def test_node_weights_kept_as_groups_join_are_the_ones_worked_out_afresh():
+    rng = random.Random(4)
+    kind = KindGroups()
+    groups: list[Group] = []
+    for _ in range(200):
+        for _ in range(rng.randint(1, 3)):
+            nodes = rng.sample([f"node-{i:03d}" for i in range(30)], rng.randint(1, 3))
+            groups.append(Group([f"{n}/{rng.randint(0, 7)}" for n in nodes]))
+        groups = list(dict.fromkeys(groups))
+        kind._join(groups)
+        assert kind.weights.tolist() == node_weights(groups).tolist()

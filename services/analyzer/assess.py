@@ -10,6 +10,9 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import compress
+from operator import is_not
+from typing import TypeVar
 
 import numpy as np
 
@@ -25,6 +28,7 @@ from ringwatch.services.analyzer.evidence import (
 )
 from ringwatch.services.config import RATED_FLOOR
 
+T = TypeVar("T")
 # A hardware-preset figure for one measurement, or None where the preset has none.
 Expected = Callable[[Measurement], "float | None"]
 # The key under which peers are compared: they must have done the same work.
@@ -290,6 +294,13 @@ class KindGroups:
     noise_ss: list[float] = field(default_factory=list)
     noise_dof: list[int] = field(default_factory=list)
     weights: np.ndarray = field(default_factory=lambda: np.empty(0))
+    # ``node_weights`` kept as groups join: each group's nodes, how many of the kind's
+    # groups each node is in and which; only the groups on a node whose count moved are
+    # weighed again (a kind of thousands of node pairs gains a few a round).
+    nodes: list[frozenset[str]] = field(default_factory=list)
+    degree: dict[str, int] = field(default_factory=dict)
+    on_node: dict[str, list[int]] = field(default_factory=dict)
+    weight_list: list[float] = field(default_factory=list)
 
     def update(self, measurements: Sequence[Measurement],
                groups: Mapping[Group, list[int]]) -> None:
@@ -309,7 +320,25 @@ class KindGroups:
                 self.noise_ss.append(ss)
                 self.noise_dof.append(dof)
         if joined:
-            self.weights = node_weights(list(groups))
+            self._join(list(groups))
+
+    def _join(self, groups: list[Group]) -> None:
+        """``weights`` = ``node_weights(groups)``, from the groups that joined."""
+        start = len(self.nodes)
+        moved: set[str] = set()
+        for j in range(start, len(groups)):
+            ns = group_nodes(groups[j].members)
+            self.nodes.append(ns)
+            self.weight_list.append(1.0)
+            for n in ns:
+                self.degree[n] = self.degree.get(n, 0) + 1
+                self.on_node.setdefault(n, []).append(j)
+            moved |= ns
+        again = {j for n in moved for j in self.on_node[n]}
+        again.update(range(start, len(groups)))
+        for j in again:
+            self.weight_list[j] = 1.0 / max((self.degree[n] for n in self.nodes[j]), default=1)
+        self.weights = np.array(self.weight_list)
 
     def noise(self, min_pairs: int = 8) -> float | None:
         """The per-measurement relative noise, pooled over the groups measured more than once
@@ -461,6 +490,19 @@ def _is_union(m: Measurement) -> bool:
     return spans_paths(m.scope, len(m.nodes))
 
 
+def identity_changes(items: Sequence[object], last: Sequence[object]) -> list[int]:
+    """The indices below ``len(last)`` where ``items`` holds another object than ``last``:
+    one pass in C, for the caches that compare a large check's every assessment with the
+    last round's."""
+    return list(compress(range(len(last)), map(is_not, items, last)))
+
+
+def same_items(items: list[T], last: list[T]) -> bool:
+    """Whether ``items`` equals ``last`` item by item: a pass in C, which takes the very same
+    object as equal at once (a check hands the judgement the same ranks every round)."""
+    return len(items) == len(last) and items == last
+
+
 @dataclass
 class AssessCache:
     """What ``assess`` worked out for a list of measurements that only grows: a check's,
@@ -499,6 +541,8 @@ class AssessCache:
     # The measurements whose inputs may have changed since the last call.
     dirty: set[int] = field(default_factory=set)
     made: list[tuple[tuple[object, ...], Assessment]] = field(default_factory=list)
+    # ``made``'s assessments alone, kept beside it: what ``assess`` hands back.
+    assessed: list[Assessment] = field(default_factory=list)
 
     def fits(self, ms: Sequence[Measurement], t: Thresholds, expected: Expected | None,
              history: Mapping[LinkKey, Sequence[float]] | None) -> bool:
@@ -608,10 +652,12 @@ def assess(
             if c.made[i][1] == a:
                 a = c.made[i][1]
             c.made[i] = (inputs, a)
+            c.assessed[i] = a
         else:
             c.made.append((inputs, a))
+            c.assessed.append(a)
     c.dirty.clear()
-    return [a for _, a in c.made]
+    return list(c.assessed)
 
 
 def _assessment(m: Measurement, t: Thresholds, c: Chosen, is_judged: bool) -> Assessment:

@@ -20,6 +20,7 @@ from ringwatch.services.analyzer.assess import (
     LinkKey,
     Thresholds,
     assess,
+    same_items,
 )
 from ringwatch.services.analyzer.faults import Coverage
 from ringwatch.services.analyzer.headline import deciding_result, headline_of
@@ -27,11 +28,12 @@ from ringwatch.services.analyzer.inventory import inventory_findings
 from ringwatch.services.analyzer.localize import (
     GroupKey,
     GroupVerdict,
+    LocalizeMemo,
     VerdictCache,
     group_verdicts,
     localize,
 )
-from ringwatch.services.analyzer.shortfall import Explained, fleet_shortfall
+from ringwatch.services.analyzer.shortfall import Explained, Tally, fleet_shortfall
 
 
 def preset_of(m: Measurement) -> float | None:
@@ -50,14 +52,18 @@ class JudgeCache:
     assess: AssessCache = field(default_factory=AssessCache)
     verdicts: VerdictCache = field(default_factory=VerdictCache)
     explained: Explained = field(default_factory=dict)
+    shortfall: Tally = field(default_factory=Tally)
+    localize: LocalizeMemo = field(default_factory=LocalizeMemo)
     # The inventory's findings of the ranks last judged (a check's ranks do not change
-    # between rounds), under the identities of those rank objects.
-    inventory: tuple[tuple[int, ...], list[Finding]] | None = None
+    # between rounds), while they are the very same rank objects.
+    inventory: tuple[list[RankInfo], list[Finding]] | None = None
+    # Their nodes (``Judgement.inventoried``).
+    inventoried: set[str] = field(default_factory=set)
 
     def inventory_of(self, ranks: list[RankInfo]) -> list[Finding]:
-        key = tuple(id(r) for r in ranks)
-        if self.inventory is None or self.inventory[0] != key:
-            self.inventory = (key, inventory_findings(ranks))
+        if self.inventory is None or not same_items(ranks, self.inventory[0]):
+            self.inventory = (list(ranks), inventory_findings(ranks))
+            self.inventoried = {r.node for r in ranks}
         return self.inventory[1]
 
 
@@ -104,10 +110,12 @@ def judge(
     # A shortfall shared by most of the fleet is one finding, not a fault per node.
     assessments, fleet = fleet_shortfall(assessed, thresholds.degraded_ratio,
                                          cache.explained if cache is not None else None,
-                                         below_ratio=1.0 - thresholds.weighing.min_loss)
+                                         below_ratio=1.0 - thresholds.weighing.min_loss,
+                                         tally=cache.shortfall if cache is not None else None)
     verdicts = group_verdicts(assessments, thresholds.weighing,
                               cache.verdicts if cache is not None else None)
-    findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts)
+    findings = localize(assessments, list(probe_findings), list(nodes), rank_list, verdicts,
+                        cache.localize if cache is not None else None)
     wanted = set(nodes)
     inventory = (cache.inventory_of(rank_list) if cache is not None
                  else inventory_findings(rank_list))
@@ -118,7 +126,8 @@ def judge(
         if f.nodes:
             findings.append(f)
     explain(findings, assessments)
-    return Judgement(assessed, verdicts, findings, {r.node for r in rank_list})
+    return Judgement(assessed, verdicts, findings,
+                     set(cache.inventoried) if cache is not None else {r.node for r in rank_list})
 
 
 

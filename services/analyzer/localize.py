@@ -11,13 +11,21 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import NamedTuple, TypeVar
 
 from ringwatch.agents.groups import Group, group_nodes, node_order, split_member
 from ringwatch.agents.spec import EXCLUDING_KINDS, Finding, RankInfo
-from ringwatch.services.analyzer.assess import Assessment, PeerKey, peer_key, spans_paths
+from ringwatch.services.analyzer.assess import (
+    Assessment,
+    PeerKey,
+    identity_changes,
+    peer_key,
+    same_items,
+    spans_paths,
+)
 from ringwatch.services.analyzer.evidence import (
     MAD_TO_SIGMA,
     UNDECIDED,
@@ -371,6 +379,24 @@ class VerdictCache:
     links: int = 0
     local_nodes: set[str] = field(default_factory=set)
     places: int = 1
+    # How many entries ``pooled`` kept when it was last pruned of dropped verdicts.
+    pooled_kept: int = 0
+    # The noise terms by op and the first readings by kind, and those whose terms or
+    # readings moved since the noise and variation were last worked out: only theirs are
+    # worked out again (``measured_noise``, ``measured_variation``).
+    op_terms: dict[str, dict[tuple[GroupKey, str], NoiseTerm]] = field(default_factory=dict)
+    kind_firsts: dict[PeerKey, dict[tuple[GroupKey, str], FirstReading]] = field(
+        default_factory=dict)
+    moved_ops: set[str] = field(default_factory=set)
+    moved_kinds: set[PeerKey] = field(default_factory=set)
+    # Whether a group already judged had its first judged assessment move in the last
+    # fold, and the first of the last group ``verdicts`` holds: with neither, the groups
+    # keep their order and new ones come after them (``group_verdicts``' short way).
+    reordered: bool = False
+    last_first: int = -1
+    # Per group, the kinds (``peer_key``) of its judged assessments: the groups a moved
+    # variation weighs again.
+    kinds_of: dict[GroupKey, set[PeerKey]] = field(default_factory=dict)
 
     def changes(self, items: list[Assessment]) -> list[int] | None:
         """The indices of ``items`` not folded yet, where it is the last list grown or with
@@ -378,8 +404,7 @@ class VerdictCache:
         n = len(self.last)
         if len(items) < n:
             return None
-        changed = [i for i, (a, b) in enumerate(zip(items[:n], self.last, strict=True))
-                   if a is not b]
+        changed = identity_changes(items, self.last)
         if any(items[i].measurement is not self.last[i].measurement for i in changed):
             return None
         return changed + list(range(n, len(items)))
@@ -389,6 +414,7 @@ class VerdictCache:
         assessments changed."""
         n = len(self.last)
         touched: set[GroupKey] = set()
+        self.reordered = False
         for i in changed:
             a = items[i]
             if i >= n:
@@ -410,23 +436,70 @@ class VerdictCache:
         ops = []
         for op, ix in self.indices[key].items():
             kept = [i for i in ix if self.placed[i]]
-            self.terms.pop((key, op), None)
-            self.firsts.pop((key, op), None)
-            if not kept:
-                continue
-            listed = [items[i] for i in kept]
-            ops.append((kept[0], op, listed))
-            s = _summary(self.summaries, key, op, listed)
-            self.terms[(key, op)] = (op, s.noise_ss, s.noise_dof)
-            if (first := _first_reading(s)) is not None:
-                self.firsts[(key, op)] = first
+            term = self.terms.pop((key, op), None)
+            first = self.firsts.pop((key, op), None)
+            if kept:
+                listed = [items[i] for i in kept]
+                ops.append((kept[0], op, listed))
+                s = _summary(self.summaries, key, op, listed)
+                self.terms[(key, op)] = (op, s.noise_ss, s.noise_dof)
+                if (reading := _first_reading(s)) is not None:
+                    self.firsts[(key, op)] = reading
+            self._index((key, op), term, first)
         if ops:
             ops.sort(key=lambda x: x[0])
             self.by_group[key] = {op: listed for _, op, listed in ops}
+            if self.first.get(key, ops[0][0]) != ops[0][0]:
+                self.reordered = True
             self.first[key] = ops[0][0]
+            self.kinds_of[key] = {peer_key(a.measurement) for _, _, listed in ops for a in listed}
         else:
             self.by_group.pop(key, None)
             self.first.pop(key, None)
+            self.kinds_of.pop(key, None)
+
+    def _index(self, slot: tuple[GroupKey, str], term: NoiseTerm | None,
+               first: FirstReading | None) -> None:
+        """Keep ``op_terms`` and ``kind_firsts`` with ``slot``'s term and first reading,
+        which were ``term`` and ``first``."""
+        now, reading = self.terms.get(slot), self.firsts.get(slot)
+        if _counted(now) != _counted(term):
+            self.op_terms.setdefault(slot[1], {}).pop(slot, None)
+            if now is not None:
+                self.op_terms[slot[1]][slot] = now
+            self.moved_ops.add(slot[1])
+        if reading != first:
+            for x in (first, reading):
+                if x is not None:
+                    self.kind_firsts.setdefault(x[0], {}).pop(slot, None)
+                    self.moved_kinds.add(x[0])
+            if reading is not None:
+                self.kind_firsts[reading[0]][slot] = reading
+
+    def measured_noise(self) -> dict[str, float]:
+        """``noise_of`` all the terms, worked out again only for the ops whose terms moved
+        (each op's figure is its terms' alone)."""
+        out = {op: x for op, x in self.noise.items() if op not in self.moved_ops}
+        for op in self.moved_ops:
+            out.update(noise_of(self.op_terms.get(op, {}).values()))
+        self.moved_ops = set()
+        return dict(sorted(out.items()))
+
+    def measured_variation(self, noise: Mapping[str, float], w: Weighing) -> dict[PeerKey, float]:
+        """``variation_of`` all the first readings under ``noise``, worked out again only for
+        the kinds whose readings or op's noise moved (each kind's figure is its own)."""
+        redo = self.moved_kinds | {k for k in self.kind_firsts
+                                   if noise.get(k[0]) != self.noise.get(k[0])}
+        out = {k: x for k, x in self.variation.items() if k not in redo}
+        out.update(variation_of((x for k in redo for x in self.kind_firsts.get(k, {}).values()),
+                                noise, w))
+        self.moved_kinds = set()
+        return dict(sorted(out.items()))
+
+
+def _counted(term: NoiseTerm | None) -> tuple[float, int] | None:
+    """What of a noise term ``noise_of`` counts: none of a group measured once."""
+    return (term[1], term[2]) if term is not None and term[2] else None
 
 
 def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None = None,
@@ -442,8 +515,8 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         vars(c).update(vars(VerdictCache(w)))
         changed = list(range(len(items)))
     touched = c.fold(items, changed)
-    noise = noise_of(c.terms.values())
-    variation = variation_of(c.firsts.values(), noise, w)
+    noise = c.measured_noise()
+    variation = c.measured_variation(noise, w)
     ops = _changed(c.noise, noise)
     kinds = _changed(c.variation, variation)
     places = places_of(c, touched)
@@ -451,26 +524,52 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     # A one-link group's slow decision depends on the places judged, a union's on how the
     # node pairs spread (``GroupVerdict._pairs_spread``): each is weighed again when those
     # move.
+    new = sorted((k for k in touched if k in c.by_group and k not in c.verdicts),
+                 key=c.first.__getitem__)
     out: dict[GroupKey, GroupVerdict] = {}
-    # In the order of each group's first judged assessment, as a fresh fold finds them.
-    for key in sorted(c.by_group, key=c.first.__getitem__):
-        by_op = c.by_group[key]
-        v = c.verdicts.get(key)
-        if v is None or key in touched or not ops.isdisjoint(by_op) or (kinds and any(
-                peer_key(a.measurement) in kinds for xs in by_op.values() for a in xs)) or (
-                moved and v.is_one_link) or (kinds and v.prunes):
-            v = GroupVerdict(key[0], key[1].members, tuple(sorted(group_nodes(key[1].members))), by_op=by_op,
-                             weighing=w,
-                             _summaries=c.summaries, _checked={
-                                 op: c.summaries[(key[0], key[1], op)] for op in by_op})
-        v.noise, v.variation, v.places = noise, variation, places
-        out[key] = v
-    alive = {id(v) for v in out.values()}
-    c.pooled = {k: d for k, d in c.pooled.items() if all(id(v) in alive for v in k)}
-    for v in out.values():
-        v._pooled = c.pooled
+    if c.verdicts and not ops and not kinds and not moved and not c.reordered and (
+            not new or c.first[new[0]] > c.last_first):
+        # Only the touched groups are weighed again, under the same noise, variation and
+        # places: the others keep their verdicts and order, and new groups come after them.
+        # The same verdicts, in the same order, as the long way below; a large check's
+        # rounds of a few groups each no longer pass over all of them.
+        out = dict(c.verdicts)
+        for key in touched:
+            if key in out and key not in c.by_group:
+                del out[key]
+        for key in [*(k for k in touched if k in out), *new]:
+            made = out[key] = _verdict(c, key, w)
+            made.noise, made.variation, made.places = noise, variation, places
+    else:
+        # In the order of each group's first judged assessment, as a fresh fold finds them.
+        for key in sorted(c.by_group, key=c.first.__getitem__):
+            by_op = c.by_group[key]
+            v = c.verdicts.get(key)
+            if v is None or key in touched or not ops.isdisjoint(by_op) or (
+                    kinds and not kinds.isdisjoint(c.kinds_of[key])) or (
+                    moved and v.is_one_link) or (kinds and v.prunes):
+                v = _verdict(c, key, w)
+            v.noise, v.variation, v.places = noise, variation, places
+            out[key] = v
+    c.last_first = c.first[next(reversed(out))] if out else -1
+    if len(c.pooled) > 2 * c.pooled_kept + 64:
+        # Decisions pooled over verdicts no longer current are never asked for again: they
+        # are dropped now and then (in place: every verdict holds this memo), not after
+        # every round, which cost a pass over them all.
+        alive = {id(v) for v in out.values()}
+        for k in [k for k in c.pooled if not all(id(v) in alive for v in k)]:
+            del c.pooled[k]
+        c.pooled_kept = len(c.pooled)
     c.noise, c.variation, c.verdicts, c.places = noise, variation, out, places
     return out
+
+
+def _verdict(c: VerdictCache, key: GroupKey, w: Weighing) -> GroupVerdict:
+    """A new verdict of ``key``'s group from what ``c`` folded of it."""
+    by_op = c.by_group[key]
+    return GroupVerdict(key[0], key[1].members, tuple(sorted(group_nodes(key[1].members))),
+                        by_op=by_op, weighing=w, _pooled=c.pooled, _summaries=c.summaries,
+                        _checked={op: c.summaries[(key[0], key[1], op)] for op in by_op})
 
 
 def places_of(c: VerdictCache, new: Iterable[GroupKey]) -> int:
@@ -759,11 +858,6 @@ def _pair_findings(node: str, bad_pairs: list[GroupVerdict], pairs: list[GroupVe
     return out
 
 
-def _two_node(verdicts: dict[GroupKey, GroupVerdict], blamed: set[str]) -> list[GroupVerdict]:
-    return [v for (scope, _), v in verdicts.items()
-            if scope == "inter_node" and len(v.nodes) == 2 and not blamed.intersection(v.nodes)]
-
-
 # A node pair's lasting offset from its peers is partly each end's own (its NIC) and partly
 # the rest (the partner's NIC, the path): the share of its variance taken as the rest.
 OWN_SHARE_OTHER = 0.5
@@ -890,15 +984,24 @@ def weigh_nics(of_node: Mapping[str, list[GroupVerdict]]) -> dict[str, NicCase]:
     """Each node's NIC, weighed over its node-pair groups together (``_pooled``): twice,
     the second time leaving out partners the first found slow themselves (a pair of two
     slow NICs says little of either one)."""
-    first = {n: d for n, vs in of_node.items() if vs and (d := _pooled(vs, vs[0].weighing))}
+    first = {n: d for n, vs in of_node.items() if (d := _first_pass(vs))}
     slow = {n for n, d in first.items() if d.degraded}
     out: dict[str, NicCase] = {}
     for node, vs in of_node.items():
-        kept = [v for v in vs if not (set(v.nodes) - {node}) & slow] if slow else vs
-        d = _pooled(kept, kept[0].weighing) if kept else None
-        if d is not None:
-            out[node] = NicCase(d, tuple(kept))
+        if (case := _nic_case(node, vs, slow)) is not None:
+            out[node] = case
     return out
+
+
+def _first_pass(vs: list[GroupVerdict]) -> Decision | None:
+    return _pooled(vs, vs[0].weighing) if vs else None
+
+
+def _nic_case(node: str, vs: list[GroupVerdict], slow: set[str]) -> NicCase | None:
+    """``weigh_nics``' second pass for one node: its groups without partners in ``slow``."""
+    kept = [v for v in vs if not (set(v.nodes) - {node}) & slow] if slow else vs
+    d = _pooled(kept, kept[0].weighing) if kept else None
+    return NicCase(d, tuple(kept)) if d is not None else None
 
 
 def nic_needs_more_partners(node: str, groups: list[GroupVerdict], proven: set[str],
@@ -937,19 +1040,106 @@ class NicEvidence:
     of_node: dict[str, list[GroupVerdict]]
     nics: dict[str, NicCase]
     proven: set[str]
+    # The nodes the NIC rule may name (``_may_name``); no other node can be.
+    candidates: set[str]
 
     @classmethod
-    def of(cls, pairs: list[GroupVerdict]) -> NicEvidence:
-        of_node = by_node(pairs)
+    def of(cls, of_node: dict[str, list[GroupVerdict]], memo: NicMemo | None = None,
+           hint: set[str] | None = None) -> NicEvidence:
+        """From node-pair groups by node (``by_node``). ``memo``: one ``NicMemo`` kept across
+        calls on pairs that change little (a check's, after every round), ``hint`` as
+        ``NicMemo.update`` takes it; the evidence is the same without them."""
+        if memo is not None:
+            memo.update(of_node, hint)
+            return cls(of_node, dict(memo.nics), set(memo.proven), set(memo.candidates))
         nics = weigh_nics(of_node)
-        return cls(of_node, nics, proven_nodes(of_node, nics))
+        proven = proven_nodes(of_node, nics)
+        return cls(of_node, nics, proven, {n for n, vs in of_node.items()
+                                           if _may_name(n, vs, proven, nics.get(n))})
+
+
+def _may_name(node: str, vs: list[GroupVerdict], proven: set[str], nic: NicCase | None) -> bool:
+    """Whether ``_nic_findings`` may name ``node`` at some share."""
+    return (len(_slow_with_proven(node, vs, proven)) >= 2
+            or (nic is not None and nic.decision.degraded))
+
+
+@dataclass
+class NicMemo:
+    """``weigh_nics``, ``proven_nodes`` and the nodes the NIC rule may name, kept across
+    calls on node pairs that change little from one to the next (a check judging again
+    after every round, its newly blamed nodes' pairs left out): only the nodes whose pairs
+    changed are weighed again, with the partners of a node whose first-pass decision went
+    in or out of slow; only those and the partners of a node proven or no longer proven
+    are looked at again for the rule. A pass over every node of a large fleet, several
+    times a round, was most of a check's cost. The results are ``weigh_nics``' and
+    ``proven_nodes``' own (``NicEvidence.of`` without a memo)."""
+
+    of_node: dict[str, list[GroupVerdict]] = field(default_factory=dict)
+    first: dict[str, Decision] = field(default_factory=dict)
+    slow: set[str] = field(default_factory=set)
+    nics: dict[str, NicCase] = field(default_factory=dict)
+    proven: set[str] = field(default_factory=set)
+    candidates: set[str] = field(default_factory=set)
+    # Where its last pairs came from (``VerdictIndex.nic_hint``): the index, how far into
+    # its updates, and without which nodes.
+    source: VerdictIndex | None = None
+    seen: int = 0
+    blamed: frozenset[str] = frozenset()
+
+    def update(self, of_node: Mapping[str, list[GroupVerdict]],
+               hint: set[str] | None = None) -> None:
+        """Take in ``of_node``; ``hint``: the only nodes whose lists may differ from the last
+        ones (None: any may)."""
+        old = self.of_node
+        # A list of verdicts compares by identity, element by element: cheap.
+        if hint is None:
+            changed = {n for n, vs in of_node.items() if old.get(n) != vs}
+            changed.update(n for n in old if n not in of_node)
+        else:
+            changed = {n for n in hint if old.get(n) != of_node.get(n)}
+        self.of_node = dict(of_node)
+        moved = set()
+        for n in changed:
+            d = _first_pass(of_node.get(n, []))
+            if d is None:
+                self.first.pop(n, None)
+            else:
+                self.first[n] = d
+            if (d is not None and d.degraded) != (n in self.slow):
+                moved.add(n)
+                self.slow ^= {n}
+        dirty = changed | _partners(moved, of_node)
+        turned = set()
+        for n in dirty:
+            vs = of_node.get(n)
+            case = _nic_case(n, vs, self.slow) if vs is not None else None
+            if case is None:
+                self.nics.pop(n, None)
+            else:
+                self.nics[n] = case
+            fine = vs is not None and _nic_fine(vs, case.decision if case is not None else None)
+            if fine != (n in self.proven):
+                turned.add(n)
+                self.proven ^= {n}
+        for n in dirty | _partners(turned, of_node):
+            vs = of_node.get(n)
+            if vs is not None and _may_name(n, vs, self.proven, self.nics.get(n)):
+                self.candidates.add(n)
+            else:
+                self.candidates.discard(n)
+
+
+def _partners(nodes: set[str], of_node: Mapping[str, list[GroupVerdict]]) -> set[str]:
+    return {p for n in nodes for v in of_node.get(n, ()) for p in v.nodes}
 
 
 def _nic_findings(e: NicEvidence, share: float = NIC_BAD_SHARE) -> list[Finding]:
     """A node slow with (nearly) every partner, while a partner is fine elsewhere; or whose
     partners together show it slow (``weigh_nics``): its NIC."""
     out = []
-    for node, vs in sorted(e.of_node.items()):
+    for node in sorted(e.candidates):
+        vs = e.of_node[node]
         bad = [v for v in vs if v.bad]
         decided = [v for v in vs if v.bad or v.cleared]
         nic = e.nics.get(node)
@@ -975,19 +1165,28 @@ def _nic_fine(groups: list[GroupVerdict], pooled: Decision | None) -> bool:
     return any(v.cleared for v in groups) or (pooled is not None and pooled.cleared)
 
 
-def _path_suspects(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
+def _path_suspects(pairs: list[GroupVerdict],
+                   of_node: Mapping[str, list[GroupVerdict]] | None = None) -> list[GroupVerdict]:
     """The paths to name: ``path_candidates`` slow on every op they ran (``_on_every_op``)."""
-    return [v for v in path_candidates(pairs) if _on_every_op(v)]
+    return [v for v in path_candidates(pairs, of_node) if _on_every_op(v)]
 
 
-def path_candidates(pairs: list[GroupVerdict]) -> list[GroupVerdict]:
+def path_candidates(pairs: list[GroupVerdict],
+                    of_node: Mapping[str, list[GroupVerdict]] | None = None) -> list[GroupVerdict]:
     """Slow node pairs whose two ends are each proven elsewhere (a pair of theirs cleared,
     or their other pairs together clear their NIC) and slow with no other partner: only
     then is the path, not an end's NIC, to blame. A node slow with two partners but not
-    enough for its NIC stays a suspect, unnamed."""
-    of_node = by_node(pairs)
-    doubtful = {n for n, vs in of_node.items() if sum(v.bad for v in vs) >= 2}
-    return [v for v in pairs if v.bad and not doubtful.intersection(v.nodes)
+    enough for its NIC stays a suspect, unnamed. ``of_node``: ``by_node(pairs)`` where the
+    caller has it."""
+    of_node = of_node if of_node is not None else by_node(pairs)
+    slow = [v for v in pairs if v.bad]
+    # Counted over the slow pairs alone: a node's slow pairs are all among them.
+    counts: dict[str, int] = defaultdict(int)
+    for v in slow:
+        for n in v.nodes:
+            counts[n] += 1
+    doubtful = {n for n, k in counts.items() if k >= 2}
+    return [v for v in slow if not doubtful.intersection(v.nodes)
             and all(_proven_without(n, v, of_node[n]) for n in v.nodes)]
 
 
@@ -1040,45 +1239,204 @@ def localize(
     nodes: list[str],
     ranks: Iterable[RankInfo] | None = None,
     verdicts: dict[GroupKey, GroupVerdict] | None = None,
+    memo: LocalizeMemo | None = None,
 ) -> list[Finding]:
     """Findings of the verdict's kinds (docs/formats.md) for these nodes (all nodes seen when ``nodes`` is empty).
 
     ``ranks`` (optional) carries telemetry: a P2P row tells a PCIe pair from a slow NVLink.
     ``verdicts``: ``group_verdicts(assessments)`` where the caller has it already.
+    ``memo``: a ``LocalizeMemo`` kept across calls on verdicts that change little (a
+    check's, after every round); the findings are the same without it.
     """
     if verdicts is None:
         verdicts = group_verdicts(assessments)
-    slow_local = {v.nodes[0] for v in verdicts.values() if len(v.nodes) == 1 and v.bad}
-    links = p2p_link_types(ranks, slow_local)
+    index = memo.index if memo is not None else VerdictIndex()
+    index.update(verdicts)
+    slow_local = index.slow_local()
+    links = p2p_link_types(memo.ranks_of(ranks, slow_local) if memo is not None else ranks,
+                           slow_local)
     findings = dedupe(probe_findings)
     blamed = {f.node for f in findings if f.kind in EXCLUDING_KINDS and f.node}
-    local: dict[str, dict[str, list[GroupVerdict]]] = defaultdict(lambda: defaultdict(list))
-    for v in verdicts.values():
-        if len(v.nodes) == 1:
-            local[v.nodes[0]][v.scope].append(v)
-    for node in sorted(set(local) - blamed):
-        findings += _node_findings(node, local[node]["intra_node"], local[node]["gpu_pair"], links)
+    # Only a node with a slow group of its own can have an NVLink or topology finding.
+    for node in sorted(slow_local - blamed):
+        findings += _node_findings(node, index.local_of(node, "intra_node"),
+                                   index.local_of(node, "gpu_pair"), links)
     blamed |= {f.node for f in findings if f.kind in EXCLUDING_KINDS and f.node}
-    pairs = _two_node(verdicts, blamed)
-    evidence = NicEvidence.of(pairs)
+    weighed = memo.nics if memo is not None else None
+    evidence = NicEvidence.of(index.by_node(blamed), weighed, index.nic_hint(weighed, blamed))
     for share in (NIC_BAD_SHARE, NIC_BAD_SHARE_SECOND):
         nic = _nic_findings(evidence, share)
         findings += nic
         if new := {f.node for f in nic if f.node} - blamed:
             blamed |= new
-            pairs = _two_node(verdicts, blamed)
-            evidence = NicEvidence.of(pairs)
+            evidence = NicEvidence.of(index.by_node(blamed), weighed,
+                                      index.nic_hint(weighed, blamed))
+    # The rules below look at slow node pairs alone.
+    slow = index.slow_pairs(blamed)
     findings += [_finding("net_path_degraded", v, nodes=sorted(v.nodes, key=node_order))
-                 for v in _path_suspects(pairs)]
-    findings += _lone_pairs(pairs, findings)
+                 for v in _path_suspects(slow, evidence.of_node)]
+    findings += _lone_pairs(slow, findings, evidence.of_node)
     return _only(dedupe(findings), set(nodes))
 
 
-def _lone_pairs(pairs: list[GroupVerdict], named: list[Finding]) -> list[Finding]:
+@dataclass
+class VerdictIndex:
+    """What the NIC, path and NVLink rules and the plan read of a judgement's verdicts,
+    kept from one judgement to the next: each node's node pairs and its own groups, the
+    slow ones, and the groups with ops pending, by their place in the verdicts' order.
+    ``update`` takes in only the verdicts that are new (a pass in C finds them, where the
+    verdicts kept their order and new groups came after them; else it starts afresh): a
+    check judges again after every round, and most rounds of a large fleet change a few of
+    its tens of thousands of groups. Read, it gives what a pass over the verdicts would,
+    in the same order."""
+
+    keys: list[GroupKey] = field(default_factory=list)
+    values: list[GroupVerdict] = field(default_factory=list)
+    # Per node, its node-pair groups and its own groups (GPU pairs, intra-node ring), by
+    # place; each node's node pairs as a list too, made again only where they changed.
+    pairs: dict[str, dict[int, GroupVerdict]] = field(default_factory=dict)
+    pair_lists: dict[str, list[GroupVerdict]] = field(default_factory=dict)
+    local: dict[str, dict[int, GroupVerdict]] = field(default_factory=dict)
+    # The places of the slow node pairs, of the nodes' own slow groups, and of the groups
+    # with ops pending (``GroupVerdict.pending_ops``).
+    bad_pairs: set[int] = field(default_factory=set)
+    bad_local: set[int] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)
+    stale: set[str] = field(default_factory=set)
+    # Whether ``pending`` is kept (the plan's index; the rules do not read it).
+    track_pending: bool = False
+    # How many updates it took, the last one that started afresh, and after which update
+    # which nodes' node pairs changed (``nic_hint``).
+    updates: int = 0
+    fresh_at: int = 0
+    log: list[tuple[int, frozenset[str]]] = field(default_factory=list)
+
+    def update(self, verdicts: Mapping[GroupKey, GroupVerdict]) -> None:
+        keys, values = list(verdicts), list(verdicts.values())
+        n = len(self.keys)
+        self.updates += 1
+        if len(keys) < n or keys[:n] != self.keys:
+            updates = self.updates
+            vars(self).update(vars(VerdictIndex(track_pending=self.track_pending)))
+            self.updates = self.fresh_at = updates
+            n = 0
+        for i in identity_changes(values, self.values):
+            self._take(i, values[i])
+        for i in range(n, len(values)):
+            self._take(i, values[i])
+        self.keys, self.values = keys, values
+        for node in self.stale:
+            if node in self.pairs:
+                self.pair_lists[node] = list(self.pairs[node].values())
+            else:
+                self.pair_lists.pop(node, None)
+        if self.stale:
+            self.log.append((self.updates, frozenset(self.stale)))
+        self.stale.clear()
+
+    def nic_hint(self, memo: NicMemo | None, blamed: AbstractSet[str]) -> set[str] | None:
+        """The nodes whose node pairs without ``blamed`` (``by_node``) may differ from the
+        ones ``memo`` last took from this index: those whose pairs changed since, and the
+        partners of nodes blamed then and not now or the other way round. None: any may
+        (another index, or this one started afresh since). Noted in ``memo`` as taken."""
+        if memo is None:
+            return None
+        hint: set[str] | None = None
+        if memo.source is self and memo.seen >= self.fresh_at:
+            hint = set()
+            for at, nodes in reversed(self.log):
+                if at <= memo.seen:
+                    break
+                hint |= nodes
+            flipped = memo.blamed.symmetric_difference(blamed)
+            hint |= flipped
+            hint.update(p for n in flipped for v in self.pair_lists.get(n, ()) for p in v.nodes)
+        memo.source, memo.seen, memo.blamed = self, self.updates, frozenset(blamed)
+        return hint
+
+    def _take(self, i: int, v: GroupVerdict) -> None:
+        """``v`` at place ``i`` (a new group, or a new verdict of the group there: the same
+        scope and nodes), in place, so each node's groups stay in the verdicts' order."""
+        nodes = v.nodes
+        if len(nodes) == 1:
+            self.local.setdefault(nodes[0], {})[i] = v
+            _mark(self.bad_local, i, v.bad)
+        elif v.scope == "inter_node" and len(nodes) == 2:
+            for node in nodes:
+                self.pairs.setdefault(node, {})[i] = v
+            self.stale.update(nodes)
+            _mark(self.bad_pairs, i, v.bad)
+        if self.track_pending:
+            _mark(self.pending, i, bool(v.pending_ops))
+
+    def slow_local(self) -> set[str]:
+        """Nodes with a slow group of their own."""
+        return {self.values[i].nodes[0] for i in self.bad_local}
+
+    def local_of(self, node: str, scope: str) -> list[GroupVerdict]:
+        """``node``'s own groups of ``scope``, in order."""
+        return [v for v in self.local.get(node, {}).values() if v.scope == scope]
+
+    def by_node(self, blamed: AbstractSet[str] = frozenset()) -> dict[str, list[GroupVerdict]]:
+        """``by_node`` of the node pairs without ``blamed`` nodes."""
+        out = dict(self.pair_lists)
+        for node in blamed:
+            for v in self.pair_lists.get(node, ()):
+                for other in v.nodes:
+                    if other in out and other not in blamed:
+                        kept = [x for x in out[other] if blamed.isdisjoint(x.nodes)]
+                        if kept:
+                            out[other] = kept
+                        else:
+                            del out[other]
+            out.pop(node, None)
+        return out
+
+    def slow_pairs(self, blamed: AbstractSet[str] = frozenset()) -> list[GroupVerdict]:
+        """The slow node pairs without ``blamed`` nodes, in order."""
+        return [v for i in sorted(self.bad_pairs)
+                if blamed.isdisjoint((v := self.values[i]).nodes)]
+
+    def with_pending(self) -> list[tuple[GroupKey, GroupVerdict]]:
+        """The groups with ops pending."""
+        return [(self.keys[i], self.values[i]) for i in sorted(self.pending)]
+
+
+def _mark(places: set[int], i: int, on: bool) -> None:
+    if on:
+        places.add(i)
+    else:
+        places.discard(i)
+
+
+@dataclass
+class LocalizeMemo:
+    """What ``localize`` keeps across calls on a check's verdicts (``judge``'s cache): the
+    verdicts' index, the NICs' weighing, and the ranks by node."""
+
+    # The plan of the same check reads them too (``AdaptivePlanner``'s ``memo``): the
+    # index keeps the groups with ops pending for it.
+    index: VerdictIndex = field(default_factory=lambda: VerdictIndex(track_pending=True))
+    nics: NicMemo = field(default_factory=NicMemo)
+    ranks: tuple[list[RankInfo], dict[str, list[RankInfo]]] | None = None
+
+    def ranks_of(self, ranks: Iterable[RankInfo] | None, nodes: set[str]) -> list[RankInfo]:
+        """``ranks`` on ``nodes`` (the ranks are indexed by node once per list of them)."""
+        listed = list(ranks or [])
+        if self.ranks is None or not same_items(listed, self.ranks[0]):
+            of_node: dict[str, list[RankInfo]] = defaultdict(list)
+            for r in listed:
+                of_node[r.node].append(r)
+            self.ranks = (listed, dict(of_node))
+        return [r for n in sorted(nodes) for r in self.ranks[1].get(n, ())]
+
+
+def _lone_pairs(pairs: list[GroupVerdict], named: list[Finding],
+                of_node: Mapping[str, list[GroupVerdict]]) -> list[Finding]:
     """A slow node pair neither of whose ends was measured with any other node: nothing can
     tell its NICs from the path between them, and the evidence is still a degraded link.
-    It is named at the granularity it has, as the path, saying so; never silent."""
-    of_node = by_node(pairs)
+    It is named at the granularity it has, as the path, saying so; never silent
+    (``of_node``: ``by_node(pairs)``)."""
     covered = {n for f in named for n in (f.node, *(f.nodes or ())) if n}
     out = []
     for v in pairs:

@@ -20,14 +20,14 @@ does not measure it again.
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
-from dataclasses import replace
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ringwatch.agents.groups import node_order
 from ringwatch.agents.profiles import scope_class
 from ringwatch.agents.spec import Finding
-from ringwatch.services.analyzer.assess import Assessment
+from ringwatch.services.analyzer.assess import Assessment, identity_changes
 from ringwatch.services.analyzer.headline import deciding_result, headline_of
 
 KIND = "fabric_below_rated"
@@ -46,12 +46,87 @@ FLEET_SHARE = 0.5
 Explained = dict[int, tuple[Assessment, Assessment]]
 
 
+@dataclass
+class Tally:
+    """Per scope and node, how many of its readings count towards a shortfall and how many
+    of them are below the hardware (under ``cut``), kept across calls on a list that only
+    grows (a check's, where ``assess`` hands back the same object for a reading whose
+    assessment did not change): whether any scope may be short fleet-wide is then known
+    from the readings that changed, not from a pass over all of them after every round."""
+
+    cut: float | None = None
+    last: list[Assessment] = field(default_factory=list)
+    # Per index: the scope and nodes it counts under and whether it is below (None: it
+    # does not count).
+    slots: list[tuple[str, list[str], bool] | None] = field(default_factory=list)
+    counted: dict[str, Counter[str]] = field(
+        default_factory=lambda: {"nvlink": Counter(), "network": Counter()})
+    below: dict[str, Counter[str]] = field(
+        default_factory=lambda: {"nvlink": Counter(), "network": Counter()})
+    # Per scope, how many nodes are below in every reading that counts.
+    short: dict[str, int] = field(default_factory=lambda: {"nvlink": 0, "network": 0})
+
+    def update(self, assessments: list[Assessment], cut: float) -> None:
+        n = len(self.last)
+        if cut != self.cut or len(assessments) < n or (
+                n and assessments[n - 1].measurement is not self.last[n - 1].measurement):
+            vars(self).update(vars(Tally(cut)))
+            n = 0
+        for i in identity_changes(assessments, self.last):
+            self._count(i, -1)
+            self.slots[i] = _slot(assessments[i], cut)
+            self._count(i, 1)
+        for i in range(n, len(assessments)):
+            self.slots.append(_slot(assessments[i], cut))
+            self._count(i, 1)
+        self.last = list(assessments)
+
+    def _count(self, i: int, step: int) -> None:
+        slot = self.slots[i]
+        if slot is None:
+            return
+        cls, nodes, below = slot
+        counted, under = self.counted[cls], self.below[cls]
+        for node in nodes:
+            was = node in counted and under[node] == counted[node]
+            counted[node] += step
+            if not counted[node]:
+                del counted[node]
+            if below:
+                under[node] += step
+                if not under[node]:
+                    del under[node]
+            self.short[cls] += (node in counted and under[node] == counted[node]) - was
+
+    def may_be_short(self) -> bool:
+        """Whether a scope has enough nodes below in every reading that counts (the
+        condition ``fleet_shortfall`` names a scope on)."""
+        return any(short >= 2 and short >= FLEET_SHARE * len(self.counted[cls])
+                   for cls, short in self.short.items())
+
+
+def _slot(a: Assessment, cut: float) -> tuple[str, list[str], bool] | None:
+    m = a.measurement
+    if (not a.judged or a.ratio is None or not (m.rated_gbs or m.preset_gbs)
+            or a.source in BLIND_SOURCES):
+        return None
+    return scope_class(m.nodes), m.nodes, _under(a, cut)
+
+
+def _under(a: Assessment, cut: float) -> bool:
+    """Below the hardware's figure by as much as the judgement decides slow on
+    (``fleet_shortfall``'s ``cut``)."""
+    return a.source in HARDWARE_SOURCES and not a.explained and (
+        a.bad or (a.judged and a.ratio is not None and a.ratio < cut))
+
+
 def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float,
-                    memo: Explained | None = None, below_ratio: float | None = None
-                    ) -> tuple[list[Assessment], list[Finding]]:
+                    memo: Explained | None = None, below_ratio: float | None = None,
+                    tally: Tally | None = None) -> tuple[list[Assessment], list[Finding]]:
     """The assessments with a fleet-wide shortfall's measurements no longer ``bad`` (they
     are explained by it), and its findings (at most one per scope). ``memo``: kept across
-    calls on a growing list (``Explained``); the result is the same without it.
+    calls on a growing list (``Explained``), as is ``tally`` (``Tally``); the result is
+    the same without them.
 
     NVLink first: a collective across nodes also runs over each node's NVLink, so where
     NVLink is short fleet-wide the slowness of those nodes' network groups is explained
@@ -75,10 +150,12 @@ def fleet_shortfall(assessments: list[Assessment], degraded_ratio: float,
     cut = max(degraded_ratio, below_ratio or 0.0)
 
     def _below(a: Assessment) -> bool:
-        return a.source in HARDWARE_SOURCES and not a.explained and (
-            a.bad or (a.judged and a.ratio is not None and a.ratio < cut))
+        return _under(a, cut)
 
-    if len({n for a in assessments if _below(a) for n in a.measurement.nodes}) < 2:
+    if tally is not None:
+        tally.update(assessments, cut)
+    if (not tally.may_be_short() if tally is not None else
+            len({n for a in assessments if _below(a) for n in a.measurement.nodes}) < 2):
         if memo is not None:
             memo.clear()
         return list(assessments), []

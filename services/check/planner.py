@@ -21,12 +21,12 @@ from ringwatch.services.analyzer.evidence import Decision
 from ringwatch.services.analyzer.localize import (
     GroupKey,
     GroupVerdict,
+    LocalizeMemo,
     NicCase,
-    by_node,
+    NicMemo,
+    VerdictIndex,
     nic_needs_more_partners,
     path_candidates,
-    proven_nodes,
-    weigh_nics,
 )
 from ringwatch.services.check.shape import ProbeShape
 from ringwatch.services.config import CHECK_MAX_ROUNDS
@@ -223,7 +223,8 @@ class AdaptivePlanner:
     """
 
     def __init__(self, nodes: Nodes, shape: ProbeShape, *, max_rounds: int = MAX_ROUNDS,
-                 rotation: int = 0, fleet: Sequence[str | None] | None = None) -> None:
+                 rotation: int = 0, fleet: Sequence[str | None] | None = None,
+                 memo: LocalizeMemo | None = None) -> None:
         self.nodes = nodes
         # Which node-pair matching of the round-robin tournament a large fleet gets: a
         # monitor advances it every cycle, so every pair of nodes meets in turn.
@@ -255,6 +256,18 @@ class AdaptivePlanner:
         self.search_started = False
         # The world group was slow (or undecided) and the path search ran.
         self.searched = False
+        # What the plan reads of the verdicts, taken in as they change (``update``d where it
+        # is read: a cheap pass in C when the judgement took them in already), and
+        # each NIC weighed over its node pairs (``_node_pairs``): ``memo``'s, where the
+        # judgement keeps them too (a check's), so that both bring them up to date once.
+        self.index = memo.index if memo is not None else VerdictIndex(track_pending=True)
+        self.nic_memo = memo.nics if memo is not None else NicMemo()
+        # The search's unions as groups, made once each: a lead asks for its unions' groups
+        # every round, and a large union's members run to tens of thousands; and each
+        # node's member names, made once for all of them.
+        self.union_groups: dict[tuple[str, ...], GroupSpec] = {}
+        self.union_keys: dict[tuple[str, ...], GroupKey] = {}
+        self.member_names: dict[str, list[str]] = {}
 
     def next_round(self, verdicts: Verdicts, blamed: set[str]) -> list[GroupSpec]:
         """The next round's groups; empty when preflight is done."""
@@ -339,8 +352,13 @@ class AdaptivePlanner:
         node pair that may name a path, decided slow on one op, for its others: a path is
         named only when its ops are slow together."""
         pending = []
+        self.index.update(v)
         paths = self._path_candidates(v, blamed)
-        for (scope, members), x in sorted(v.items()):
+        # Only the groups with something to measure (``index``): walking and sorting every
+        # group of a large fleet after every round cost more than the rest of the plan.
+        listed = dict(self.index.with_pending())
+        listed.update((key, v[key]) for key in paths)
+        for (scope, members), x in sorted(listed.items()):
             ops = x.pending_ops
             if not ops and (scope, members) in paths:
                 ops = tuple(op for op, d in sorted(x.decisions.items()) if d.pending)
@@ -364,11 +382,10 @@ class AdaptivePlanner:
     def _path_candidates(self, v: Verdicts, blamed: set[str]) -> set[GroupKey]:
         """Slow node pairs with an op still undecided that the path rule could name
         (``localize.path_candidates``)."""
-        pairs = [x for (scope, _), x in v.items()
-                 if scope == "inter_node" and len(x.nodes) == 2 and blamed.isdisjoint(x.nodes)]
-        if not any(x.bad and any(d.pending for d in x.decisions.values()) for x in pairs):
+        slow = self.index.slow_pairs(blamed)
+        if not any(any(d.pending for d in x.decisions.values()) for x in slow):
             return set()
-        return {x.key for x in path_candidates(pairs)
+        return {x.key for x in path_candidates(slow, self.index.by_node(blamed))
                 if any(d.pending for d in x.decisions.values())}
 
     def _first_pairs(self, v: Verdicts, blamed: set[str]) -> list[GroupSpec]:
@@ -398,20 +415,27 @@ class AdaptivePlanner:
         node at most ``MAX_REPAIRS_PER_NODE`` times in a phase): a NIC is slow with every
         partner, a path only between its two ends. ``busy``: nodes with a group still
         being measured, neither re-paired nor partners this round."""
-        live, two, results, nics = self._node_pairs(v, blamed)
-        proven = proven_nodes(results, nics)
-        good = sorted(proven)
+        live, results, nics, proven = self._node_pairs(v, blamed)
         used: set[str] = set(busy)
         groups = []
-        free = [p for p in good if p not in used]
+        # The proven nodes not yet taken, in order: ``taken`` and ``head`` stand in for
+        # removing each partner from the list, which made a round over thousands of
+        # nodes quadratic.
+        free = [p for p in sorted(proven) if p not in used]
+        taken: set[str] = set()
+        head = 0
         lonely = []
         for n in sorted(live):
-            if (n in good or n in used or self.repaired[n] >= MAX_REPAIRS_PER_NODE
+            if (n in proven or n in used or self.repaired[n] >= MAX_REPAIRS_PER_NODE
                     or not nic_needs_more_partners(n, results[n], proven, nics.get(n))):
                 continue
-            partner = next((p for p in free if p != n and frozenset((n, p)) not in two), None)
+            while head < len(free) and free[head] in taken:
+                head += 1
+            met = {x for g in results[n] for x in g.nodes}
+            partner = next((p for i in range(head, len(free)) if (p := free[i]) not in taken
+                            and p != n and p not in met), None)
             if partner is not None:
-                free.remove(partner)
+                taken.add(partner)
                 used |= {n, partner}
                 self.repaired[n] += 1
                 groups.append(pair_group(self.nodes, n, partner, self.shape))
@@ -433,20 +457,21 @@ class AdaptivePlanner:
         return groups
 
     def _node_pairs(self, v: Verdicts, blamed: set[str]
-                    ) -> tuple[set[str], dict[frozenset[str], GroupVerdict],
-                               dict[str, list[GroupVerdict]], dict[str, NicCase]]:
-        """The live nodes, their node-pair groups by node set and by node, and each NIC
-        weighed over its partners."""
+                    ) -> tuple[set[str], dict[str, list[GroupVerdict]], dict[str, NicCase],
+                               set[str]]:
+        """The live nodes, their node-pair groups by node (``index``: the verdicts' own
+        nodes are the plan's), each NIC weighed over its partners (``localize.weigh_nics``)
+        and the nodes proven by them (``localize.proven_nodes``)."""
         live = set(self.nodes) - blamed
-        two = {frozenset(x.nodes): x for (scope, _), x in v.items()
-               if scope == "inter_node" and len(x.nodes) == 2 and set(x.nodes) <= live}
+        self.index.update(v)
+        paired = self.index.by_node(blamed)
         results: dict[str, list[GroupVerdict]] = {n: [] for n in live}
-        results.update(by_node(two.values()))
-        return live, two, results, weigh_nics(results)
+        results.update(paired)
+        self.nic_memo.update(paired, self.index.nic_hint(self.nic_memo, blamed))
+        return live, results, dict(self.nic_memo.nics), set(self.nic_memo.proven)
 
     def _proven(self, v: Verdicts, blamed: set[str]) -> set[str]:
-        _, _, results, nics = self._node_pairs(v, blamed)
-        return proven_nodes(results, nics)
+        return self._node_pairs(v, blamed)[3]
 
     def _search(self, v: Verdicts, blamed: set[str], pending: AbstractSet[GroupKey] = frozenset(),
                 busy: AbstractSet[str] = frozenset()) -> list[GroupSpec]:
@@ -466,7 +491,8 @@ class AdaptivePlanner:
             self.active = [_Issued(("within", live, ()))]
         leads = [x for item in self.active if (x := _without(item, blamed)) is not None]
         self.active = [a for item in leads for a in self._advance(item, v, pending)]
-        known = _slow_pairs(v)
+        self.index.update(v)
+        known = {frozenset(x.nodes) for x in self.index.slow_pairs()}
         for item in self.active:
             if item.step is None and not self._waits(item):
                 item.step = search_step(item.region, known)
@@ -504,11 +530,11 @@ class AdaptivePlanner:
         becomes its still-suspect regions."""
         if not item.done or item.step is None:
             return [item]
-        unions = [self._union_group(u) for u in item.step.unions]
-        if any((g.scope, g.group) in pending for g in unions):
+        keys = [self._union_key(u) for u in item.step.unions]
+        if any(key in pending for key in keys):
             return [item]
         # Not cleared is enough to keep a region: pruning a slow pair away loses it for good.
-        slow = [_suspect(v, g.scope, g.members) for g in unions]
+        slow = [(x := v.get(key)) is not None and x.suspect for key in keys]
         return [_Issued(region) for region, idx in item.step.covers
                 if kept([slow[i] for i in idx])]
 
@@ -527,9 +553,31 @@ class AdaptivePlanner:
         return groups
 
     def _union_group(self, union: tuple[str, ...]) -> GroupSpec:
-        if len(union) == 2:
-            return pair_group(self.nodes, union[0], union[1], self.shape)
-        return self.union_shape.group("inter_node", node_members(self.nodes, union))
+        g = self.union_groups.get(union)
+        if g is None:
+            g = self.union_groups[union] = (
+                pair_group(self.nodes, union[0], union[1], self.shape) if len(union) == 2
+                else self.union_shape.group("inter_node", self._members(union)))
+        return g
+
+    def _union_key(self, union: tuple[str, ...]) -> GroupKey:
+        """The union's group as verdicts are found under it (``GroupSpec.group`` sorts its
+        members again at every call)."""
+        key = self.union_keys.get(union)
+        if key is None:
+            g = self._union_group(union)
+            key = self.union_keys[union] = (g.scope, g.group)
+        return key
+
+    def _members(self, names: Sequence[str]) -> list[str]:
+        """``node_members`` of ``names``, from each node's names made once."""
+        out: list[str] = []
+        for n in names:
+            names_of = self.member_names.get(n)
+            if names_of is None:
+                names_of = self.member_names[n] = node_members(self.nodes, [n])
+            out += names_of
+        return out
 
 
 def _leads(x: GroupVerdict, d: Decision) -> bool:
@@ -582,11 +630,6 @@ def _region_nodes(region: Region) -> set[str]:
 def _suspect(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
     x = v.get((scope, Group(members)))
     return x is not None and x.suspect
-
-
-def _slow_pairs(v: Verdicts) -> set[frozenset[str]]:
-    return {frozenset(x.nodes) for (scope, _), x in v.items()
-            if scope == "inter_node" and len(x.nodes) == 2 and x.bad}
 
 
 def layout_of(ranks: Sequence[RankInfo], only: Sequence[str] | None) -> dict[str, list[int]]:
