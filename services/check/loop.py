@@ -277,9 +277,9 @@ def _rounds(backend: ProbeBackend, layout: dict[str, list[int]], ranks: Sequence
 # (700 allocations) the young generation is swept again and again, about 12 % of a fault-
 # free 1024 x 8 check's CPU. Checks raise it while they run; the last to end puts it back.
 # Each round's survivors are frozen besides (``_settle``), and the older generations are
-# swept a tenth as often: a check leaves no cyclic garbage behind it (a 16384 x 8 check's
-# full sweep at its end finds none), and at the default thresholds the sweeps inside a
-# large round, over what that round had made so far, were a fifth of its CPU.
+# swept a tenth as often: a check leaves no cyclic garbage behind it (a full sweep after 14
+# rounds of a 16384 x 8 check finds none), and at the default thresholds the sweeps of
+# those rounds, each over all that the rounds before had made, took a third of their CPU.
 YOUNG_THRESHOLD = 10_000
 OLDER_THRESHOLD = 100
 _gc_lock = threading.Lock()
