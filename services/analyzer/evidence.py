@@ -178,7 +178,7 @@ class Weighing:
     # Where the healthy band of one kind's links ends below their centre, in between-link
     # standard deviations: a healthy link may sit this low for good, and is never excluded
     # for it.
-    exclusion_band_z: float = 1.5
+    exclusion_band_z: float = 2.0
 
     @property
     def terminal_z(self) -> float:
