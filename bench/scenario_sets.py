@@ -36,9 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.detection import FALLBACK_PROFILE, FOUND_AS, GPUS, fallback_nodes, fault_of, matches
+from bench.detection import FALLBACK_PROFILE, GPUS, fallback_nodes, fault_of, found, matches
 from ringwatch.agents.sim import SimBackend, node_name
 from ringwatch.services.check import run_check
+from ringwatch.services.check.workload import NAMED_BY
 
 SETS = (5301, 5302, 5303)
 FLEETS = 54
@@ -150,8 +151,7 @@ def colocated_cause(fault: dict[str, Any], sc: dict[str, Any]) -> dict[str, Any]
                  and c.get("node") == fault["node"] and not c.get("gpus")), None)
 
 
-def cause_carries(fault: dict[str, Any], cause: dict[str, Any], findings: list[dict[str, Any]]
-                  ) -> bool:
+def cause_carries(cause: dict[str, Any], findings: list[dict[str, Any]]) -> bool:
     """The cause's own finding on the node, carrying the slow figure it explains."""
     return any(matches(cause, f) and f.get("measured_gbs") is not None
                and f.get("expected_gbs") and f["measured_gbs"] < f["expected_gbs"]
@@ -164,12 +164,9 @@ def exact(fault: dict[str, Any], sc: dict[str, Any], verdict: dict[str, Any]) ->
     slow figure beside it, or its own finding."""
     findings = verdict["findings"]
     if fault["kind"] == "fallback":
-        workload = verdict.get("workload") or {}
-        return any(f["kind"] == FOUND_AS["fallback"]
-                   and fault["node"] in (f.get("nodes") or [f.get("node")])
-                   for f in workload.get("findings", []))
+        return found(fault, verdict)
     cause = colocated_cause(fault, sc)
-    if cause is not None and cause_carries(fault, cause, findings):
+    if cause is not None and cause_carries(cause, findings):
         return True
     return any(matches(fault, f) for f in findings)
 
@@ -253,7 +250,7 @@ def one(args: tuple[int, dict[str, Any]]) -> Result:
         cause = colocated_cause(fault, sc)
         if cause is not None:
             r.both += 1
-            r.both_ok += cause_carries(fault, cause, v["findings"]) and any(
+            r.both_ok += cause_carries(cause, v["findings"]) and any(
                 matches(cause, f) for f in v["findings"])
     r.healthy_nodes = sc["nodes"] - len(faulty_nodes(sc))
     r.false_excluded = sorted(set(v["exclude"]) - faulty_nodes(sc))
@@ -266,12 +263,13 @@ def one(args: tuple[int, dict[str, Any]]) -> Result:
 
 
 def _repeats(v: dict[str, Any]) -> int:
-    """Findings a verdict lists more than once (the same kind, place and detail)."""
+    """Findings a verdict lists more than once: the same kind and place, and for a workload
+    finding the same communicator, op, size and algorithm (``workload.NAMED_BY``)."""
     seen_: set[tuple[Any, ...]] = set()
     repeats = 0
     for f in v["findings"] + list((v.get("workload") or {}).get("findings", [])):
         key = (f["kind"], f.get("node"), tuple(f.get("nodes") or ()), tuple(f.get("gpus") or ()),
-               f.get("gpu"), f.get("message"))
+               f.get("gpu"), *(str(f.get(k)) for k in NAMED_BY))
         repeats += key in seen_
         seen_.add(key)
     return repeats
