@@ -180,6 +180,26 @@ def test_a_verdict_lists_a_transport_fallback_once_though_every_job_round_saw_it
     assert len(workload) == len(set(workload))
 
 
+def test_the_job_phase_leaves_out_the_groups_of_a_rank_the_fabric_check_found_hung() -> None:
+    # A GPU that hangs makes each job group holding it wait out its deadline: its node's
+    # tensor-parallel group and one data-parallel rail. They are not run; the other rails
+    # and nodes are, and a fallback on another node is still named by them.
+    hang = {"kind": "hang", "node": "node-004", "gpu": 2}
+    fallback = {"kind": "fallback", "node": "node-001", "op": "allreduce", "algo": "tree",
+                "factor": 0.5}
+    backend = sim(8, hang, fallback)
+    verdict = run_check(backend, profile="ddp").verdict()
+    work = verdict["workload"]
+    assert [(x["communicator"], x["hung"]) for x in work["left_out"]] == [
+        ("tp", ["node-004/2"]), ("dp", ["node-004/2"])]
+    assert fault_found(hang, verdict) and fault_found(fallback, verdict)
+    # No job round waited on the hang: each is far under the sim's group deadline.
+    assert work["fabric_s"] < work["rounds"] * backend.preflight_deadline_s / 2
+    # Eight nodes give 8 tensor-parallel groups and 8 rails: each row judged 7 of them.
+    assert work["groups"] == {"tp": 7, "dp": 7}
+    assert {row["groups"] for row in work["communicators"]} == {7}
+
+
 def test_an_allreduce_fallback_across_every_rail_is_one_identity_finding_per_size() -> None:
     # Each of the eight data-parallel rails spans every node: each breaks the identity at
     # each size, and each says the same (these nodes, dp, that size).

@@ -20,8 +20,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ringwatch.agents.groups import node_order
-from ringwatch.agents.spec import EXCLUDING_KINDS, GroupSpec, Measurement, ProbeBackend, RankInfo
+from ringwatch.agents.groups import member, node_order
+from ringwatch.agents.spec import (
+    EXCLUDING_KINDS,
+    Finding,
+    GroupSpec,
+    Measurement,
+    ProbeBackend,
+    RankInfo,
+)
 from ringwatch.agents.workloads import JobLayout, fabric_ops, workload
 from ringwatch.services.analyzer.assess import Expected, LinkKey, Thresholds, thresholds_for
 from ringwatch.services.analyzer.judge import JudgeCache, Judgement, explain, judge
@@ -190,7 +197,8 @@ def run_check(
     if work is not None and job is not None and layout:
         job_run, result.workload = run_job_phase(
             backend, work, job, layout, ranks, spec.shape(backend, work.ops, work.sizes),
-            result.measurements, shape.sizes, progress)
+            result.measurements, shape.sizes, progress,
+            hung=hung_ranks(result.judgement.findings, layout))
         result.absorb(job_run)
         # What the job's groups showed of the ranks themselves (a hang, wrong data, an
         # error) is a finding like any other; their speed is the workload section's. Each
@@ -200,6 +208,18 @@ def run_check(
     _take_facts(result, facts.judge_facts(before, facts.read(backend, layout),
                                           partitioned=spec.nvlink_partitioned))
     return result
+
+
+def hung_ranks(findings: Sequence[Finding], layout: Mapping[str, Sequence[int]]) -> set[str]:
+    """The ranks the fabric phase found hung: a hang's GPU, or every rank of its node where
+    it names no GPU."""
+    out: set[str] = set()
+    for f in findings:
+        node = f.node
+        if f.kind == "hang" and node is not None and node in layout:
+            gpus = [f.gpu] if f.gpu is not None else list(layout[node])
+            out.update(member(node, g) for g in gpus)
+    return out
 
 
 def _take_facts(result: CheckResult, read: facts.Facts) -> None:

@@ -16,6 +16,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import Any
 
@@ -59,14 +60,18 @@ def resolve_job(job: JobLayout | None, layout: Mapping[str, Sequence[int]]) -> J
 def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
                   layout: dict[str, list[int]], ranks: Sequence[RankInfo], shape: ProbeShape,
                   fabric: Sequence[Measurement], fabric_sizes: Sequence[int],
-                  progress: Progress | None = None) -> tuple[Rounds, dict[str, Any]]:
+                  progress: Progress | None = None,
+                  hung: AbstractSet[str] = frozenset()) -> tuple[Rounds, dict[str, Any]]:
     """The job's own communicators under ``job`` (resolved) over ``layout``'s ranks, run at
     the profile's sizes, and the verdict's ``workload`` section on them. ``fabric``, what the
     fabric phase measured at ``fabric_sizes``, adds the identity on its own groups (fsdp runs
     all three ops there): a node's AllReduce off its halves is named by its intra-node group.
     ``ok`` is False when the job's traffic runs badly here (a communicator slower than its
-    peers, an AllReduce off its halves), even where no link is to blame."""
-    comms = job.communicators(node_members(layout, list(layout)))
+    peers, an AllReduce off its halves), even where no link is to blame.
+
+    ``hung``: ranks the fabric phase found hung. A communicator holding one is not run (it
+    would wait out its deadline again, each round of it) and is listed in ``left_out``."""
+    comms, left_out = without_hung(job.communicators(node_members(layout, list(layout))), hung)
     algos, no_algos = algos_for(backend.name, work)
     node_profiles = {r.node: r.profile for r in ranks}
     kind_of = kinds(comms)
@@ -86,8 +91,29 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
         table, off = identity(fabric, {m.group: m.scope for m in fabric}, fabric_sizes)
         summary["identity"] = table + summary["identity"]
         summary["findings"] = [f.to_dict() for f in once(off)] + summary["findings"]
+    if left_out:
+        summary["left_out"] = left_out
     summary["ok"] = not summary["findings"]
     return job_run, summary
+
+
+def without_hung(comms: Comms, hung: AbstractSet[str]
+                 ) -> tuple[dict[str, list[tuple[str, ...]]], list[dict[str, Any]]]:
+    """The job's communicators that hold no rank of ``hung``, and the others as the
+    workload section lists them (kind, how many ranks, the hung ones, why: a data-parallel
+    group's thousand nodes are not listed)."""
+    kept: dict[str, list[tuple[str, ...]]] = {}
+    left_out: list[dict[str, Any]] = []
+    for kind, groups in comms.items():
+        kept[kind] = []
+        for g in groups:
+            stuck = sorted(r for r in g if r in hung)
+            if not stuck:
+                kept[kind].append(g)
+                continue
+            left_out.append({"communicator": kind, "ranks": len(g), "hung": stuck,
+                             "reason": "a rank of it hung in the fabric check"})
+    return kept, left_out
 
 
 def job_groups(workload: Workload, comms: Comms, shape: ProbeShape,
