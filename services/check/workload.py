@@ -17,7 +17,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ringwatch.agents.groups import Group, nodes_of
@@ -46,6 +46,12 @@ SLOW_SHARE = 0.85
 # SLOW_SHARE alone.
 SLOW_Z = 4.0
 SLOW_MIN_PAIRS = 8
+# A communicator under SLOW_SHARE of its row's median but not under the row's bar (the
+# noise could explain it) is run again, up to this many more times, and judged on the mean
+# of its readings: the bar a group of n readings must pass closes in on SLOW_SHARE as
+# 1/sqrt(n) (a node's AllReduce fallen back to 80 % sat just over a bar of 0.79 at 6 %
+# noise, where 4 readings put the bar at 0.89).
+JOB_REPEATS = 3
 # What a workload finding names beside its kind and place: two alike in all of it are one.
 NAMED_BY = ("communicator", "op", "size_bytes", "algo")
 
@@ -69,6 +75,9 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
     ``ok`` is False when the job's traffic runs badly here (a communicator slower than its
     peers, an AllReduce off its halves), even where no link is to blame.
 
+    The groups the noise could explain (``doubtful``) are run again, up to ``JOB_REPEATS``
+    more times each, before the section is judged.
+
     ``hung``: ranks the fabric phase found hung. A communicator holding one is not run (it
     would wait out its deadline again, each round of it) and is listed in ``left_out``."""
     comms, left_out = without_hung(job.communicators(node_members(layout, list(layout))), hung)
@@ -76,13 +85,17 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
     node_profiles = {r.node: r.profile for r in ranks}
     kind_of = kinds(comms)
     job_run = Rounds()
-    for groups in job_groups(work, comms, shape, algos):
-        if progress is not None:
-            first = groups[0]
-            progress(f"job round {job_run.rounds + 1}: {len(groups)} {kind_of[first.group]} "
-                     f"group(s), {', '.join(first.ops)}"
-                     f"{f' ({first.algo})' if first.algo else ''}")
-        job_run.take(groups, backend.run_round(groups), node_profiles)
+    planned = job_groups(work, comms, shape, algos)
+    spec_of = {(g.group, g.algo): g for groups in planned for g in groups}
+    for groups in planned:
+        _job_round(backend, job_run, groups, kind_of, node_profiles, progress)
+    for _ in range(JOB_REPEATS):
+        again = [spec_of[key] for key in doubtful(kind_of, job_run.measurements)]
+        if not again:
+            break
+        while again:
+            now, again = pack(again)
+            _job_round(backend, job_run, now, kind_of, node_profiles, progress, "again")
     summary = judge_job(work, job, comms, job_run.measurements)
     summary.update(rounds=job_run.rounds, fabric_s=round(job_run.fabric_s, 3))
     if no_algos:
@@ -95,6 +108,17 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
         summary["left_out"] = left_out
     summary["ok"] = not summary["findings"]
     return job_run, summary
+
+
+def _job_round(backend: ProbeBackend, run: Rounds, groups: list[GroupSpec],
+               kind_of: Mapping[Group, str], node_profiles: Mapping[str, Any],
+               progress: Progress | None, note: str = "") -> None:
+    if progress is not None:
+        first = groups[0]
+        progress(f"job round {run.rounds + 1}: {len(groups)} {kind_of[first.group]} "
+                 f"group(s), {', '.join(first.ops)}"
+                 f"{f' ({first.algo})' if first.algo else ''}{f', {note}' if note else ''}")
+    run.take(groups, backend.run_round(groups), dict(node_profiles))
 
 
 def without_hung(comms: Comms, hung: AbstractSet[str]
@@ -162,47 +186,123 @@ def judge_job(workload: Workload, layout: JobLayout, comms: Comms,
     """The verdict's ``workload`` section for what the job's groups measured: per kind, op,
     size and algorithm, how many groups, their median busbw, the slowest group, and every
     group below the row's bar (``slow_below``: ``SLOW_SHARE`` of the median, lower where
-    the noise of the kind's groups reaches further), each a ``communicator_slow`` finding;
+    the noise of the kind's groups reaches further; a group read more than once, on the
+    mean of its readings against ``GroupReadings.bar``), each a ``communicator_slow`` finding;
     the identity ratios of the job's groups and their ``collective_identity`` findings.
     Each finding is listed once (``once``)."""
     kind_of = kinds(comms)
-    series: dict[tuple[str, str, int, str | None], list[Measurement]] = defaultdict(list)
-    for m in ms:
-        kind = kind_of.get(m.group)
-        if kind is not None and not m.wrong:
-            series[(kind, m.op, m.size_bytes, m.algo)].append(m)
-    bars = slow_bars(series)
     rows, findings = [], []
-    for (kind, op, size, algo), group in sorted(series.items(), key=lambda kv: (
-            COMM_KINDS.index(kv[0][0]), kv[0][1], kv[0][2], kv[0][3] or "")):
-        median = statistics.median(m.busbw_gbs for m in group)
-        by_speed = sorted(group, key=lambda m: m.busbw_gbs)
+    for (kind, op, size, algo), row_ in job_rows(kind_of, ms):
+        median, bar, groups = row_.median, row_.bar, row_.groups
+        by_speed = sorted(groups, key=lambda g: g.busbw)
         slowest = by_speed[0]
-        share = slowest.busbw_gbs / median if median > 0 else 1.0
-        bar = bars[kind]
+        share = slowest.busbw / median if median > 0 else 1.0
         row: dict[str, Any] = {
-            "kind": kind, "op": op, "size_bytes": size, "groups": len(group),
+            "kind": kind, "op": op, "size_bytes": size, "groups": len(groups),
             "busbw_gbs": round(median, 3),
-            "time_us": round(statistics.median(m.time_us for m in group), 3),
-            "slowest_busbw_gbs": round(slowest.busbw_gbs, 3), "slowest_share": round(share, 3),
+            "time_us": round(statistics.median(g.readings[0].time_us for g in groups), 3),
+            "slowest_busbw_gbs": round(slowest.busbw, 3), "slowest_share": round(share, 3),
             "slow_below": round(bar, 3),
         }
         if algo is not None:
             row["algo"] = algo
-        slow = [m for m in by_speed if median > 0 and m.busbw_gbs < bar * median]
+        slow = [g for g in by_speed if median > 0 and g.busbw < g.bar(bar) * median]
+        again = [g for g in groups if len(g.readings) > 1]
+        if again:
+            row["measured_again"] = len(again)
         if slow:
             row["slowest_nodes"] = slowest.nodes
-            row["slow_nodes"] = [m.nodes for m in slow]
+            row["slow_nodes"] = [g.nodes for g in slow]
         findings += [Finding(
-            kind="communicator_slow", nodes=m.nodes, severity="warning",
-            measured_gbs=m.busbw_gbs, expected_gbs=median,
-            detail={"communicator": kind, "share": round(m.busbw_gbs / median, 3), "op": op,
-                    "size_bytes": size, **({"algo": algo} if algo else {})}) for m in slow]
+            kind="communicator_slow", nodes=g.nodes, severity="warning",
+            measured_gbs=round(g.busbw, 3), expected_gbs=median,
+            detail={"communicator": kind, "share": round(g.busbw / median, 3), "op": op,
+                    "size_bytes": size, "readings": len(g.readings),
+                    **({"algo": algo} if algo else {})}) for g in slow]
         rows.append(row)
     table, off = identity(ms, kind_of, workload.identity_sizes)
     return {"profile": workload.name, "layout": layout.to_dict(),
             "groups": {k: len(v) for k, v in comms.items()}, "communicators": rows,
             "identity": table, "findings": [f.to_dict() for f in once(findings + off)]}
+
+
+@dataclass
+class GroupReadings:
+    """One job group's readings in one row (kind, op, size, algorithm): judged on their
+    geometric mean, against a bar that closes in on ``SLOW_SHARE`` as readings add up."""
+
+    group: Group
+    readings: list[Measurement]
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.readings[0].nodes
+
+    @property
+    def busbw(self) -> float:
+        logs = [math.log(m.busbw_gbs) for m in self.readings if m.busbw_gbs > 0]
+        return math.exp(sum(logs) / len(logs)) if logs else 0.0
+
+    def bar(self, row_bar: float) -> float:
+        """The share of the row's median this group is slow under: the row's (one
+        reading's) bar, its noise term shrunk by the square root of its readings, never
+        above ``SLOW_SHARE``."""
+        return min(SLOW_SHARE, row_bar ** (1.0 / math.sqrt(len(self.readings))))
+
+
+@dataclass
+class JobRow:
+    median: float
+    bar: float
+    groups: list[GroupReadings]
+
+
+def job_rows(kind_of: Mapping[Group, str], ms: Sequence[Measurement]
+             ) -> list[tuple[tuple[str, str, int, str | None], JobRow]]:
+    """Per kind, op, size and algorithm (in the order the section lists them), each group's
+    readings, the row's median (of the groups' means) and its bar (``slow_bars``, from each
+    group's first reading: the readings taken again were picked for being low)."""
+    by_group: dict[tuple[str, str, int, str | None], dict[Group, list[Measurement]]] = (
+        defaultdict(dict))
+    for m in ms:
+        kind = kind_of.get(m.group)
+        if kind is not None and not m.wrong:
+            by_group[(kind, m.op, m.size_bytes, m.algo)].setdefault(m.group, []).append(m)
+    bars = slow_bars({key: [r[0] for r in groups.values()] for key, groups in by_group.items()})
+    out = []
+    for key, groups in sorted(by_group.items(), key=lambda kv: (
+            COMM_KINDS.index(kv[0][0]), kv[0][1], kv[0][2], kv[0][3] or "")):
+        readings = [GroupReadings(g, r) for g, r in groups.items()]
+        out.append((key, JobRow(statistics.median(g.busbw for g in readings), bars[key[0]],
+                                readings)))
+    return out
+
+
+def doubtful(kind_of: Mapping[Group, str], ms: Sequence[Measurement]
+             ) -> list[tuple[Group, str | None]]:
+    """The job groups to run again: under ``SLOW_SHARE`` of a row's median on their mean,
+    not yet under their bar, read fewer than ``1 + JOB_REPEATS`` times; with the
+    algorithm of the row (each is run again as it was planned, all its ops and sizes)."""
+    out: dict[tuple[Group, str | None], None] = {}
+    for (_, _, _, algo), row in job_rows(kind_of, ms):
+        for g in row.groups:
+            if (row.median > 0 and len(g.readings) <= JOB_REPEATS
+                    and g.bar(row.bar) * row.median <= g.busbw < SLOW_SHARE * row.median):
+                out[(g.group, algo)] = None
+    return list(out)
+
+
+def pack(groups: Sequence[GroupSpec]) -> tuple[list[GroupSpec], list[GroupSpec]]:
+    """The groups that can share one round (no rank twice), and the rest."""
+    used: set[str] = set()
+    now, later = [], []
+    for g in groups:
+        if used.isdisjoint(g.members):
+            used.update(g.members)
+            now.append(g)
+        else:
+            later.append(g)
+    return now, later
 
 
 def slow_bars(series: Mapping[tuple[str, str, int, str | None], Sequence[Measurement]]
