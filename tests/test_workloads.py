@@ -3,6 +3,7 @@ ReduceScatter + AllGather = AllReduce (agents.workloads, services.check.workload
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -203,6 +204,18 @@ def test_a_group_the_noise_could_explain_is_measured_again_and_judged_on_its_mea
     assert slow == [(["node-007"], 4)]
     (row,) = judged["communicators"]
     assert row["measured_again"] == 2 and row["groups"] == 40
+
+
+def test_a_job_reading_that_met_other_traffic_is_neither_judged_nor_run_again() -> None:
+    # A tensor-parallel group read at half its row while a job's traffic shared its links
+    # (contended): it says nothing of the communicator.
+    first = [_tp_reading(n, 300.0) for n in range(20)]
+    first[3] = dataclasses.replace(_tp_reading(3, 150.0), contended=True)
+    kind_of = {m.group: "tp" for m in first}
+    assert doubtful(kind_of, first) == []
+    comms = {"tp": [m.group.members for m in first]}
+    judged = judge_job(WORKLOADS["ddp"], JobLayout(), comms, first)
+    assert judged["findings"] == [] and judged["communicators"][0]["groups"] == 19
 
 
 def test_a_verdict_lists_a_transport_fallback_once_though_every_job_round_saw_it() -> None:

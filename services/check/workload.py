@@ -18,13 +18,14 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from ringwatch.agents.groups import Group, nodes_of
 from ringwatch.agents.spec import Finding, GroupSpec, Measurement, ProbeBackend, RankInfo
 from ringwatch.agents.workloads import COMM_KINDS, JobLayout, Workload, disjoint_rounds
 from ringwatch.services.analyzer.evidence import MAD_TO_SIGMA
-from ringwatch.services.check.planner import node_members
+from ringwatch.services.check.planner import node_members, pack
 from ringwatch.services.check.rounds import Progress, Rounds
 from ringwatch.services.check.shape import ProbeShape
 
@@ -111,14 +112,14 @@ def run_job_phase(backend: ProbeBackend, work: Workload, job: JobLayout,
 
 
 def _job_round(backend: ProbeBackend, run: Rounds, groups: list[GroupSpec],
-               kind_of: Mapping[Group, str], node_profiles: Mapping[str, Any],
+               kind_of: Mapping[Group, str], node_profiles: dict[str, str | None],
                progress: Progress | None, note: str = "") -> None:
     if progress is not None:
         first = groups[0]
         progress(f"job round {run.rounds + 1}: {len(groups)} {kind_of[first.group]} "
                  f"group(s), {', '.join(first.ops)}"
                  f"{f' ({first.algo})' if first.algo else ''}{f', {note}' if note else ''}")
-    run.take(groups, backend.run_round(groups), dict(node_profiles))
+    run.take(groups, backend.run_round(groups), node_profiles)
 
 
 def without_hung(comms: Comms, hung: AbstractSet[str]
@@ -238,7 +239,7 @@ class GroupReadings:
     def nodes(self) -> list[str]:
         return self.readings[0].nodes
 
-    @property
+    @cached_property
     def busbw(self) -> float:
         logs = [math.log(m.busbw_gbs) for m in self.readings if m.busbw_gbs > 0]
         return math.exp(sum(logs) / len(logs)) if logs else 0.0
@@ -261,12 +262,14 @@ def job_rows(kind_of: Mapping[Group, str], ms: Sequence[Measurement]
              ) -> list[tuple[tuple[str, str, int, str | None], JobRow]]:
     """Per kind, op, size and algorithm (in the order the section lists them), each group's
     readings, the row's median (of the groups' means) and its bar (``slow_bars``, from each
-    group's first reading: the readings taken again were picked for being low)."""
+    group's first reading: the readings taken again were picked for being low). A reading
+    that met other traffic (``contended``) says nothing of the communicator: it is neither
+    judged nor a reason to run the group again."""
     by_group: dict[tuple[str, str, int, str | None], dict[Group, list[Measurement]]] = (
         defaultdict(dict))
     for m in ms:
         kind = kind_of.get(m.group)
-        if kind is not None and not m.wrong:
+        if kind is not None and not m.wrong and not m.contended:
             by_group[(kind, m.op, m.size_bytes, m.algo)].setdefault(m.group, []).append(m)
     bars = slow_bars({key: [r[0] for r in groups.values()] for key, groups in by_group.items()})
     out = []
@@ -290,19 +293,6 @@ def doubtful(kind_of: Mapping[Group, str], ms: Sequence[Measurement]
                     and g.bar(row.bar) * row.median <= g.busbw < SLOW_SHARE * row.median):
                 out[(g.group, algo)] = None
     return list(out)
-
-
-def pack(groups: Sequence[GroupSpec]) -> tuple[list[GroupSpec], list[GroupSpec]]:
-    """The groups that can share one round (no rank twice), and the rest."""
-    used: set[str] = set()
-    now, later = [], []
-    for g in groups:
-        if used.isdisjoint(g.members):
-            used.update(g.members)
-            now.append(g)
-        else:
-            later.append(g)
-    return now, later
 
 
 def slow_bars(series: Mapping[tuple[str, str, int, str | None], Sequence[Measurement]]
@@ -355,7 +345,8 @@ def _times(ms: Sequence[Measurement], sizes: Sequence[int]
     for m in ms:
         # One rank has no identity to check: its in-place AllReduce is a no-op (about 1 us
         # on an H200 where its ReduceScatter and AllGather copy).
-        if (len(m.members) >= 2 and m.size_bytes in sizes and m.algo is None and not m.wrong and m.time_us > 0
+        if (len(m.members) >= 2 and m.size_bytes in sizes and m.algo is None and not m.wrong
+                and not m.contended and m.time_us > 0
                 and m.op in ("allreduce", "reducescatter", "allgather")):
             out[(m.group, m.size_bytes)].setdefault(m.op, m)
     return {k: v for k, v in out.items() if len(v) == 3}
