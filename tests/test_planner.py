@@ -15,6 +15,7 @@ from ringwatch.services.check.planner import (
     AdaptivePlanner,
     circle_matchings,
     kept,
+    split,
 )
 from ringwatch.services.check.shape import ProbeShape
 
@@ -85,11 +86,20 @@ def test_healthy_plan_is_disjoint_and_scoped(n_nodes, gpus):
     assert_disjoint(rounds)
     intra = [g for r in rounds for g in r if g.scope == "intra_node"]
     assert len(intra) == (n_nodes if gpus >= 2 else 0)
-    for g in (g for r in rounds for g in r if g.scope == "inter_node"):
-        assert len(nodes_of(g.members)) == 2 and g.world_size == 2 * gpus
-    worlds = [g for r in rounds for g in r if g.scope == "world"]
+    worlds = [i for i, r in enumerate(rounds) for g in r if g.scope == "world"]
     # Cleared, the world group takes every path out of the search: never on two readings.
     assert len(worlds) == (WORLD_CLEAR if n_nodes >= 3 else 0)
+    # Beside node pairs, the world group's two halves in the round after each of its
+    # readings, where the fleet is too large to meet every node pair.
+    live = tuple(sorted(nodes_of(rounds[worlds[0]][0].members))) if worlds else ()
+    halves = {frozenset(u) for u in search_step(("within", live, ())).unions[:2]} if live else set()
+    for i, r in enumerate(rounds):
+        for g in (g for g in r if g.scope == "inter_node"):
+            if len(nodes_of(g.members)) == 2:
+                assert g.world_size == 2 * gpus
+            else:
+                assert n_nodes > ALL_PAIRS_MAX and i > worlds[0]
+                assert frozenset(nodes_of(g.members)) in halves
 
 
 @settings(max_examples=30)
@@ -111,7 +121,7 @@ def test_large_fleet_meets_every_pair_over_a_tournament_of_cycles(n_nodes):
     for rotation in range(matching_count(n_nodes)):
         rounds = healthy_plan(nodes, rotation)
         pairs = [frozenset(nodes_of(g.members)) for r in rounds for g in r
-                 if g.scope == "inter_node"]
+                 if g.scope == "inter_node" and len(nodes_of(g.members)) == 2]
         # One matching per cycle; with an odd count the node sitting out is re-paired with
         # a proven one, so every node has network evidence every cycle.
         assert len(pairs) == (n_nodes + 1) // 2
@@ -137,7 +147,6 @@ from ringwatch.services.check.planner import (  # noqa: E402
     gpu_pair_rounds,
     pack,
     search_step,
-    split,
 )
 
 
@@ -312,7 +321,9 @@ def test_a_region_is_kept_while_most_of_its_covering_unions_are_slow():
 def test_fault_free_plan_is_a_constant_number_of_rounds(n):
     rounds = drive(layout(n, 2), set())
     assert_disjoint(rounds)
-    assert len(rounds) <= 3 + WORLD_CLEAR + (n - 1 if n <= ALL_PAIRS_MAX else 0)
+    # A fleet too large to meet every node pair measures the world group's halves after
+    # each of its readings.
+    assert len(rounds) <= 3 + (WORLD_CLEAR + (n - 1) if n <= ALL_PAIRS_MAX else 2 * WORLD_CLEAR)
     if 2 <= n <= ALL_PAIRS_MAX:
         tested = {frozenset(nodes_of(g.members)) for r in rounds for g in r
                   if g.scope == "inter_node"}
@@ -451,11 +462,16 @@ def test_confirm_rounds_follow_a_search_and_only_a_search():
     p = planner_with_one_repair_each_time()
     [world] = p.next_round({}, set())
     cleared = {("world", world.group): _cleared("world", world.members)}
+    # Its halves are measured once after it (a fleet of 12 meets only some node pairs).
+    halves = p.next_round(cleared, set())
+    assert [len(nodes_of(h.members)) for h in halves] == [6, 6]
+    cleared |= {(h.scope, h.group): _cleared(h.scope, h.members) for h in halves}
     assert p.next_round(cleared, set()) == [] and p.phase == "done" and repairs == []
     # A slow world group is searched, and what the search leaves gets its confirm rounds.
     p = planner_with_one_repair_each_time()
     [world] = p.next_round({}, set())
     slow = {("world", world.group): _leaning("world", world.members, 0.7)}
+    assert len(p.next_round(slow, set())) == 2  # its halves
     assert p.next_round(slow, set())  # the search's first unions
     p.active = []  # the search has run out of regions
     assert p.next_round(slow, set()) and repairs == ["confirm"]

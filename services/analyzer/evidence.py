@@ -192,16 +192,19 @@ class Weighing:
         bound)."""
         return _family_z(self.false_exclusion_rate, max(places, 1))
 
-    def union_min_loss(self, nodes: int, variation: float | None = None) -> float:
+    def union_min_loss(self, nodes: int, variation: float | None = None,
+                       lift: float = 0.0) -> float:
         """The loss a union of ``nodes`` nodes is weighed against: what one path losing
         ``smallest_loss`` takes off it, now that it runs at the slowest of its paths
         (``slowest_path_share``), where that is less than ``min_loss``. A world group
         of 1024 nodes is expected at 0.866 of its node pairs: a path 15 % slow takes it
         only to 0.85, 1.8 % under, and a union weighed against a 10 % loss cleared it.
         ``variation``: the node pairs' lasting spread where the run measured it (else the
-        prior)."""
+        prior); ``lift``: how far (in log) the run's healthy unions read above that model
+        (``localize.UnionLevels``), which a slow path takes off as well."""
         return _union_min_loss(self.smallest_loss, self.min_loss,
-                               self.variation_prior if variation is None else variation, nodes)
+                               self.variation_prior if variation is None else variation, nodes,
+                               round(lift, 4))
 
     @property
     def upper(self) -> float:
@@ -230,8 +233,13 @@ def slowest_path_share(nodes: int, variation: float) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _union_min_loss(smallest: float, min_loss: float, variation: float, nodes: int) -> float:
-    share = slowest_path_share(nodes, variation)
+def _union_min_loss(smallest: float, min_loss: float, variation: float, nodes: int,
+                    lift: float = 0.0) -> float:
+    share = min(slowest_path_share(nodes, variation) * math.exp(lift), 1.0)
+    if lift > 0:
+        # Held to its peers, not the model: the slow path's own node pair may sit a lasting
+        # offset above the median pair, and what it is left with is that much higher.
+        share /= 1.0 + variation
     return min(min_loss, max(1.0 - (1.0 - smallest) / share, 0.005))
 
 

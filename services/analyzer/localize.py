@@ -7,6 +7,7 @@ blamed again. The reasoning is laid out in docs/analysis.md.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import defaultdict
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from statistics import NormalDist
 from typing import NamedTuple, TypeVar
 
 from ringwatch.agents.groups import Group, group_nodes, node_order, split_member
@@ -135,6 +137,9 @@ class GroupVerdict:
     # How many places the judgement judged (``places_of``): a slow decision of one link
     # stands at the check's false-exclusion rate shared among them (``stands_apart``).
     places: int = 1
+    # Where this run's healthy unions read, by op (``union_levels``): a union is judged
+    # against the healthiest of its peers where they read above the model.
+    levels: Mapping[str, UnionLevels] = field(default_factory=dict)
     _decisions: dict[str, Decision] | None = field(default=None, repr=False)
     # ``_pair_mean`` by op: a node pair's evidence is asked for by both its ends' NICs, in
     # every pass of the NIC and path rules.
@@ -190,10 +195,18 @@ class GroupVerdict:
             # spread so, not under the prior (assess models it so).
             k = len(self.nodes)
             pairs_spread = self._pairs_spread(op)
-            if pairs_spread is not None:
-                log_mean -= math.log(slowest_path_share(k, pairs_spread)
-                                     / slowest_path_share(k, w.variation_prior))
-            w = _union_weighing(w, min(w.min_loss, w.union_min_loss(k, pairs_spread)))
+            log_mean -= _spread_shift(k, pairs_spread, w)
+            # Where unions of this run read above the model (a fleet whose paths spread
+            # less in the tail than a normal spread does), the healthiest of the others of
+            # its size or smaller, as far down as their noise could have lifted them, is
+            # what this one is held to (``union_levels``).
+            lift = 0.0
+            if measured:
+                levels = self.levels.get(op)
+                if levels is not None:
+                    lift = max(levels.reference(k, self.key), 0.0)
+            log_mean -= lift
+            w = _union_weighing(w, min(w.min_loss, w.union_min_loss(k, pairs_spread, lift)))
             if measured:
                 variation *= slowest_spread_share(k)
         noise = max(noise, self.weighing.min_noise)
@@ -201,7 +214,7 @@ class GroupVerdict:
                            variation=variation, centre_se=s.centre_se, w=w,
                            futility=measured,
                            early_clear=self.is_one_link and len(live) >= EARLY_CLEAR_REPEATS,
-                           terminal=len(self.members) == 2 and len(self.nodes) == 1)
+                           terminal=self.is_one_link)
         if d.degraded and measured and self.is_one_link and not stands_apart(
                 s.log_mean, noise ** 2 / len(live) + s.centre_se ** 2, variation, self.places,
                 w):
@@ -235,9 +248,7 @@ class GroupVerdict:
     def _pairs_spread(self, op: str) -> float | None:
         """How far this run's node pairs sit from each other for good on ``op``, where it
         measured it (``measured_variation``; the kind of the fewest ranks across nodes)."""
-        pairs = [(key[4], x) for key, x in self.variation.items()
-                 if key[0] == op and key[1] == "inter_node"]
-        return min(pairs)[1] if pairs else None
+        return pairs_spread_of(self.variation, op)
 
     @cached_property
     def key(self) -> GroupKey:
@@ -329,6 +340,113 @@ def _union_weighing(w: Weighing, loss: float) -> Weighing:
     return replace(w, min_loss=loss, miss=w.union_miss)
 
 
+def pairs_spread_of(variation: Mapping[PeerKey, float], op: str) -> float | None:
+    """How far a run's node pairs sit from each other for good on ``op``, where it measured
+    it (``measured_variation``; the kind of the fewest ranks across nodes)."""
+    pairs = [(key[4], x) for key, x in variation.items()
+             if key[0] == op and key[1] == "inter_node"]
+    return min(pairs)[1] if pairs else None
+
+
+def _spread_shift(k: int, pairs_spread: float | None, w: Weighing) -> float:
+    """How much lower (in log) a union of ``k`` nodes is expected where the run measured
+    how its node pairs spread, than under the prior the assessment modeled it with."""
+    if pairs_spread is None:
+        return 0.0
+    return math.log(slowest_path_share(k, pairs_spread)
+                    / slowest_path_share(k, w.variation_prior))
+
+
+# A union sets where its peers are held only once its mean is known to within this (log)
+# standard error: a third of the shortfall one weak path leaves on a large union. Under
+# more noise than its readings have averaged out, a union is held to the model alone, which
+# expects less of it: held to an uncertain peer, a fault-free fleet at 8 % noise searched
+# on and on for a path that was not there.
+UNION_LEVEL_SE = 0.025
+# A union's peers are unions of at most this share more nodes than it: a healthy union
+# reads higher against its model the more nodes it has, so a smaller one never holds a
+# larger one to more than it should read.
+UNION_PEER_SLACK = 1.1
+
+
+@dataclass(frozen=True)
+class UnionLevels:
+    """Where the healthy unions of one op of a run read against their model: for each union
+    measured to within ``UNION_LEVEL_SE``, its mean log ratio less ``z`` standard errors (its
+    noise over its readings, the lasting offset of its slowest path, its centre's error),
+    ``z`` about where the best of that many healthy means sits (``union_levels``). A fault
+    only ever slows a union, so the best of these bounds is about where a healthy union
+    reads, and lower where some unions are slow: a union is held to the best bound among
+    its peers (the others of its size or smaller), where that is above the model. Sorted
+    by node count, with the best and second best bound up to each."""
+
+    sizes: tuple[int, ...]
+    best: tuple[tuple[float, GroupKey | None], ...]
+    second: tuple[float, ...]
+
+    @classmethod
+    def of(cls, bounds: list[tuple[int, float, GroupKey]]) -> UnionLevels:
+        bounds = sorted(bounds, key=lambda x: x[0])
+        sizes, best, second = [], [], []
+        top: tuple[float, GroupKey | None] = (-math.inf, None)
+        runner = -math.inf
+        for k, lcb, key in bounds:
+            if lcb > top[0]:
+                top, runner = (lcb, key), top[0]
+            elif lcb > runner:
+                runner = lcb
+            sizes.append(k)
+            best.append(top)
+            second.append(runner)
+        return cls(tuple(sizes), tuple(best), tuple(second))
+
+    def reference(self, k: int, own: GroupKey) -> float:
+        """The highest bound among the unions of at most ``UNION_PEER_SLACK`` times ``k``
+        nodes, other than ``own``; -inf where there is none."""
+        i = bisect.bisect_right(self.sizes, UNION_PEER_SLACK * k) - 1
+        if i < 0:
+            return -math.inf
+        lcb, key = self.best[i]
+        return self.second[i] if key == own else lcb
+
+
+def union_levels(c: VerdictCache, noise: Mapping[str, float],
+                 variation: Mapping[PeerKey, float], w: Weighing) -> dict[str, UnionLevels]:
+    """``UnionLevels`` of every op the run's unions measured where it measured that op's
+    noise, from what ``c`` folded of them."""
+    out: dict[str, list[tuple[int, float, float, GroupKey]]] = {}
+    for key, k in c.union_sizes.items():
+        by_op = c.by_group.get(key)
+        if by_op is None:
+            continue
+        for op in by_op:
+            sigma = noise.get(op)
+            if sigma is None:
+                continue
+            s = c.summaries.get((key[0], key[1], op))
+            if s is None or not s.live or not s.positive or s.rated:
+                continue
+            spread = pairs_spread_of(variation, op)
+            lasting = s.variation
+            if s.all_peers:
+                lasting = variation.get(peer_key(s.live[0].measurement), lasting)
+            lasting *= slowest_spread_share(k)
+            n = len(s.live)
+            se = math.sqrt(max(sigma, w.min_noise) ** 2 / n + lasting ** 2 + s.centre_se ** 2)
+            if se > UNION_LEVEL_SE:
+                continue
+            out.setdefault(op, []).append((k, s.log_mean - _spread_shift(k, spread, w), se, key))
+    levels = {}
+    for op, rows in out.items():
+        # Where the highest of M healthy unions' means sits, in their standard errors (the
+        # median of the most of M normal draws, about): the bound is then no higher than a
+        # healthy union reads as often as not where all its peers are healthy, and lower
+        # where some are slow.
+        z = NormalDist().inv_cdf(len(rows) / (len(rows) + 1.0))
+        levels[op] = UnionLevels.of([(k, m - z * se, key) for k, m, se, key in rows])
+    return levels
+
+
 def _median(values: list[float]) -> float:
     """``statistics.median`` with the one- and two-value cases (most groups' repeats) done
     directly: the judgement takes millions of these in a large check."""
@@ -397,6 +515,11 @@ class VerdictCache:
     # Per group, the kinds (``peer_key``) of its judged assessments: the groups a moved
     # variation weighs again.
     kinds_of: dict[GroupKey, set[PeerKey]] = field(default_factory=dict)
+    # The node count of each union (``spans_paths``) folded so far, and where the run's
+    # healthy unions read (``union_levels``) when the verdicts were last weighed.
+    union_sizes: dict[GroupKey, int] = field(default_factory=dict)
+    not_unions: set[GroupKey] = field(default_factory=set)
+    levels: dict[str, UnionLevels] = field(default_factory=dict)
 
     def changes(self, items: list[Assessment]) -> list[int] | None:
         """The indices of ``items`` not folded yet, where it is the last list grown or with
@@ -453,6 +576,12 @@ class VerdictCache:
                 self.reordered = True
             self.first[key] = ops[0][0]
             self.kinds_of[key] = {peer_key(a.measurement) for _, _, listed in ops for a in listed}
+            if key not in self.union_sizes and key not in self.not_unions:
+                k = len(group_nodes(key[1].members)) if key[0] in ("inter_node", "world") else 0
+                if spans_paths(key[0], k):
+                    self.union_sizes[key] = k
+                else:
+                    self.not_unions.add(key)
         else:
             self.by_group.pop(key, None)
             self.first.pop(key, None)
@@ -521,6 +650,8 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
     kinds = _changed(c.variation, variation)
     places = places_of(c, touched)
     moved = places != c.places
+    levels = union_levels(c, noise, variation, w) if c.union_sizes else {}
+    lifted = levels != c.levels
     # A one-link group's slow decision depends on the places judged, a union's on how the
     # node pairs spread (``GroupVerdict._pairs_spread``): each is weighed again when those
     # move.
@@ -537,9 +668,15 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         for key in touched:
             if key in out and key not in c.by_group:
                 del out[key]
-        for key in [*(k for k in touched if k in out), *new]:
+        again = [k for k in touched if k in out]
+        if lifted:
+            # The unions are held to where the run's healthy unions read: each is weighed
+            # again when that moves (in place: the order stays).
+            again += [k for k in c.union_sizes if k in out and k not in touched]
+        for key in [*again, *new]:
             made = out[key] = _verdict(c, key, w)
             made.noise, made.variation, made.places = noise, variation, places
+            made.levels = levels
     else:
         # In the order of each group's first judged assessment, as a fresh fold finds them.
         for key in sorted(c.by_group, key=c.first.__getitem__):
@@ -547,9 +684,9 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
             v = c.verdicts.get(key)
             if v is None or key in touched or not ops.isdisjoint(by_op) or (
                     kinds and not kinds.isdisjoint(c.kinds_of[key])) or (
-                    moved and v.is_one_link) or (kinds and v.prunes):
+                    moved and v.is_one_link) or ((kinds or lifted) and v.prunes):
                 v = _verdict(c, key, w)
-            v.noise, v.variation, v.places = noise, variation, places
+            v.noise, v.variation, v.places, v.levels = noise, variation, places, levels
             out[key] = v
     c.last_first = c.first[next(reversed(out))] if out else -1
     if len(c.pooled) > 2 * c.pooled_kept + 64:
@@ -560,7 +697,7 @@ def group_verdicts(assessments: Iterable[Assessment], weighing: Weighing | None 
         for k in [k for k in c.pooled if not all(id(v) in alive for v in k)]:
             del c.pooled[k]
         c.pooled_kept = len(c.pooled)
-    c.noise, c.variation, c.verdicts, c.places = noise, variation, out, places
+    c.noise, c.variation, c.verdicts, c.places, c.levels = noise, variation, out, places, levels
     return out
 
 
@@ -1212,7 +1349,13 @@ def _on_every_op(slow: GroupVerdict) -> bool:
     k = len(means)
     s2 = max(floors) + sum(noise_terms) / k ** 2
     repeats = sum(d.repeats for d in slow.decisions.values())
-    return weigh_mean(sum(means) / k, s2, repeats, slow.weighing).degraded
+    mean = sum(means) / k
+    if weigh_mean(mean, s2, repeats, slow.weighing).degraded:
+        return True
+    # Its repeats ran out on every op, each decided on its last look (``weigh``'s
+    # ``terminal``): the ops together are held to the same fixed-sample bound.
+    return (all(d.exhausted and d.degraded for d in slow.decisions.values())
+            and mean <= -slow.weighing.terminal_z * math.sqrt(s2))
 
 
 def _proven_without(node: str, slow: GroupVerdict, groups: list[GroupVerdict]) -> bool:

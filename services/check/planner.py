@@ -17,6 +17,7 @@ from typing import TypeVar
 from ringwatch.agents.groups import Group, group_nodes, member, node_order
 from ringwatch.agents.matchings import circle_matching, circle_matchings
 from ringwatch.agents.spec import GroupSpec, RankInfo
+from ringwatch.services.analyzer.assess import spans_paths
 from ringwatch.services.analyzer.evidence import Decision
 from ringwatch.services.analyzer.localize import (
     GroupKey,
@@ -252,6 +253,13 @@ class AdaptivePlanner:
         self.lonely_paired: set[str] = set()
         self.issued_pairs: set[frozenset[str]] = set()
         self.world: GroupSpec | None = None
+        # The world group's two halves, measured in the round after each of its readings:
+        # a union is held to where its healthy peers read (``localize.UnionLevels``), and
+        # the world's are its halves. They are the first two unions the search would
+        # measure (``search_step``), which does not measure them again.
+        self.halves: list[tuple[str, ...]] = []
+        self.halves_due = False
+        self.halves_measured = False
         self.active: list[_Issued] = []
         self.search_started = False
         # The world group was slow (or undecided) and the path search ran.
@@ -289,6 +297,14 @@ class AdaptivePlanner:
             planned = ((self.pair_rounds.pop(0) if self.pair_rounds else [])
                        + (self.matching_rounds.pop(0) if self.matching_rounds else []))
             return pack(planned + repeats)[0]
+        if self.halves_due:
+            # The halves go in the round after a reading of the world group (before its
+            # repeats) while it is undecided: the first time always.
+            self.halves_due = False
+            world = v.get((self.world.scope, self.world.group)) if self.world else None
+            if not self.halves_measured or (world is not None and world.pending_ops):
+                self.halves_measured = True
+                return pack([self._union_group(u) for u in self.halves] + repeats)[0]
         if repeats and self.phase in ("repair", "search"):
             busy = {n for g in repeats for n in group_nodes(g.members)}
             if self.phase == "search":
@@ -296,7 +312,13 @@ class AdaptivePlanner:
                 # unions (``_advance``), not for another's, and each new union keeps off
                 # the nodes measured again this round.
                 pending = {(g.scope, g.group) for g in repeats}
-                return pack(repeats + self._search(v, blamed, pending, busy))[0]
+                out = pack(repeats + self._search(v, blamed, pending, busy))[0]
+                if (not self.search_started and self.world is not None and self.halves
+                        and any(g.scope == "world" for g in out)):
+                    # The halves are measured as often as the world group: held to them,
+                    # it is held to no more than they are known to within.
+                    self.halves_due = True
+                return out
             if len(busy) <= STRAGGLER_SHARE * len(self.nodes):
                 # Only a tail of groups is left undecided (in a large fleet, a few measured
                 # to their cap): the other nodes' re-pairs go on beside it instead of
@@ -331,6 +353,11 @@ class AdaptivePlanner:
                 live = [n for n in live if n in proven]
             if len(live) >= 3:
                 self.world = world_group(self.nodes, live, self.shape)
+                step = search_step(("within", tuple(live), ()), self._known())
+                # (A fleet small enough to meet every node pair has no use for them.)
+                self.halves = [u for u in step.unions[:2] if spans_paths("inter_node", len(u))
+                               and len(live) > ALL_PAIRS_MAX]
+                self.halves_due = bool(self.halves)
                 return [self.world]
         if self.phase == "search":
             groups = self._search(v, blamed)
@@ -480,23 +507,34 @@ class AdaptivePlanner:
         takes this round."""
         if self.world is None:
             return []
+        self.index.update(v)
         if not self.search_started:
-            if (self.world.scope, self.world.group) in pending:
+            gate = [(self.world.scope, self.world.group), *map(self._union_key, self.halves)]
+            if self.halves_due or any(key in pending for key in gate):
                 return []
             self.search_started = True
-            if not _suspect(v, "world", self.world.members):
+            if not any((gv := v.get(key)) is not None and gv.suspect for key in gate):
                 return []
             self.searched = True
             live = tuple(sorted(group_nodes(self.world.members)))
-            self.active = [_Issued(("within", live, ()))]
+            first = _Issued(("within", live, ()))
+            first.step = search_step(first.region, self._known())
+            # The halves measured beside the world group are the step's first unions
+            # where the split is the same: not measured again.
+            first.issued = {i for i, u in enumerate(first.step.unions)
+                            if u in self.halves and self._union_key(u) in v}
+            self.active = [first]
         leads = [x for item in self.active if (x := _without(item, blamed)) is not None]
         self.active = [a for item in leads for a in self._advance(item, v, pending)]
-        self.index.update(v)
-        known = {frozenset(x.nodes) for x in self.index.slow_pairs()}
+        known = self._known()
         for item in self.active:
             if item.step is None and not self._waits(item):
                 item.step = search_step(item.region, known)
         return self._issue(busy)
+
+    def _known(self) -> set[frozenset[str]]:
+        """The node pairs known slow so far: a search's split keeps their ends apart."""
+        return {frozenset(x.nodes) for x in self.index.slow_pairs()}
 
     def _waits(self, item: _Issued) -> bool:
         """An across region waits for pending smaller regions on its nodes (within ones,
