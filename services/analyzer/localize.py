@@ -272,9 +272,7 @@ class GroupVerdict:
         """How far a healthy group like this one sits from its expectation for good: the
         run's measured figure for its kind where it is judged by its peers and the run
         measured one, else what its assessments carry (``s``: a summary of them)."""
-        if s.all_peers:
-            return self.variation.get(peer_key(s.live[0].measurement), s.variation)
-        return s.variation
+        return lasting_of(s, self.variation)
 
     # What is read of the decisions is kept once read: the NIC, path and plan rules ask it
     # of every group again and again. A verdict's assessments do not change under it: a
@@ -348,6 +346,15 @@ def pairs_spread_of(variation: Mapping[PeerKey, float], op: str) -> float | None
     return min(pairs)[1] if pairs else None
 
 
+def lasting_of(s: OpSummary, variation: Mapping[PeerKey, float]) -> float:
+    """How far a healthy group sits from its expectation for good (``GroupVerdict.
+    lasting_variation``): the run's measured figure for its kind where it is judged by its
+    peers and the run measured one, else what its assessments carry."""
+    if s.all_peers:
+        return variation.get(peer_key(s.live[0].measurement), s.variation)
+    return s.variation
+
+
 def _spread_shift(k: int, pairs_spread: float | None, w: Weighing) -> float:
     """How much lower (in log) a union of ``k`` nodes is expected where the run measured
     how its node pairs spread, than under the prior the assessment modeled it with."""
@@ -415,27 +422,19 @@ def union_levels(c: VerdictCache, noise: Mapping[str, float],
     """``UnionLevels`` of every op the run's unions measured where it measured that op's
     noise, from what ``c`` folded of them."""
     out: dict[str, list[tuple[int, float, float, GroupKey]]] = {}
+    spreads = {op: pairs_spread_of(variation, op) for op in noise}
     for key, k in c.union_sizes.items():
-        by_op = c.by_group.get(key)
-        if by_op is None:
-            continue
-        for op in by_op:
+        for op in c.by_group.get(key, ()):
             sigma = noise.get(op)
-            if sigma is None:
-                continue
             s = c.summaries.get((key[0], key[1], op))
-            if s is None or not s.live or not s.positive or s.rated:
+            if sigma is None or s is None or not s.live or not s.positive or s.rated:
                 continue
-            spread = pairs_spread_of(variation, op)
-            lasting = s.variation
-            if s.all_peers:
-                lasting = variation.get(peer_key(s.live[0].measurement), lasting)
-            lasting *= slowest_spread_share(k)
-            n = len(s.live)
-            se = math.sqrt(max(sigma, w.min_noise) ** 2 / n + lasting ** 2 + s.centre_se ** 2)
-            if se > UNION_LEVEL_SE:
-                continue
-            out.setdefault(op, []).append((k, s.log_mean - _spread_shift(k, spread, w), se, key))
+            lasting = lasting_of(s, variation) * slowest_spread_share(k)
+            se = math.sqrt(max(sigma, w.min_noise) ** 2 / len(s.live) + lasting ** 2
+                           + s.centre_se ** 2)
+            if se <= UNION_LEVEL_SE:
+                out.setdefault(op, []).append(
+                    (k, s.log_mean - _spread_shift(k, spreads[op], w), se, key))
     levels = {}
     for op, rows in out.items():
         # Where the highest of M healthy unions' means sits, in their standard errors (the
@@ -518,6 +517,7 @@ class VerdictCache:
     # The node count of each union (``spans_paths``) folded so far, and where the run's
     # healthy unions read (``union_levels``) when the verdicts were last weighed.
     union_sizes: dict[GroupKey, int] = field(default_factory=dict)
+    # The node pairs folded so far (inter-node groups that are not unions).
     not_unions: set[GroupKey] = field(default_factory=set)
     levels: dict[str, UnionLevels] = field(default_factory=dict)
 
@@ -576,8 +576,10 @@ class VerdictCache:
                 self.reordered = True
             self.first[key] = ops[0][0]
             self.kinds_of[key] = {peer_key(a.measurement) for _, _, listed in ops for a in listed}
-            if key not in self.union_sizes and key not in self.not_unions:
-                k = len(group_nodes(key[1].members)) if key[0] in ("inter_node", "world") else 0
+            if (key[0] in ("inter_node", "world") and key not in self.union_sizes
+                    and key not in self.not_unions):
+                # Its node count worked out once (a node pair's too: most groups are those).
+                k = len(group_nodes(key[1].members))
                 if spans_paths(key[0], k):
                     self.union_sizes[key] = k
                 else:

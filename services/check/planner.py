@@ -353,10 +353,11 @@ class AdaptivePlanner:
                 live = [n for n in live if n in proven]
             if len(live) >= 3:
                 self.world = world_group(self.nodes, live, self.shape)
-                step = search_step(("within", tuple(live), ()), self._known())
                 # (A fleet small enough to meet every node pair has no use for them.)
-                self.halves = [u for u in step.unions[:2] if spans_paths("inter_node", len(u))
-                               and len(live) > ALL_PAIRS_MAX]
+                if len(live) > ALL_PAIRS_MAX:
+                    step = search_step(("within", tuple(live), ()), self._known())
+                    self.halves = [u for u in step.unions[:2]
+                                   if spans_paths("inter_node", len(u))]
                 self.halves_due = bool(self.halves)
                 return [self.world]
         if self.phase == "search":
