@@ -13,6 +13,7 @@ from ringwatch.services.analyzer.evidence import Weighing
 from ringwatch.services.check.planner import (
     ALL_PAIRS_MAX,
     AdaptivePlanner,
+    _Issued,
     circle_matchings,
     kept,
     split,
@@ -539,3 +540,27 @@ def test_a_node_is_re_paired_beside_a_tail_of_other_nodes_undecided_groups():
     # Its own pair undecided, node-000 waits for it: nothing else is paired with it.
     groups[0] = _pair(ranks[0] + ranks[2], allreduce=[0.9], alltoall=[0.9])
     assert [p for p, _ in planned(20) if "node-000" in p] == [("node-000", "node-002")]
+
+
+def test_an_across_region_waits_only_for_regions_that_could_hold_a_pair_of_its_nodes():
+    names = sorted(layout(32, 1))
+    p, q, r = names[:8], names[8:16], names[16:24]
+    planner = AdaptivePlanner(layout(32, 1), ProbeShape(sizes=(1,)))
+    mine = _Issued(("across", tuple(p), tuple(q)))
+    # Across P and R (and what it is split into) holds no pair with both ends in P u Q:
+    # the two go on side by side.
+    beside = _Issued(("across", tuple(p[:4]), tuple(r[:4])))
+    planner.active = [beside, mine]
+    assert not planner._waits(mine)
+    # Within P, or across two parts of P, could hold one: a union of ``mine`` holding both
+    # its ends would be slow for it, so ``mine`` waits for it.
+    for region in (("within", tuple(p[:4]), ()), ("across", tuple(p[:2]), tuple(p[2:4]))):
+        planner.active = [_Issued(region), mine]
+        assert planner._waits(mine)
+    # An earlier region of its size across P and Q's other halves (one slow NIC slows both)
+    # still goes first.
+    first = _Issued(("across", tuple(p[:4] + q[4:]), tuple(q[:4] + p[4:])))
+    planner.active = [first, mine]
+    assert planner._waits(mine)
+    planner.active = [mine, first]
+    assert not planner._waits(mine)

@@ -12,6 +12,7 @@ from ringwatch.agents.spec import Measurement
 from ringwatch.services.analyzer.assess import Assessment
 from ringwatch.services.analyzer.evidence import Weighing
 from ringwatch.services.analyzer.localize import (
+    UNION_FUTILE_REPEATS,
     UNION_LEVEL_SE,
     GroupVerdict,
     UnionLevels,
@@ -35,11 +36,12 @@ def readings(nodes: range | list[int], ratios: list[float]) -> list[Assessment]:
                        1.0, r, False, "paths", spread=0.01, variation=0.01) for r in ratios]
 
 
-def union(nodes: range | list[int], ratios: list[float], **kw) -> GroupVerdict:
+def union(nodes: range | list[int], ratios: list[float], noise: float = 0.01,
+          **kw) -> GroupVerdict:
     items = readings(nodes, ratios)
     m = items[0].measurement
     return GroupVerdict(m.scope, m.group.members, tuple(sorted(nodes_of(m.members))),
-                        by_op={"alltoall": items}, noise={"alltoall": 0.01}, **kw)
+                        by_op={"alltoall": items}, noise={"alltoall": noise}, **kw)
 
 
 def test_the_reference_is_the_best_other_union_of_its_size_or_smaller():
@@ -126,3 +128,20 @@ def test_the_halves_are_measured_after_each_world_reading_and_not_again_by_the_s
     # them again, only as often as their own tests ask (a slow one once).
     assert all(sets.count(h) <= Weighing().confirm_clear for h in halves)
     assert slow in sets
+
+
+def test_a_union_no_number_of_readings_could_clear_is_followed_up_not_measured_on():
+    # Three nodes at 7 % noise, reading 5 % under the model of their slowest path: the
+    # lasting offset of that path, which no repeat averages away, keeps its test from ever
+    # clearing it there, and it was measured to its 20th reading.
+    def at(level: float, n: int):
+        return union(range(3), [level] * n, noise=0.07).decisions["alltoall"]
+
+    before = at(0.95, UNION_FUTILE_REPEATS - 1)
+    assert before.pending and -1.0 < before.llr < 0
+    stuck = union(range(3), [0.95] * UNION_FUTILE_REPEATS, noise=0.07)
+    assert not stuck.pending_ops and stuck.suspect  # its smaller unions go on instead
+    # One its readings can still clear is measured on, and one they have cleared is not
+    # followed up.
+    assert at(0.965, UNION_FUTILE_REPEATS).pending
+    assert union(range(3), [0.98] * UNION_FUTILE_REPEATS, noise=0.07).cleared

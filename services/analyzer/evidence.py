@@ -409,6 +409,21 @@ def weigh_log_mean(m: float, n: int, *, noise: float, variation: float, centre_s
                     llr=llr)
 
 
+def out_of_reach(m: float, floor: float, w: Weighing) -> bool:
+    """Whether no number of readings at a mean log ratio ``m`` could clear a group whose
+    variance never falls below ``floor`` (its lasting offset and its centre's error): its
+    log-likelihood ratio with the noise averaged away is still above Wald's healthy bound.
+    Only the noise averages down; a union whose slowest path sits a little low for good
+    leans healthy, yet more of the same readings leave it where it is."""
+    return _llr(m, max(floor, 1e-12), w) > w.lower
+
+
+def followed_up(d: Decision) -> Decision:
+    """``d`` left undecided and not measured again (a suspect whose narrower tests run
+    instead: a union's regions are split)."""
+    return replace(d, exhausted=True)
+
+
 def held_open(d: Decision) -> Decision:
     """``d`` kept undecided with its evidence (the check measures it again), whatever it
     leaned to."""

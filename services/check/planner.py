@@ -538,13 +538,16 @@ class AdaptivePlanner:
         return {frozenset(x.nodes) for x in self.index.slow_pairs()}
 
     def _waits(self, item: _Issued) -> bool:
-        """An across region waits for pending smaller regions on its nodes (within ones,
-        and across ones closer to a pair): a slow pair among its nodes makes every union
-        holding both ends slow until it is known, and then its split keeps them apart. It
-        also waits for an earlier one of its size that shares nodes with it: a half slow
-        with both halves of the other side is most often one slow NIC, which would lead
-        every such region down to a pair with it, one after another; the first finds it,
-        and once it is blamed the others go on without it (``_without``)."""
+        """An across region waits for pending smaller regions that could hold a slow pair
+        with both ends among its nodes (within ones, and across ones closer to a pair):
+        such a pair makes every union of it holding both ends slow until it is known, and
+        then its split keeps them apart. It also waits for an earlier one of its size that
+        could: a half slow with both halves of the other side is most often one slow NIC,
+        which would lead every such region down to a pair with it, one after another; the
+        first finds it, and once it is blamed the others go on without it (``_without``).
+        A region that shares only one side's nodes with it holds no pair of its nodes: a
+        region across P and Q does not wait for one across P and R, nor for what that one
+        is split into (it waited for those before, and the search ran one after another)."""
         kind, a, b = item.region
         if kind != "across":
             return False
@@ -554,9 +557,9 @@ class AdaptivePlanner:
             if o is item:
                 before = False
                 continue
-            theirs = _region_nodes(o.region)
-            if mine.isdisjoint(theirs):
+            if not _could_hold_pair(o.region, mine):
                 continue
+            theirs = _region_nodes(o.region)
             if o.region[0] == "within" or len(theirs) < len(mine):
                 return True
             if before and o.region[0] == "across" and len(theirs) == len(mine):
@@ -664,6 +667,14 @@ def _without(item: _Issued, blamed: set[str]) -> _Issued | None:
 
 def _region_nodes(region: Region) -> set[str]:
     return set(region[1]) | set(region[2])
+
+
+def _could_hold_pair(region: Region, nodes: AbstractSet[str]) -> bool:
+    """Whether a node pair ``region`` suspects could have both its ends among ``nodes``."""
+    kind, a, b = region
+    if kind == "within":
+        return sum(n in nodes for n in a) >= 2
+    return not nodes.isdisjoint(a) and not nodes.isdisjoint(b)
 
 
 def _suspect(v: Verdicts, scope: str, members: Sequence[str]) -> bool:
