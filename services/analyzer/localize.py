@@ -382,7 +382,7 @@ def _spread_shift(k: int, pairs_spread: float | None, w: Weighing) -> float:
 UNION_LEVEL_SE = 0.025
 # A union still undecided on this many readings, where no number of readings at its mean
 # could clear it, is followed up by its smaller unions instead of measured on
-# (``evidence.out_of_reach``): under 7 % noise a 3-node union sitting 3.5 % under its
+# (``evidence.out_of_reach``): under 7 % noise a 3-node union sitting about 3 % under its
 # model took all 20 of its readings and ended undecided, one round of the check each.
 UNION_FUTILE_REPEATS = 6
 # A union's peers are unions of at most this share more nodes than it: a healthy union
