@@ -34,7 +34,7 @@ import pytest
 
 from ringwatch.services.notifier.receiver import WebhookReceiver
 from ringwatch.services.store import db
-from tests.procs import free_port
+from tests.procs import cli, free_port
 from tests.test_extras import _extra
 from tests.test_serve_local import _env as local_serve_env
 from tests.test_serve_local import _serve, _stop
@@ -397,21 +397,26 @@ def test_the_readme_webhook_example_registers_and_delivers_as_written(tmp_path) 
 
     env = local_serve_env(tmp_path / "state")
     admin = env["RINGWATCH_BOOTSTRAP_ADMIN_TOKEN"]
-    with WebhookReceiver(body["secret"]) as rx:
-        proc, api = _serve(env, free_port())
-        try:
-            run = command.replace("http://127.0.0.1:8420", api).replace(body["url"], rx.url)
-            r = subprocess.run(["bash", "-c", f"{run} -sS -w '\\n%{{http_code}}'"],
-                               env={**os.environ, "ADMIN": admin}, capture_output=True,
-                               text=True, timeout=60)
-            answer, status = r.stdout.rsplit("\n", 1)
-            assert status == "201", answer
-            created = json.loads(answer)
-            assert created["events"] == body["events"] and "secret" not in created
-            sent = httpx.post(f"{api}/v1/webhooks/{created['id']}/test", timeout=30,
-                              headers={"Authorization": f"Bearer {admin}"})
-            assert sent.status_code < 300, sent.text
-            (event,) = rx.wait_for(1, timeout_s=120)
-        finally:
-            _stop(proc)
+    try:
+        with WebhookReceiver(body["secret"]) as rx:
+            proc, api = _serve(env, free_port())
+            try:
+                run = command.replace("http://127.0.0.1:8420", api).replace(body["url"], rx.url)
+                r = subprocess.run(["bash", "-c", f"{run} -sS -w '\\n%{{http_code}}'"],
+                                   env={**os.environ, "ADMIN": admin}, capture_output=True,
+                                   text=True, timeout=60)
+                answer, status = r.stdout.rsplit("\n", 1)
+                assert status == "201", answer
+                created = json.loads(answer)
+                assert created["events"] == body["events"] and "secret" not in created
+                sent = httpx.post(f"{api}/v1/webhooks/{created['id']}/test", timeout=30,
+                                  headers={"Authorization": f"Bearer {admin}"})
+                assert sent.status_code < 300, sent.text
+                (event,) = rx.wait_for(1, timeout_s=120)
+            finally:
+                _stop(proc)
+    finally:
+        # serve started the embedded Postgres under the test's own state folder: stopped
+        # here, as `ringwatch db stop` stops it, or it outlives the test.
+        cli("db", "stop", env=env)
     assert event["event"] == "webhook.test" and event["verified"]
