@@ -559,10 +559,10 @@ class AdaptivePlanner:
                 continue
             if not _could_hold_pair(o.region, mine):
                 continue
-            theirs = _region_nodes(o.region)
-            if o.region[0] == "within" or len(theirs) < len(mine):
+            theirs = _region_size(o.region)
+            if o.region[0] == "within" or theirs < len(mine):
                 return True
-            if before and o.region[0] == "across" and len(theirs) == len(mine):
+            if before and o.region[0] == "across" and theirs == len(mine):
                 return True
         return False
 
@@ -665,15 +665,17 @@ def _without(item: _Issued, blamed: set[str]) -> _Issued | None:
     return _Issued((kind, a, b))
 
 
-def _region_nodes(region: Region) -> set[str]:
-    return set(region[1]) | set(region[2])
+def _region_size(region: Region) -> int:
+    """A region's node count: its two sides never share a node (``search_step``)."""
+    return len(region[1]) + len(region[2])
 
 
 def _could_hold_pair(region: Region, nodes: AbstractSet[str]) -> bool:
     """Whether a node pair ``region`` suspects could have both its ends among ``nodes``."""
     kind, a, b = region
     if kind == "within":
-        return sum(n in nodes for n in a) >= 2
+        inside = (n for n in a if n in nodes)
+        return next(inside, None) is not None and next(inside, None) is not None
     return not nodes.isdisjoint(a) and not nodes.isdisjoint(b)
 
 
