@@ -13,6 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ringwatch.agents.sim import SimBackend
@@ -191,16 +192,25 @@ def test_the_openapi_document_declares_the_token_and_types_the_preflight(api) ->
 def test_the_scheduler_once_line_reports_what_the_api_found(env, tmp_path) -> None:
     scenario = tmp_path / "fabric.json"
     scenario.write_text(json.dumps({"nodes": 8, "gpus_per_node": 4, "seed": 2, "faults": [
-        {"kind": "nic", "node": "node-003", "factor": 0.4}]}))
+        {"kind": "nic", "node": "node-003", "factor": 0.4},
+        {"kind": "hang", "node": "node-005", "gpu": 1}]}))
     proc = start_server(env)
     try:
         r = cli("scheduler", "--fabric", str(scenario), "--once", env=env)
+        opened = httpx.get(f"{env['RINGWATCH_API_URL']}/v1/findings", params={"status": "open"},
+                           headers={"Authorization": f"Bearer {env['RINGWATCH_TOKEN']}"},
+                           timeout=30).json()
     finally:
         stop_server(proc)
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stderr.splitlines() if "cycle 1:" in x)
-    found = re.search(r"API: (\d+) finding\(s\) \(nic_degraded 1\)", line)
-    assert found and int(found.group(1)) == 1, line
+    found = re.search(r"API: (\d+) finding\(s\) \(hang 1, nic_degraded 1\)", line)
+    assert found and int(found.group(1)) == 2, line
+    # The hang opens its incident at once (a slowdown waits for the hysteresis): the line
+    # counts it with the slowdowns, as the API's open incidents do.
+    assert [x["kind"] for x in opened] == ["hang"], opened
+    said = re.search(r"(\d+) incident\(s\) opened", line)
+    assert said and int(said.group(1)) == len(opened), line
     duty = re.search(r"duty cycle ([\d.]+)%", line)
     assert duty and float(duty.group(1)) > 0, line
 

@@ -390,12 +390,14 @@ def shares(busy_s: dict[str, float], period_s: float) -> dict[str, float]:
 
 def _api_note(answer: dict[str, Any] | None) -> str:
     """What the API made of the cycle's batch: its own findings (the hysteresis opens an
-    incident on a fault seen in enough cycles) and the incidents it opened and resolved."""
+    incident on a fault seen in enough cycles) and the incidents it opened, slowdowns and
+    what the probes reported (hangs, errors, wrong data) alike, and resolved."""
     if answer is None:
         return "API: not sent yet"
     found = [Finding.from_dict(f) for f in answer.get("findings") or []]
+    opened = len(answer.get("degraded") or []) + len(answer.get("probe_findings") or [])
     return (f"API: {len(found)} finding(s){(' ' + _kinds(found)) if found else ''}, "
-            f"{len(answer.get('degraded') or [])} incident(s) opened, "
+            f"{opened} incident(s) opened, "
             f"{len(answer.get('recovered') or [])} resolved")
 
 
