@@ -549,6 +549,11 @@ class ProbeAgent:
         # When this agent's last group left its GPU (time.monotonic()): NVML's utilization
         # reads that work for a while after (agents.contention).
         self._gpu_work_ended: float | None = None
+        # Groups the backend asked to keep formed for its next round (``run_group``'s
+        # ``keep``), by group id: the process group and the store it formed through, which
+        # NCCL goes on reading for connections it makes later. At most the one group of
+        # the round before; ``drop_group`` and any failure end it.
+        self._kept: dict[str, tuple[Any, dist.Store]] = {}
         if backend == "nccl":
             # A peer that dies must surface as an error here, not as a silent hang.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -661,12 +666,14 @@ class ProbeAgent:
 
     def footprint(self) -> dict[str, Any]:
         """What this agent's process holds now: its pid, resident host memory (bytes), the
-        CPU seconds it has used (all threads, user and system), and whether it may hold a
+        CPU seconds it has used (all threads, user and system), whether it may hold a
         CUDA context (a group has run on its GPU: only the process's end gives that back,
-        which is why the backend ends nccl agents between cycles). Read from the process
-        itself, so it answers on any node of a cluster."""
+        which is why the backend ends nccl agents between cycles), and the ids of the groups
+        it keeps formed for the next round. Read from the process itself, so it answers on
+        any node of a cluster."""
         return {"pid": os.getpid(), "rss_bytes": _rss_bytes(),
-                "cpu_s": sum(os.times()[:2]), "cuda_context": self._cuda_context}
+                "cpu_s": sum(os.times()[:2]), "cuda_context": self._cuda_context,
+                "kept_groups": sorted(self._kept)}
 
     def run_group(
         self, spec: dict[str, Any], rank: int, store_host: str, store_port: int, group_id: str
@@ -674,12 +681,17 @@ class ProbeAgent:
         """Join one probe group as ``rank``, run its ops and sizes, and report this rank's view.
 
         Returns ``{"rank", "member", "status": ok|error, "stage", "error", "origin",
-        "probes": [...], "timed_s"}``; each probe holds op, size_bytes (used), count,
-        times_s, wrong and timing; ``traffic`` (agents.contention.Traffic, where this rank
-        could read its links) the other traffic on them just before the group formed.
+        "probes": [...], "timed_s", "formed"}``; each probe holds op, size_bytes (used),
+        count, times_s, wrong and timing; ``traffic`` (agents.contention.Traffic, where this
+        rank could read its links) the other traffic on them just before the group formed.
         ``origin`` (on error) says whose failure it shows:
         ``local`` (this rank's own code raised), ``collective`` (the group broke under it)
         or ``setup`` (this machine cannot probe).
+
+        ``spec["keep"]``: the group stays formed after it ran well, under ``group_id``, for
+        the backend's next round; ``spec["reuse"]``: ``group_id`` names such a group, which
+        runs again without forming (``formed`` False; the store at ``store_port`` is this
+        round's, for its progress). A group that fails is ended either way.
         """
         out: dict[str, Any] = {
             "rank": rank,
@@ -689,9 +701,11 @@ class ProbeAgent:
             "error": None,
             "probes": [],
             "timed_s": 0.0,
+            "formed": False,
         }
         deadline_s = float(spec.get("deadline_s", 60.0))
         pg = None
+        pg_store: dist.Store | None = None
         failed = False
         # NCCL reads NCCL_ALGO when the communicator forms, which ProcessGroupNCCL does at
         # its first collective: the variable stays set until the group is gone.
@@ -713,15 +727,23 @@ class ProbeAgent:
             out["stage"] = "form"
             device = self._device()
             algo_env.enter_context(nccl_algo(spec.get("algo") if self.backend == "nccl" else None))
-            pg = make_group(
-                self.backend,
-                dist.PrefixStore(f"{group_id}/pg", store),
-                rank,
-                len(spec["members"]),
-                deadline_s,
-                host=self._gloo_host(),
-                device=device,
-            )
+            if spec.get("reuse"):
+                kept = self._kept.pop(group_id, None)
+                if kept is None:
+                    raise RuntimeError(f"group {group_id} is not kept here")
+                pg, pg_store = kept
+            else:
+                pg_store = store
+                pg = make_group(
+                    self.backend,
+                    dist.PrefixStore(f"{group_id}/pg", store),
+                    rank,
+                    len(spec["members"]),
+                    deadline_s,
+                    host=self._gloo_host(),
+                    device=device,
+                )
+                out["formed"] = True
             if self._nccl_log is not None:
                 self._nccl_log.skip()  # what NCCL wrote before this group is not this group's
             self._run_ops(spec, rank, store, pg, device, out)
@@ -734,11 +756,23 @@ class ProbeAgent:
             out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             out["traceback"] = traceback.format_exc(limit=4)
         finally:
-            leave_group(pg, failed)
+            if not failed and pg is not None and pg_store is not None and (
+                    spec.get("keep") or spec.get("reuse")):
+                self._kept[group_id] = (pg, pg_store)
+            else:
+                leave_group(pg, failed)
             algo_env.close()
             if self.backend == "nccl":
                 self._gpu_work_ended = time.monotonic()
         return out
+
+    def drop_group(self, group_id: str) -> bool:
+        """End a group kept formed (``run_group``'s ``keep``); whether one was kept."""
+        kept = self._kept.pop(group_id, None)
+        if kept is None:
+            return False
+        leave_group(kept[0], False)
+        return True
 
     def _quiet_window(self, spec: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
         """The other traffic on this rank's links (``out["traffic"]``, agents.contention)

@@ -111,6 +111,16 @@ class RankInfo:
         return asdict(self)
 
 
+# What makes a group the same communicator from one round to the next (``GroupSpec.
+# comm_key``): its ranks in order, NCCL's algorithm (read when the communicator forms) and
+# its timeout (set then too).
+CommKey = tuple[tuple[str, ...], str | None, float]
+# The warm-up iterations per op and size of a group its ranks kept formed from the round
+# before: its connections are made (NCCL connects on first use, which is what the full
+# warm-up pays for); one eager iteration still goes before a captured loop.
+KEPT_WARMUP = 1
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """One probe group: these ranks form a process group and run these ops at these sizes."""
@@ -137,6 +147,11 @@ class GroupSpec:
     def group(self) -> Group:
         """The group whatever its ring order, as ``Measurement.group``."""
         return Group(self.members)
+
+    @property
+    def comm_key(self) -> CommKey:
+        """What a backend keeps this group formed under between rounds (``CommKey``)."""
+        return self.members, self.algo, self.deadline_s
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

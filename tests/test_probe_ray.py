@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringwatch.agents.spec import GroupSpec, InjectedFault, Measurement
+from ringwatch.agents.spec import KEPT_WARMUP, GroupSpec, InjectedFault, Measurement
 from ringwatch.services.scheduler.ray_backend import RayBackend, ray_temp_dir
 
 N0 = ("node-000/0", "node-000/1")
@@ -307,3 +307,60 @@ def test_hang_suspects_reads_progress_from_the_store() -> None:
     # Stuck inside the same collective: the waiting peers cannot be told apart.
     store.set(entered_key(2, "alltoall", 4096), "1")
     assert hang_suspects(store, spec, [0, 1, 2, 3]) == ([0, 1, 2, 3], "alltoall/4096")
+
+
+# ---- groups kept formed between rounds ------------------------------------------------
+
+
+def kept(backend: RayBackend) -> dict[str, list[str]]:
+    return {m: fp["kept_groups"] for m, fp in backend.footprints().items()}
+
+
+@pytest.mark.ray
+def test_a_group_measured_again_runs_without_forming_and_others_end_it(backend: RayBackend) -> None:
+    backend.release()  # what the tests before kept
+    assert all(ids == [] for ids in kept(backend).values())
+    first = backend.run_round(intra(ops=("allreduce",)))
+    again = backend.run_round(intra(ops=("allreduce",)))
+    # Formed in the first round (its full warm-up), run again as it stood in the second.
+    assert {m.warmup for m in first.measurements} == {2}
+    assert {m.warmup for m in again.measurements} == {KEPT_WARMUP}
+    assert again.findings == [] and len(again.measurements) == 2
+    assert all(m.wrong == 0 and m.busbw_gbs > 0 for m in again.measurements)
+    held = kept(backend)
+    assert all(len(ids) == 1 for ids in held.values()), held
+    assert held[N0[0]] == held[N0[1]] != held[N1[0]] == held[N1[1]]
+
+    # A round of other groups ends the ones it does not measure before forming its own:
+    # each rank holds one group at most.
+    cross = [GroupSpec("inter_node", (N0[0], N1[0]), ops=("allreduce",), sizes=(1 << 20,),
+                       warmup=2, iters=10),
+             GroupSpec("inter_node", (N0[1], N1[1]), ops=("allreduce",), sizes=(1 << 20,),
+                       warmup=2, iters=10)]
+    other = backend.run_round(cross)
+    assert {m.warmup for m in other.measurements} == {2} and other.findings == []
+    now = kept(backend)
+    assert all(len(ids) == 1 for ids in now.values()), now
+    assert now[N0[0]] == now[N1[0]] and not set(now[N0[0]]) & set(held[N0[0]])
+
+    # The end of a cycle ends them all.
+    backend.release()
+    assert all(ids == [] for ids in kept(backend).values())
+
+
+@pytest.mark.ray
+def test_a_group_that_failed_is_not_kept_and_forms_anew(backend: RayBackend) -> None:
+    backend.release()
+    backend.set_injected([InjectedFault("error", "node-000", 1)])
+    failed = backend.run_round(intra(ops=("allreduce",)))
+    assert [(f.kind, f.node) for f in failed.findings] == [("probe_error", "node-000")]
+    held = kept(backend)
+    # The rank that ran its part well ended the group too; the healthy group is kept.
+    assert held[N0[0]] == held[N0[1]] == []
+    assert len(held[N1[0]]) == 1
+    backend.set_injected([])
+    after = backend.run_round(intra(ops=("allreduce",)))
+    assert after.findings == []
+    warmups = {tuple(m.members): m.warmup for m in after.measurements}
+    assert warmups == {N0: 2, N1: KEPT_WARMUP}
+    backend.release()

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ringwatch.agents.groups import member
-from ringwatch.agents.sim import SimBackend
-from ringwatch.agents.spec import GroupSpec
+from ringwatch.agents.sim import SETUP_PER_DOUBLING_S, SETUP_S, SimBackend
+from ringwatch.agents.spec import KEPT_WARMUP, GroupSpec
 
 SIZE = 1 << 28
 
@@ -283,3 +283,24 @@ def test_a_monitoring_cycle_begins_the_backends_cycle_at_its_rotation():
                                       "drift": 0.1}])
     run_cycle(b, ProbeOptions(), rotation=7)
     assert b.fabric.cycle == 7
+
+
+def test_a_group_of_the_round_before_runs_kept_without_setup_and_with_a_short_warmup():
+    b = sim()
+    group = nodes(0, 1, ops=("allreduce",))
+    first = b.run_round([group])
+    again = b.run_round([group])
+    (m1,), (m2,) = first.measurements, again.measurements
+    assert (m1.warmup, m2.warmup) == (group.warmup, KEPT_WARMUP)
+    # Noise-free, each iteration takes the same time: the kept round saves the setup of its
+    # communicator (16 ranks: four doublings) and the warm-ups beyond KEPT_WARMUP.
+    per_iter = m1.time_us * 1e-6
+    saved = SETUP_S + SETUP_PER_DOUBLING_S * 4 + (group.warmup - KEPT_WARMUP) * per_iter
+    assert first.fabric_time_s - again.fabric_time_s == pytest.approx(saved)
+    assert m2.busbw_gbs == pytest.approx(m1.busbw_gbs)
+
+    # A round without it ends it; so does the end of a cycle.
+    b.run_round([nodes(2, 3, ops=("allreduce",))])
+    assert b.run_round([group]).measurements[0].warmup == group.warmup
+    b.release()
+    assert b.run_round([group]).measurements[0].warmup == group.warmup

@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,9 @@ from ringwatch.agents.groups import node_of
 from ringwatch.agents.outcome import hang_suspects, rank_progress
 from ringwatch.agents.probe import ProbeAgent, store_server
 from ringwatch.agents.spec import (
+    KEPT_WARMUP,
     BackendDefaults,
+    CommKey,
     Finding,
     GroupSpec,
     InjectedFault,
@@ -113,9 +115,20 @@ class _GroupRun:
     expired: bool = False
     # A rank reported an error: the group's deadline shrank to a short grace.
     errored: bool = False
+    # The store the group formed through: this round's, or the round's that formed it.
+    formed_through: Any = None
 
     def unfinished(self) -> list[int]:
         return [r for r in range(self.spec.world_size) if r not in self.replies and r not in self.died]
+
+
+@dataclass
+class _Kept:
+    """A group its ranks keep formed for the next round: its id, and the store it formed
+    through (its server stays up while the group does; NCCL may connect through it again)."""
+
+    group_id: str
+    store: Any
 
 
 class RayBackend(BackendDefaults):
@@ -177,6 +190,9 @@ class RayBackend(BackendDefaults):
         # When the identities were last read: a cycle right after start need not ask again.
         self._identified_at = 0.0
         self._round = 0
+        # The groups of the round before, kept formed by their ranks: a group measured again
+        # runs without forming anew (docs/probes.md, "Groups kept between rounds").
+        self._kept: dict[CommKey, _Kept] = {}
         self._closed = False
         try:
             if local_nodes is not None:
@@ -459,9 +475,11 @@ class RayBackend(BackendDefaults):
         every one dead (ray.kill ends a worker at once, without its exit handlers); the
         seconds it took. Identities stay; a second call does nothing."""
         live = self._live()
-        if self.hold_between_cycles or not live:
-            return 0.0
         started = time.perf_counter()
+        # Groups kept formed end with the cycle, whether or not the agents do.
+        self._drop(list(self._kept))
+        if self.hold_between_cycles or not live:
+            return time.perf_counter() - started
         self._end(live)
         return time.perf_counter() - started
 
@@ -474,6 +492,7 @@ class RayBackend(BackendDefaults):
                         strict=True))
 
     def _end(self, slots: list[_Slot]) -> None:
+        self._forget(s.member for s in slots)
         handles = [s.handle for s in slots]
         for slot in slots:
             slot.handle = None
@@ -576,6 +595,10 @@ class RayBackend(BackendDefaults):
         self._round += 1
         started = time.perf_counter()
         result = RoundResult()
+        # A group of the round before that is not in this one ends first: each rank is in
+        # one group a round, so a rank holds at most one formed group between rounds.
+        wanted = {g.comm_key for g in groups}
+        self._drop([key for key in self._kept if key not in wanted])
         for wave in self._waves(groups):
             wave_started = time.perf_counter()
             runs = [self._launch(spec, i) for i, spec in wave]
@@ -620,13 +643,21 @@ class RayBackend(BackendDefaults):
         # The OS picks a free port; agents learn it from the call below. A local cluster's
         # store listens on its loopback address alone, as its Ray does.
         store = store_server(host, spec.deadline_s, listen_there_only=self._cluster is not None)
-        run = _GroupRun(spec, f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}", store,
-                        deadline=time.monotonic() + spec.deadline_s)
+        kept = self._kept.get(spec.comm_key)
+        # A kept group's ranks report this round's progress through a store of its own (a
+        # hang is named from it), and run it without forming it again, after a short
+        # warm-up (its measurements say so).
+        group_id = kept.group_id if kept is not None else (
+            f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}")
+        if kept is not None:
+            spec = replace(spec, warmup=min(spec.warmup, KEPT_WARMUP))
+        run = _GroupRun(spec, group_id, store, deadline=time.monotonic() + spec.deadline_s,
+                        formed_through=kept.store if kept is not None else store)
         # An injected slow rank sizes its delay from one calibration loop, which every rank
         # of its group must run alike.
         calibrate = any(f.kind == "slow" and f.member in spec.members for f in self._injected)
         payload = {**spec.to_dict(), "repeats": self.repeats, "calibrate": calibrate,
-                   "cuda_graph": self.cuda_graph}
+                   "cuda_graph": self.cuda_graph, "keep": True, "reuse": kept is not None}
         for rank, m in enumerate(spec.members):
             ref = self._slots[m].handle.run_group.remote(payload, rank, host, store.port, run.group_id)
             run.refs[ref] = rank
@@ -665,7 +696,44 @@ class RayBackend(BackendDefaults):
         result.findings.extend(outcome.corruption_findings(run.spec, run.replies, injected))
         result.findings.extend(outcome.transport_findings(run.replies))
         result.measurements.extend(outcome.measurements(run.spec, run.replies))
+        self._keep(run)
         run.store = None  # closes the listening socket
+
+    def _keep(self, run: _GroupRun) -> None:
+        """Keep a group every rank of which ran it well (its ranks keep it formed); a group
+        any rank failed, or that passed its deadline, is ended on the ranks that kept it."""
+        key = run.spec.comm_key
+        self._kept.pop(key, None)
+        ok = [r for r, reply in run.replies.items() if reply.get("status") == "ok"]
+        if len(ok) == run.spec.world_size and not (run.expired or run.died or run.errored):
+            self._kept[key] = _Kept(run.group_id, run.formed_through)
+            return
+        self._end_group(run.group_id, [run.spec.members[r] for r in ok])
+
+    def _drop(self, keys: Iterable[CommKey]) -> None:
+        """End these kept groups on their ranks."""
+        for key in list(keys):
+            kept = self._kept.pop(key, None)
+            if kept is not None:
+                self._end_group(kept.group_id, list(key[0]))
+
+    def _end_group(self, group_id: str, members: Sequence[str]) -> None:
+        """Ask each live agent of ``members`` to end the group it keeps under ``group_id``.
+        Not waited for: an agent runs its calls in order, so it ends the group before it
+        runs the next one it is sent."""
+        for m in members:
+            slot = self._slots.get(m)
+            if slot is not None and slot.handle is not None:
+                with contextlib.suppress(Exception):  # gone with its node: nothing kept
+                    slot.handle.drop_group.remote(group_id)
+
+    def _forget(self, members: Iterable[str]) -> None:
+        """Kept groups with any of these members, whose agents are ending: ended on the
+        others."""
+        gone = set(members)
+        for key in [k for k in self._kept if not gone.isdisjoint(k[0])]:
+            kept = self._kept.pop(key)
+            self._end_group(kept.group_id, [m for m in key[0] if m not in gone])
 
     def _injected_pairs(self) -> set[tuple[str, str]]:
         return {(f.kind, f.member) for f in self._injected}
@@ -708,6 +776,7 @@ class RayBackend(BackendDefaults):
         if not members:
             return
         slots = [self._slots[m] for m in members]
+        self._forget(members)
         for slot in slots:
             ray.kill(slot.handle, no_restart=True)
             self._hang_cleared.add(slot.member)
@@ -725,6 +794,7 @@ class RayBackend(BackendDefaults):
         if self._closed:
             return
         self._closed = True
+        self._kept.clear()  # their agents end here
         for slot in self._live():
             with contextlib.suppress(Exception):  # already gone with its node
                 ray.kill(slot.handle, no_restart=True)
