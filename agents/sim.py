@@ -17,7 +17,7 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -1005,16 +1005,15 @@ class SimBackend(BackendDefaults):
                     self._nic_counts[key] = self._nic_counts.get(key, 0) + per_cycle
         kept: set[CommKey] = set()
         for spec in groups:
-            formed = spec.comm_key not in self._kept
-            if not formed:
-                # Kept formed from the round before, as the Ray backend's ranks keep it: no
-                # setup, and a short warm-up.
-                spec = replace(spec, warmup=min(spec.warmup, KEPT_WARMUP))
+            comm = spec.comm_key
+            # Kept formed from the round before, as the Ray backend's ranks keep it: no
+            # setup, and a short warm-up.
+            formed = comm not in self._kept
             found = len(out.findings)
             seconds = self._run_group(spec, out, formed=formed)
             out.fabric_time_s = max(out.fabric_time_s, seconds)
             if not any(f.kind in ("hang", "probe_error") for f in out.findings[found:]):
-                kept.add(spec.comm_key)
+                kept.add(comm)
         self._kept = kept
         out.wall_time_s = time.perf_counter() - started
         return out
@@ -1079,14 +1078,15 @@ class SimBackend(BackendDefaults):
         if f.net_transport or f.pair_transport:
             out.findings += [x for x in self._transports(spec, grp) if x not in out.findings]
         seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2)) if formed else 0.0
-        repeats = spec.warmup + spec.iters
+        warmup = spec.warmup if formed else min(spec.warmup, KEPT_WARMUP)
+        repeats = warmup + spec.iters
         contended = self._contended(grp)
         for op in spec.ops:
             lat, per_byte = self.model.op_time(op, grp, spec.algo)
             for size in spec.sizes:
                 t = (lat + per_byte * size) * self._noise()
                 seconds += repeats * t
-                m = self._measurement(spec, op, size, t, grp, bool(corrupt))
+                m = self._measurement(spec, op, size, t, grp, bool(corrupt), warmup)
                 m.contended = contended
                 out.measurements.append(m)
         return seconds
@@ -1116,10 +1116,10 @@ class SimBackend(BackendDefaults):
         return math.exp(sigma * z)
 
     def _measurement(self, spec: GroupSpec, op: str, size: int, t: float, grp: _Group,
-                     corrupt: bool) -> Measurement:
+                     corrupt: bool, warmup: int) -> Measurement:
         algbw = size / t / 1e9
         m = Measurement(op=op, scope=spec.scope, members=list(spec.members), size_bytes=size,
-                        dtype=spec.dtype, warmup=spec.warmup, iters=spec.iters,
+                        dtype=spec.dtype, warmup=warmup, iters=spec.iters,
                         time_us=t * 1e6, algbw_gbs=algbw,
                         busbw_gbs=algbw * busbw_factor(op, grp.n),
                         wrong=max(1, size // 4096) if corrupt else 0,

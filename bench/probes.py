@@ -59,15 +59,25 @@ def reference_busbw(n: int) -> dict[tuple[str, int], float]:
 
 def overhead(backend: RayBackend, members: tuple[str, ...], trials: int = 10) -> None:
     """Wall time of a group whose only work is one 8-byte allreduce: forming, the store,
-    the driver's round trip and leaving, nearly all of it overhead."""
-    walls = []
-    for _ in range(trials):
+    the driver's round trip and leaving, nearly all of it overhead; and of the same group
+    run again in the next round, kept formed by its ranks (docs/probes.md)."""
+    group = GroupSpec("world", members, ops=("allreduce",), sizes=(8,), warmup=0, iters=1,
+                      deadline_s=60)
+
+    def timed() -> float:
         t0 = time.monotonic()
-        backend.run_round([GroupSpec("world", members, ops=("allreduce",), sizes=(8,), warmup=0,
-                                     iters=1, deadline_s=60)])
-        walls.append(time.monotonic() - t0)
-    print(f"form + run 8 B + leave a {len(members)}-rank group: median "
-          f"{statistics.median(walls) * 1000:.0f} ms, min {min(walls) * 1000:.0f} ms")
+        backend.run_round([group])
+        return time.monotonic() - t0
+
+    formed = []
+    for _ in range(trials):
+        backend.release()  # ends the group kept from the round before
+        formed.append(timed())
+    kept = [timed() for _ in range(trials)]
+    backend.release()
+    for what, walls in (("form + run 8 B + leave", formed), ("run 8 B on the group kept", kept)):
+        print(f"{what} a {len(members)}-rank group: median "
+              f"{statistics.median(walls) * 1000:.0f} ms, min {min(walls) * 1000:.0f} ms")
 
 
 def quick_cycle(backend: RayBackend) -> None:
