@@ -75,8 +75,8 @@ def overhead(backend: RayBackend, members: tuple[str, ...], trials: int = 10) ->
         formed.append(timed())
     kept = [timed() for _ in range(trials)]
     backend.release()
-    for what, walls in (("form + run 8 B + leave", formed), ("run 8 B on the group kept", kept)):
-        print(f"{what} a {len(members)}-rank group: median "
+    for what, walls in (("form + run 8 B + leave a", formed), ("run 8 B on a kept", kept)):
+        print(f"{what} {len(members)}-rank group: median "
               f"{statistics.median(walls) * 1000:.0f} ms, min {min(walls) * 1000:.0f} ms")
 
 
