@@ -470,16 +470,18 @@ class RayBackend(BackendDefaults):
                 self._progress(f"ray: {slot.member} made no CUDA context: {error}")
 
     def release(self) -> float:
-        """End every agent (unless ``hold_between_cycles``): the process's end is what gives
-        its CUDA context, communicators and GPU memory back. Returns once Ray has registered
-        every one dead (ray.kill ends a worker at once, without its exit handlers); the
-        seconds it took. Identities stay; a second call does nothing."""
-        live = self._live()
-        started = time.perf_counter()
-        # Groups kept formed end with the cycle, whether or not the agents do.
+        """End every group kept formed, and every agent (unless ``hold_between_cycles``):
+        the process's end is what gives its CUDA context, communicators and GPU memory back.
+        Returns once Ray has registered every one dead (ray.kill ends a worker at once,
+        without its exit handlers); the seconds it took (0 where no agent ends). Identities
+        stay; a second call does nothing."""
+        # Groups kept formed end with the cycle, whether or not the agents do (each agent
+        # ends its group before it runs anything else; nothing here waits for that).
         self._drop(list(self._kept))
+        live = self._live()
         if self.hold_between_cycles or not live:
-            return time.perf_counter() - started
+            return 0.0
+        started = time.perf_counter()
         self._end(live)
         return time.perf_counter() - started
 
