@@ -681,8 +681,8 @@ class ProbeAgent:
         """Join one probe group as ``rank``, run its ops and sizes, and report this rank's view.
 
         Returns ``{"rank", "member", "status": ok|error, "stage", "error", "origin",
-        "probes": [...], "timed_s", "formed"}``; each probe holds op, size_bytes (used),
-        count, times_s, wrong and timing; ``traffic`` (agents.contention.Traffic, where this
+        "probes": [...], "timed_s"}``; each probe holds op, size_bytes (used), count,
+        times_s, wrong and timing; ``traffic`` (agents.contention.Traffic, where this
         rank could read its links) the other traffic on them just before the group formed.
         ``origin`` (on error) says whose failure it shows:
         ``local`` (this rank's own code raised), ``collective`` (the group broke under it)
@@ -690,8 +690,8 @@ class ProbeAgent:
 
         ``spec["keep"]``: the group stays formed after it ran well, under ``group_id``, for
         the backend's next round; ``spec["reuse"]``: ``group_id`` names such a group, which
-        runs again without forming (``formed`` False; the store at ``store_port`` is this
-        round's, for its progress). A group that fails is ended either way.
+        runs again without forming (the store at ``store_port`` is this round's, for its
+        progress). A group that fails is ended either way.
         """
         out: dict[str, Any] = {
             "rank": rank,
@@ -701,7 +701,6 @@ class ProbeAgent:
             "error": None,
             "probes": [],
             "timed_s": 0.0,
-            "formed": False,
         }
         deadline_s = float(spec.get("deadline_s", 60.0))
         pg = None
@@ -743,7 +742,6 @@ class ProbeAgent:
                     host=self._gloo_host(),
                     device=device,
                 )
-                out["formed"] = True
             if self._nccl_log is not None:
                 self._nccl_log.skip()  # what NCCL wrote before this group is not this group's
             self._run_ops(spec, rank, store, pg, device, out)

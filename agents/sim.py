@@ -31,7 +31,6 @@ from ringwatch.agents.groups import member, split_member
 from ringwatch.agents.hostlist import expand_hostlist
 from ringwatch.agents.spec import (
     ALGOS,
-    KEPT_WARMUP,
     TIMING_MODEL,
     BackendDefaults,
     CommKey,
@@ -1078,7 +1077,7 @@ class SimBackend(BackendDefaults):
         if f.net_transport or f.pair_transport:
             out.findings += [x for x in self._transports(spec, grp) if x not in out.findings]
         seconds = SETUP_S + SETUP_PER_DOUBLING_S * math.log2(max(grp.n, 2)) if formed else 0.0
-        warmup = spec.warmup if formed else min(spec.warmup, KEPT_WARMUP)
+        warmup = spec.warmup if formed else spec.kept_warmup
         repeats = warmup + spec.iters
         contended = self._contended(grp)
         for op in spec.ops:

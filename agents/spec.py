@@ -149,6 +149,11 @@ class GroupSpec:
         return Group(self.members)
 
     @property
+    def kept_warmup(self) -> int:
+        """The warm-ups it runs kept formed from the round before (``KEPT_WARMUP``)."""
+        return min(self.warmup, KEPT_WARMUP)
+
+    @property
     def comm_key(self) -> CommKey:
         """What a backend keeps this group formed under between rounds (``CommKey``)."""
         return self.members, self.algo, self.deadline_s

@@ -35,7 +35,6 @@ from ringwatch.agents.groups import node_of
 from ringwatch.agents.outcome import hang_suspects, rank_progress
 from ringwatch.agents.probe import ProbeAgent, store_server
 from ringwatch.agents.spec import (
-    KEPT_WARMUP,
     BackendDefaults,
     CommKey,
     Finding,
@@ -652,7 +651,7 @@ class RayBackend(BackendDefaults):
         group_id = kept.group_id if kept is not None else (
             f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}")
         if kept is not None:
-            spec = replace(spec, warmup=min(spec.warmup, KEPT_WARMUP))
+            spec = replace(spec, warmup=spec.kept_warmup)
         run = _GroupRun(spec, group_id, store, deadline=time.monotonic() + spec.deadline_s,
                         formed_through=kept.store if kept is not None else store)
         # An injected slow rank sizes its delay from one calibration loop, which every rank
