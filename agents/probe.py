@@ -681,7 +681,10 @@ class ProbeAgent:
         """Join one probe group as ``rank``, run its ops and sizes, and report this rank's view.
 
         Returns ``{"rank", "member", "status": ok|error, "stage", "error", "origin",
-        "probes": [...], "timed_s"}``; each probe holds op, size_bytes (used), count,
+        "probes": [...], "timed_s", "held_s"}``: ``timed_s`` the timed loops alone,
+        ``held_s`` the time on the fabric from forming the group (or taking up the kept
+        one) to its last op or its failure, warm-ups included; each probe holds op,
+        size_bytes (used), count,
         times_s, wrong and timing; ``traffic`` (agents.contention.Traffic, where this
         rank could read its links) the other traffic on them just before the group formed.
         ``origin`` (on error) says whose failure it shows:
@@ -701,7 +704,9 @@ class ProbeAgent:
             "error": None,
             "probes": [],
             "timed_s": 0.0,
+            "held_s": 0.0,
         }
+        held_from: float | None = None
         deadline_s = float(spec.get("deadline_s", 60.0))
         pg = None
         pg_store: dist.Store | None = None
@@ -724,6 +729,7 @@ class ProbeAgent:
             store.set(arrived_key(rank), self.member)
             self._quiet_window(spec, rank, out)
             out["stage"] = "form"
+            held_from = time.perf_counter()
             device = self._device()
             algo_env.enter_context(nccl_algo(spec.get("algo") if self.backend == "nccl" else None))
             if spec.get("reuse"):
@@ -745,10 +751,13 @@ class ProbeAgent:
             if self._nccl_log is not None:
                 self._nccl_log.skip()  # what NCCL wrote before this group is not this group's
             self._run_ops(spec, rank, store, pg, device, out)
+            out["held_s"] = time.perf_counter() - held_from
             out["stage"] = "done"
             self._transports(spec, rank, out)
         except Exception as exc:  # a sick peer or a broken group is a result, not a crash
             failed = True
+            if held_from is not None and not out["held_s"]:
+                out["held_s"] = time.perf_counter() - held_from
             out["status"] = "error"
             out["origin"] = _origin(exc)
             out["error"] = f"{type(exc).__name__}: {exc}"[:2000]

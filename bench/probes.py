@@ -89,7 +89,8 @@ def quick_cycle(backend: RayBackend) -> None:
         fabric.append(c.fabric_time_s)
     print(f"quick cycle on local 3x2 gloo ({len(options.sizes)} sizes x 2 ops, {c.rounds} rounds, "
           f"{len(c.measurements)} measurements): wall median {statistics.median(walls):.2f} s, "
-          f"timed fabric {statistics.median(fabric):.2f} s")
+          f"fabric (each round's slowest group, forming to last op) "
+          f"{statistics.median(fabric):.2f} s")
 
 
 HANG_DEADLINE_S = 6.0

@@ -104,6 +104,10 @@ def test_healthy_rounds_give_sane_measurements(backend: RayBackend) -> None:
             assert m.size_bytes == 1 << 20  # 1 MiB splits evenly over 2 and 4 ranks
             assert m.algbw_gbs == pytest.approx(m.size_bytes / (m.time_us * 1e-6) / 1e9)
         assert 0 < result.fabric_time_s <= result.wall_time_s
+        # The fabric time is the slowest group's whole time on it, forming and warm-ups
+        # included: at least the timed loops of any of its ops.
+        assert result.fabric_time_s >= max(m.time_us * 1e-6 * m.iters
+                                           for m in result.measurements)
 
 
 @pytest.mark.ray
@@ -177,6 +181,8 @@ def test_injected_hang_is_named_and_the_next_round_is_healthy(backend: RayBacken
     # Named only once its deadline passed (how soon after, replacement included, is a
     # figure of `make bench`: probes).
     assert hung.wall_time_s >= 6.0
+    # The hung group held the fabric to its deadline, as a hang costs in the sim.
+    assert 6.0 <= hung.fabric_time_s <= hung.wall_time_s
     assert any("replacing" in msg for msg in backend.messages)  # type: ignore[attr-defined]
 
     after = backend.run_round(intra())

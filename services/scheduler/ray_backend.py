@@ -116,6 +116,8 @@ class _GroupRun:
     errored: bool = False
     # The store the group formed through: this round's, or the round's that formed it.
     formed_through: Any = None
+    # When it was launched (monotonic): a group past its deadline held the fabric until then.
+    launched: float = 0.0
 
     def unfinished(self) -> list[int]:
         return [r for r in range(self.spec.world_size) if r not in self.replies and r not in self.died]
@@ -607,7 +609,7 @@ class RayBackend(BackendDefaults):
             for run in runs:
                 self._collect(run, result)
             self._replace([m for run in runs for m in self._to_replace(run)])
-            result.fabric_time_s += max((self._timed_s(run) for run in runs), default=0.0)
+            result.fabric_time_s += max((self._held_s(run) for run in runs), default=0.0)
             held = time.perf_counter() - wave_started
             result.busy_s.update({m: held for _, spec in wave for m in spec.members})
         result.wall_time_s = time.perf_counter() - started
@@ -652,8 +654,10 @@ class RayBackend(BackendDefaults):
             f"r{self._round}-g{index}-{uuid.uuid4().hex[:8]}")
         if kept is not None:
             spec = replace(spec, warmup=spec.kept_warmup)
-        run = _GroupRun(spec, group_id, store, deadline=time.monotonic() + spec.deadline_s,
-                        formed_through=kept.store if kept is not None else store)
+        launched = time.monotonic()
+        run = _GroupRun(spec, group_id, store, deadline=launched + spec.deadline_s,
+                        formed_through=kept.store if kept is not None else store,
+                        launched=launched)
         # An injected slow rank sizes its delay from one calibration loop, which every rank
         # of its group must run alike.
         calibrate = any(f.kind == "slow" and f.member in spec.members for f in self._injected)
@@ -786,8 +790,14 @@ class RayBackend(BackendDefaults):
 
     # ---- measurements ----------------------------------------------------------------
 
-    def _timed_s(self, run: _GroupRun) -> float:
-        return max((reply.get("timed_s", 0.0) for reply in run.replies.values()), default=0.0)
+    def _held_s(self, run: _GroupRun) -> float:
+        """How long the group held the fabric: its slowest rank's, from forming (or taking
+        up its kept communicator) to its last op or its failure, as the sim models a
+        group's time (an agent of an older release reports its timed loops alone). A group
+        that passed its deadline held it to the deadline, as a hang costs in the sim."""
+        held = max((reply.get("held_s") or reply.get("timed_s", 0.0)
+                    for reply in run.replies.values()), default=0.0)
+        return max(held, run.deadline - run.launched) if run.expired else held
 
     # ---- lifetime ------------------------------------------------------------------
 
