@@ -211,6 +211,8 @@ for backend in ("gloo", "nccl"):
     [t.start() for t in ts]; [t.join(60) for t in ts]
     assert all(o["status"] == "ok" for o in out), out
     assert all(p["wrong"] == 0 for o in out for p in o["probes"]), out
+    # Its time on the fabric (forming, warm-ups) holds its timed loops.
+    assert all(o["held_s"] >= o["timed_s"] > 0 for o in out), out
     print(backend, sorted({p["timing"] for o in out for p in o["probes"]}),
           agents[0].identity()["node"])
 print("ray loaded:", sys.modules.get("ray") is not None)

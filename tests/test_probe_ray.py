@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from ringwatch.agents.spec import KEPT_WARMUP, GroupSpec, InjectedFault, Measurement
-from ringwatch.services.scheduler.ray_backend import RayBackend, ray_temp_dir
+from ringwatch.services.scheduler.ray_backend import (
+    RayBackend,
+    _GroupRun,
+    fabric_time_s,
+    held_s,
+    ray_temp_dir,
+)
 
 N0 = ("node-000/0", "node-000/1")
 N1 = ("node-001/0", "node-001/1")
@@ -108,6 +114,25 @@ def test_healthy_rounds_give_sane_measurements(backend: RayBackend) -> None:
         # included: at least the timed loops of any of its ops.
         assert result.fabric_time_s >= max(m.time_us * 1e-6 * m.iters
                                            for m in result.measurements)
+
+
+def test_a_groups_fabric_time_is_its_slowest_ranks_held_time_within_the_wall() -> None:
+    spec = GroupSpec("intra_node", ("node-000/0", "node-000/1", "node-000/2"))
+    run = _GroupRun(spec, "g", None, deadline=110.0, launched=100.0)
+    run.replies = {0: {"held_s": 0.5, "timed_s": 0.2}, 1: {"held_s": 0.75, "timed_s": 0.3},
+                   2: {"timed_s": 0.25}}  # an agent that reports its timed loops alone
+    assert held_s(run) == 0.75
+    # A figure that is no duration counts for nothing; none is more than the wall.
+    run.replies[2] = {"held_s": float("nan")}
+    assert held_s(run) == 0.75
+    run.replies[2] = {"held_s": 1e9}
+    assert fabric_time_s([run], 3.0) == 3.0
+    # Past its deadline, a group held the fabric from its launch to the deadline.
+    run.replies = {0: {"held_s": 0.5}}
+    run.expired = True
+    assert held_s(run) == 10.0
+    assert fabric_time_s([run], 12.0) == 10.0
+    assert fabric_time_s([], 1.0) == 0.0
 
 
 @pytest.mark.ray

@@ -14,6 +14,7 @@ agent process holds a CUDA context, communicator or memory on any GPU.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shlex
@@ -121,6 +122,26 @@ class _GroupRun:
 
     def unfinished(self) -> list[int]:
         return [r for r in range(self.spec.world_size) if r not in self.replies and r not in self.died]
+
+
+def held_s(run: _GroupRun) -> float:
+    """How long a group held the fabric: its slowest rank's time from forming (or taking up
+    its kept communicator) to its last op or its failure, as the sim models a group's time
+    (an agent of an older release reports its timed loops alone; a figure that is no
+    duration counts for nothing). A group that passed its deadline held it to the
+    deadline, as a hang costs in the sim."""
+    held = 0.0
+    for reply in run.replies.values():
+        x = reply.get("held_s") or reply.get("timed_s", 0.0)
+        if isinstance(x, (int, float)) and math.isfinite(x) and x > held:
+            held = float(x)
+    return max(held, run.deadline - run.launched) if run.expired else held
+
+
+def fabric_time_s(runs: Iterable[_GroupRun], wall_s: float) -> float:
+    """The fabric time of groups run side by side: the longest one's (``held_s``), never
+    more than the ``wall_s`` the driver saw them take, whatever a rank reports."""
+    return min(wall_s, max((held_s(run) for run in runs), default=0.0))
 
 
 @dataclass
@@ -609,8 +630,8 @@ class RayBackend(BackendDefaults):
             for run in runs:
                 self._collect(run, result)
             self._replace([m for run in runs for m in self._to_replace(run)])
-            result.fabric_time_s += max((self._held_s(run) for run in runs), default=0.0)
             held = time.perf_counter() - wave_started
+            result.fabric_time_s += fabric_time_s(runs, held)
             result.busy_s.update({m: held for _, spec in wave for m in spec.members})
         result.wall_time_s = time.perf_counter() - started
         return result
@@ -789,15 +810,6 @@ class RayBackend(BackendDefaults):
         self._start_agents(slots)
 
     # ---- measurements ----------------------------------------------------------------
-
-    def _held_s(self, run: _GroupRun) -> float:
-        """How long the group held the fabric: its slowest rank's, from forming (or taking
-        up its kept communicator) to its last op or its failure, as the sim models a
-        group's time (an agent of an older release reports its timed loops alone). A group
-        that passed its deadline held it to the deadline, as a hang costs in the sim."""
-        held = max((reply.get("held_s") or reply.get("timed_s", 0.0)
-                    for reply in run.replies.values()), default=0.0)
-        return max(held, run.deadline - run.launched) if run.expired else held
 
     # ---- lifetime ------------------------------------------------------------------
 
