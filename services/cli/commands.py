@@ -23,6 +23,7 @@ from ringwatch.services import logs
 from ringwatch.services.cli.backends import has_backend, make_backend, parse_injected
 from ringwatch.services.cli.errors import CliError
 from ringwatch.services.cli.output import print_json, print_tokens, print_verdict, say, visible
+from ringwatch.services.cli.signals import stop_on_signals
 from ringwatch.services.config import settings_in_environment
 
 if TYPE_CHECKING:
@@ -585,7 +586,7 @@ def cmd_notifier(args: argparse.Namespace) -> int:
     stop = threading.Event()
     # SIGTERM: the deliveries in flight are finished (or, past RINGWATCH_SHUTDOWN_TIMEOUT_S,
     # released to the next notifier) and the process exits 0: a rollout sends nothing twice.
-    _stop_on_signals(stop, "notifier", then=notifier.wake)
+    stop_on_signals(stop, "notifier", then=notifier.wake)
     try:
         notifier.run_forever(settings.notifier_poll_s, stop)
     finally:
@@ -621,7 +622,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         _fits(options, backend)
         # Set after the backend: Ray installs its own SIGTERM handler (a crash report) when
         # it connects. A stop request ends the loop at its next wait and shuts down cleanly.
-        _stop_on_signals(stop)
+        stop_on_signals(stop, "scheduler")
         try:
             source = source_for(settings.occupancy, backend,
                                 kubernetes_api_url=settings.kubernetes_api_url,
@@ -669,26 +670,6 @@ def _scheduler_watch(args: argparse.Namespace, fleet: str, holder: str,
     progress(f"health and metrics at http://{args.health_host}:{served.server_address[1]}"
              " (/healthz, /metrics)")
     return watch, served
-
-
-def _stop_on_signals(stop: threading.Event, who: str = "scheduler",
-                     then: Callable[[], None] | None = None) -> None:
-    """SIGTERM (and SIGINT) ask the scheduler (or ``who``) to stop: the work under way
-    finishes (the scheduler's cycle or preflight is shipped, Ray shut down), the process
-    exits 0. ``then`` wakes a loop that waits on something other than ``stop``."""
-    import signal
-
-    def handle(signum: int, _frame: Any) -> None:
-        first = not stop.is_set()
-        stop.set()
-        if then is not None:
-            then()
-        if first:
-            logs.say(f"ringwatch {who}: {signal.Signals(signum).name} received; stopping "
-                     "after the work under way", logger=f"ringwatch.{who}")
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handle)
 
 
 # -- one-shot probes and checks ---------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ringwatch.services import logs
 from ringwatch.services.cli.errors import CliError
 from ringwatch.services.cli.output import say, visible
+from ringwatch.services.cli.signals import stop_on_signals
 from ringwatch.services.kubernetes.remediation import (
     DEFAULT_EFFECT,
     DEFAULT_MAX_AGE_S,
@@ -136,8 +136,7 @@ def cmd_kubernetes(args: argparse.Namespace) -> int:
     if args.once:
         return sync.cycle()
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    stop_on_signals(stop)
     while not stop.is_set():
         sync.cycle()
         stop.wait(args.interval)
